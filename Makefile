@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine (see README "Quick start"):
+#   make demo   # create .venv, install shmstage (+ torch CPU 2.13.0), run `shmstage demo`
+#   make test   # system packages (apt, as root), .venv with test deps, lint, the whole suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned: 2.13.0 resolves to a local CPU wheel on our nodes; anything
+# else would download several GB of CUDA packages.
+TORCH ?= torch==2.13.0
+APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint deps clean
+
+$(BIN)/shmstage: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[torch,plot,test]" "$(TORCH)"
+	touch $@
+
+deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing system packages: $$missing" >&2; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  fi; \
+	else echo "not root or no apt-get: make sure these are installed: $(APT_PACKAGES)" >&2; fi
+
+demo: deps $(BIN)/shmstage
+	$(BIN)/shmstage demo
+
+lint: $(BIN)/shmstage
+	$(BIN)/ruff check shmstage tests benchmarks examples
+
+test: deps $(BIN)/shmstage lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

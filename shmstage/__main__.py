@@ -1,0 +1,3 @@
+from shmstage.cli import main
+
+main()

@@ -1,0 +1,74 @@
+"""The ``shmstage`` command line: a thin skin over the library.
+
+Commands live one module each in this package and are imported only when
+invoked, so ``shmstage --help`` stays fast and never imports torch.
+Every ``ShmstageError`` becomes ``Error: ...`` on stderr with its exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from shmstage import __version__
+from shmstage.errors import ShmstageError
+
+# command name -> "module:attribute" (relative to shmstage.cli)
+COMMANDS: dict[str, str] = {
+    "inspect": "inspect_cmd:inspect_cmd",
+    "remount": "remount_cmd:remount_cmd",
+}
+
+
+class ShmstageClickError(click.ClickException):
+    def __init__(self, error: ShmstageError) -> None:
+        super().__init__(str(error))
+        self.exit_code = error.exit_code
+
+
+class ShmstageGroup(click.Group):
+    """Lazily-loaded commands; library errors become one-line Click errors."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ShmstageError as e:
+            raise ShmstageClickError(e) from None
+        except KeyboardInterrupt:
+            click.echo("Interrupted.", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="shmstage")
+def cli() -> None:
+    """Stage datasets into RAM-backed tmpfs and keep GPUs fed.
+
+    \b
+    Typical flow on a training node:
+      shmstage inspect --dataset /nfs/imagenet     # does it fit?
+      shmstage remount --size 75% --persist        # grow /dev/shm if not
+      shmstage run --stage /nfs/imagenet -- torchrun ... train.py --data {staged}
+
+    Exit codes: 0 success, 1 operation failed, 2 bad usage or refused
+    (nothing changed), 3 verification found a difference, 128+N killed by signal N.
+    Every option can also be set as SHMSTAGE_<COMMAND>_<OPTION>.
+    """
+
+
+def main() -> None:
+    cli(auto_envvar_prefix="SHMSTAGE")

@@ -1,0 +1,52 @@
+"""Click parameter types shared by commands (modelled on Flask's CertParamType)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from shmstage.sizes import SizeError, is_percent, parse_age, parse_size
+
+
+class SizeType(click.ParamType):
+    """``64G``, ``512MiB``, bytes; ``N%`` kept as text when ``allow_percent`` (the
+    command resolves it against the memory it can see)."""
+
+    name = "size"
+
+    def __init__(self, allow_percent: bool = False) -> None:
+        self.allow_percent = allow_percent
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int):
+            return value
+        text = str(value)
+        try:
+            if is_percent(text):
+                if not self.allow_percent:
+                    self.fail(f"{text!r}: a percentage is not allowed here; give a size like 4G", param, ctx)
+                parse_size(text, percent_of=100)  # validates the range
+                return text.strip()
+            return parse_size(text)
+        except SizeError as e:
+            self.fail(str(e), param, ctx)
+
+
+class AgeType(click.ParamType):
+    """``90``, ``30m``, ``12h``, ``7d`` -> seconds."""
+
+    name = "age"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return parse_age(value)
+        except SizeError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = SizeType()
+SIZE_OR_PERCENT = SizeType(allow_percent=True)
+AGE = AgeType()

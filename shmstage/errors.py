@@ -1,0 +1,44 @@
+"""The one exception root of the library.
+
+Every expected failure (bad input, a refused operation, a failed copy) is a
+``ShmstageError``.  The CLI prints ``Error: <message>`` on stderr and exits
+with ``exit_code``; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShmstageError(Exception):
+    """An expected failure with a one-line message that says what to do."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class RefusedError(ShmstageError):
+    """A precondition does not hold; nothing was changed (exit 2)."""
+
+    exit_code = 2
+
+
+class PermissionDenied(ShmstageError):
+    """Not root / no CAP_SYS_ADMIN, or a path owned by someone else."""
+
+    exit_code = 1
+
+
+class CapacityError(RefusedError):
+    """The data does not fit where it should go, reserve included."""
+
+
+class VerifyError(ShmstageError):
+    """A staged copy differs from its manifest or source (exit 3)."""
+
+    exit_code = 3

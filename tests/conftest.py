@@ -1,0 +1,113 @@
+"""Shared fixtures.
+
+As root, the whole test session moves into a private mount namespace before
+any test runs (``unshare(CLONE_NEWNS)`` + ``mount --make-rprivate /``), so every
+tmpfs a test mounts is invisible to the machine and vanishes with the
+process.  Tests never touch the real /dev/shm or /etc/fstab.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+CLONE_NEWNS = 0x00020000
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+IS_ROOT = os.geteuid() == 0
+PRIVATE_NS = False
+
+
+def _enter_private_mount_namespace() -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global PRIVATE_NS
+    if IS_ROOT and sys.platform == "linux" and not PRIVATE_NS:
+        PRIVATE_NS = _enter_private_mount_namespace()
+        if PRIVATE_NS:
+            os.environ["SHMSTAGE_TEST_PRIVATE_NS"] = "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    need_root = pytest.mark.skip(reason="needs root and a private mount namespace (run `make test` as root)")
+    need_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    has_cuda = _has_cuda()
+    for item in items:
+        if "root" in item.keywords and not (IS_ROOT and PRIVATE_NS):
+            item.add_marker(need_root)
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(need_gpu)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def cli():
+    from shmstage.cli import cli as group
+
+    return group
+
+
+class Tmpfs:
+    """Mounts tmpfs file systems under a temporary directory; unmounts them all at teardown."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.mounted: list[Path] = []
+
+    def __call__(self, size: str = "64M", name: str = "shm", mode: str = "1777") -> Path:
+        path = self.base / name
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", str(path)],
+            check=True,
+        )
+        self.mounted.append(path)
+        return path
+
+    def cleanup(self) -> None:
+        for path in reversed(self.mounted):
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """``tmpfs("32M")`` -> path of a fresh tmpfs (root + private namespace only)."""
+    if not (IS_ROOT and PRIVATE_NS):
+        pytest.skip("needs root and a private mount namespace")
+    t = Tmpfs(tmp_path / "mnt")
+    yield t
+    t.cleanup()
+
+
+@pytest.fixture
+def shmstage_bin() -> list[str]:
+    """Command prefix that runs the installed CLI in a subprocess."""
+    exe = shutil.which("shmstage", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "shmstage"]
