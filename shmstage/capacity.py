@@ -68,25 +68,46 @@ def check_fit(
     suggested: str | None = None
     if needed + reserve > usage.free:
         short = needed + reserve - usage.free
+        where_free = mount.mountpoint if mount else where
         reason = (
             f"needs {format_size(needed)} + {format_size(reserve)} reserve but only "
-            f"{format_size(usage.free)} is free on {mount.mountpoint if mount else where}"
+            f"{format_size(usage.free)} is free on {where_free}"
         )
         if fstype in MEMORY_BACKED and mount is not None:
+            mem = memory or system.memory()
+            mem_usable = mem.usable
             gib = 1 << 30
             new_total = -(-(usage.total + short) // gib) * gib  # round up to whole GiB
-            suggested = mount_size(new_total)
-            reason += f"; grow it with `shmstage remount --path {mount.mountpoint} --size {suggested}` or pass a smaller --reserve"
+            if new_total > mem.ceiling or needed > mem_usable:
+                # Growing the tmpfs cannot help: its pages must come out of RAM.
+                reason += (
+                    f"; growing {mount.mountpoint} to {mount_size(new_total)} would exceed the "
+                    f"{format_size(mem.ceiling)} of {_ram_word(mem)}, so stage to local disk with --dest"
+                )
+            else:
+                suggested = mount_size(new_total)
+                reason += (
+                    f"; grow it with `shmstage remount --path {mount.mountpoint} --size {suggested}`"
+                    " or pass a smaller --reserve"
+                )
         else:
             reason += "; free space there or stage elsewhere with --dest"
     if reason is None and fstype in MEMORY_BACKED:
         mem = memory or system.memory()
         mem_usable = mem.usable
         if needed + reserve > mem_usable:
-            where_limit = "the memory cgroup limit" if mem.cgroup.limit is not None else "available RAM"
+            where_limit = (
+                "the memory cgroup limit" if mem.cgroup.limit is not None else "available RAM"
+            )
             reason = (
                 f"needs {format_size(needed)} + {format_size(reserve)} reserve of RAM but only "
                 f"{format_size(mem_usable)} is usable ({where_limit}); tmpfs pages are charged "
                 "to the writer's memory, so free memory, raise the limit, or stage to local disk with --dest"
             )
     return Fit(needed, reserve, usage.free, mem_usable, fstype, reason is None, reason, suggested)
+
+
+def _ram_word(mem: system.Memory) -> str:
+    if mem.cgroup.limit is not None and mem.cgroup.limit < mem.total:
+        return "this cgroup's memory limit"
+    return "RAM on this node"

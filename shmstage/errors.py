@@ -42,3 +42,7 @@ class VerifyError(ShmstageError):
     """A staged copy differs from its manifest or source (exit 3)."""
 
     exit_code = 3
+
+
+class ShmstageWarning(UserWarning):
+    """Works, but not as it should (e.g. a job reads the unstaged source)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import resource
 import shutil
 from dataclasses import dataclass
@@ -93,9 +94,23 @@ def _read_int(path: str | Path) -> int | None:
 # --- mounts -----------------------------------------------------------------
 
 
-def _unescape(field: str) -> str:
-    # /proc/self/mountinfo escapes space, tab, newline and backslash as \ooo.
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def unescape_mount_field(field: str) -> str:
+    """Undo the ``\\ooo`` escapes of space, tab, newline and backslash.
+
+    Used by /proc/self/mountinfo and fstab(5) alike; other (UTF-8) characters
+    are left as they are, so non-ASCII paths survive."""
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def escape_mount_field(field: str) -> str:
+    """The inverse of :func:`unescape_mount_field` (for writing fstab lines)."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in field)
+
+
+_unescape = unescape_mount_field
 
 
 def mounts_from_mountinfo(proc: str = "/proc") -> list[Mount]:
@@ -108,7 +123,7 @@ def mounts_from_mountinfo(proc: str = "/proc") -> list[Mount]:
             continue
         opts = lf[5].split(",") + (rf[2].split(",") if len(rf) > 2 else [])
         seen: dict[str, None] = dict.fromkeys(opts)
-        out.append(Mount(rf[1], _unescape(lf[4]), rf[0], tuple(seen)))
+        out.append(Mount(_unescape(rf[1]), _unescape(lf[4]), rf[0], tuple(seen)))
     return out
 
 
@@ -196,7 +211,9 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
     if _is_v2(root) and "" in paths:
         dirs = _ancestors(root, paths[""])
         limits = [v for d in dirs if (v := _read_int(d / "memory.max")) is not None]
-        return CgroupMemory(2, paths[""], min(limits) if limits else None, _read_int(dirs[0] / "memory.current"))
+        return CgroupMemory(
+            2, paths[""], min(limits) if limits else None, _read_int(dirs[0] / "memory.current")
+        )
     if "memory" in paths and (root / "memory").is_dir():
         dirs = _ancestors(root / "memory", paths["memory"])
         limits = [v for d in dirs if (v := _read_int(d / "memory.limit_in_bytes")) is not None]
@@ -205,37 +222,61 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
             k, _, v = line.partition(" ")
             if k == "hierarchical_memory_limit" and v.strip().isdigit() and int(v) < _UNLIMITED:
                 limits.append(int(v))
-        return CgroupMemory(1, paths["memory"], min(limits) if limits else None, _read_int(dirs[0] / "memory.usage_in_bytes"))
+        return CgroupMemory(
+            1,
+            paths["memory"],
+            min(limits) if limits else None,
+            _read_int(dirs[0] / "memory.usage_in_bytes"),
+        )
     return CgroupMemory(None, None, None, None)
 
 
+def _cpu_max(text: str | None) -> float | None:
+    """CPUs from a v2 ``cpu.max`` ("150000 100000" -> 1.5; "max 100000" -> None)."""
+    parts = (text or "").split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
 def cgroup_cpu_quota(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs allowed by the CFS quota (e.g. 2.5), None when unlimited."""
+    """CPUs allowed by the CFS quota (e.g. 2.5) on this cgroup or a parent; None when unlimited."""
     root = Path(cgroup_root)
     paths = _cgroup_paths(proc)
     quotas: list[float] = []
     if _is_v2(root) and "" in paths:
         for d in _ancestors(root, paths[""]):
-            parts = (_read(d / "cpu.max") or "").split()
-            if len(parts) == 2 and parts[0] != "max" and int(parts[1]) > 0:
-                quotas.append(int(parts[0]) / int(parts[1]))
-    else:
-        key = "cpu" if "cpu" in paths else "cpu,cpuacct"
-        base = root / "cpu" if (root / "cpu").is_dir() else root / "cpu,cpuacct"
-        if key in paths or "cpu" in paths:
-            for d in _ancestors(base, paths.get("cpu", paths.get(key, ""))):
+            q = _cpu_max(_read(d / "cpu.max"))
+            if q is not None:
+                quotas.append(q)
+    elif "cpu" in paths:
+        # v1 mounts the cpu controller as cpu/, cpu,cpuacct/ or both (one a symlink).
+        base = next(
+            (root / n for n in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / n).is_dir()), None
+        )
+        if base is not None:
+            for d in _ancestors(base, paths["cpu"]):
                 q, p = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
                 if q is not None and q > 0 and p:
                     quotas.append(q / p)
     return min(quotas) if quotas else None
 
 
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (taskset, cpuset cgroup)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def usable_cpus(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
     """CPUs this process may really use: affinity set, capped by the cgroup quota."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
+    n = affinity_cpus()
     quota = cgroup_cpu_quota(proc, cgroup_root)
     if quota is not None:
         n = min(n, max(1, math.ceil(quota)))
@@ -261,7 +302,84 @@ def has_avx2(proc: str = "/proc") -> bool:
     return "avx2" in cpu_flags(proc)
 
 
+def avx512_flags(proc: str = "/proc") -> tuple[str, ...]:
+    """The AVX-512 feature flags (avx512f, avx512bw, ...), sorted; empty when none."""
+    return tuple(sorted(f for f in cpu_flags(proc) if f.startswith("avx512")))
+
+
+_CAP_SYS_ADMIN = 21
+
+
+def has_cap_sys_admin(proc: str = "/proc") -> bool:
+    """Whether this process may mount/remount: CAP_SYS_ADMIN in its effective set.
+
+    Root inside a default Docker container lacks it, so ``euid == 0`` is not enough."""
+    for line in (_read(f"{proc}/self/status") or "").splitlines():
+        if line.startswith("CapEff:"):
+            try:
+                return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+            except (IndexError, ValueError):
+                break
+    return os.geteuid() == 0  # no /proc: fall back to the uid
+
+
 def memlock_limit() -> int | None:
     """``ulimit -l`` in bytes; None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+# --- where data lives -------------------------------------------------------
+
+# Shared or remote file systems: reading a dataset from them is what staging avoids.
+# Every FUSE file system counts (gcsfuse, s3fs, rclone, sshfs, blobfuse...): the
+# ones datasets live on are almost always remote, and all are slow per file.
+NETWORK_FSTYPES = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "beegfs",
+        "gpfs",
+        "ceph",
+        "glusterfs",
+        "afs",
+        "9p",
+        "wekafs",
+        "panfs",
+        "orangefs",
+        "juicefs",
+        "fuse",
+    }
+)
+
+
+def is_network_fs(fstype: str) -> bool:
+    return fstype in NETWORK_FSTYPES or fstype.startswith("fuse.")
+
+
+@dataclass(frozen=True)
+class BlockDevice:
+    name: str  # kernel name, e.g. "nvme0n1" (the whole disk, not the partition)
+    rotational: bool | None  # None when the kernel does not say
+
+
+def block_device(path: str | os.PathLike[str], sys_root: str = "/sys") -> BlockDevice | None:
+    """The disk under ``path`` and whether it spins; None for network/virtual file systems."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    node = Path(sys_root) / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        real = node.resolve(strict=True)
+    except OSError:
+        return None  # no block device: nfs, tmpfs, overlay...
+    # A partition's queue/ lives on its parent disk (.../sda/sda1 -> .../sda).
+    disk = real if (real / "queue").is_dir() else real.parent
+    flag = _read(disk / "queue" / "rotational")
+    rotational = None if flag is None or flag.strip() not in ("0", "1") else flag.strip() == "1"
+    return BlockDevice(disk.name, rotational)

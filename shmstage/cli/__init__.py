@@ -20,6 +20,15 @@ from shmstage.errors import ShmstageError
 COMMANDS: dict[str, str] = {
     "inspect": "inspect_cmd:inspect_cmd",
     "remount": "remount_cmd:remount_cmd",
+    "stage": "stage_cmd:stage_cmd",
+    "list": "staged_cmd:list_cmd",
+    "verify": "staged_cmd:verify_cmd",
+    "evict": "staged_cmd:evict_cmd",
+    "prepare": "prepare_cmd:prepare_cmd",
+    "bench": "bench_cmd:bench_cmd",
+    "demo": "demo_cmd:demo_cmd",
+    "pillow-simd": "pillow_cmd:pillow_cmd",
+    "run": "run_cmd:run_cmd",
 }
 
 
@@ -53,7 +62,7 @@ class ShmstageGroup(click.Group):
             sys.exit(130)
 
 
-@click.group(cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("shmstage", cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shmstage")
 def cli() -> None:
     """Stage datasets into RAM-backed tmpfs and keep GPUs fed.

@@ -1,0 +1,287 @@
+"""``shmstage bench``: measure loader settings and staging speed on this node's own data."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from shmstage.cli.output import emit, json_option, log, table
+from shmstage.errors import RefusedError
+from shmstage.sizes import format_size
+
+
+@click.group("bench")
+def bench_cmd() -> None:
+    """Measure loader settings and staging speed on this node.
+
+    \b
+    shmstage bench loader --data /dev/shm/shmstage/imagenet   # workers / pin_memory
+    shmstage bench stage /data/imagenet                       # shmstage vs cp -a / rsync -a
+    """
+
+
+def _worker_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 0 for c in counts):
+        raise click.BadParameter(f"{value!r}: give worker counts separated by commas, e.g. 0,1,2,4")
+    return counts
+
+
+def _render_loader(report) -> None:  # noqa: ANN001 (LoaderBenchReport)
+    click.echo(
+        f"{report.data}: {report.dataset_samples:,} samples, {report.transform} transform, "
+        f"batch {report.batch_size}, {report.compute_ms:g} ms {report.compute_mode} step, "
+        f"{report.steps} steps per setting, device {report.device}, {report.usable_cpus} usable CPUs"
+    )
+    click.echo()
+    rows = []
+    for r in report.results:
+        mark = "<- recommended" if r == report.recommended else ""
+        rows.append(
+            [
+                r.workers,
+                "on" if r.pin_memory else "off",
+                f"{r.samples_per_s:,.0f}",
+                f"{r.stall_share:.0%}",
+                f"{r.wait_ms:.1f}",
+                f"{r.step_ms:.1f}",
+                f"{r.startup_s:.2f}",
+                mark,
+            ]
+        )
+    headers = [
+        "workers",
+        "pin_memory",
+        "samples/s",
+        "data stall",
+        "wait ms",
+        "step ms",
+        "start-up s",
+        "note",
+    ]
+    click.echo(table(rows, headers))
+    click.echo()
+    for note in report.notes:
+        click.echo(f"Note: {note}")
+    best = report.recommended
+    if best is not None:
+        pin = "on" if best.pin_memory else "off"
+        no_pin = " --no-pin" if report.device != "cpu" and not best.pin_memory else ""
+        click.echo(f"Recommended: num_workers={best.workers}, pin_memory={pin}")
+        click.echo(f"  why: {report.reason}")
+        click.echo(
+            f"  use: shmstage run --workers {best.workers}{no_pin} -- ...  "
+            f"(or make_loader(dataset, {report.batch_size}, num_workers={best.workers}))"
+        )
+
+
+@bench_cmd.command("loader")
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Dataset folder: class subfolders of images (the ImageFolder layout), ideally the staged copy.",
+)
+@click.option(
+    "--transform",
+    type=click.Choice(["imagenet", "none"]),
+    default="imagenet",
+    show_default=True,
+    help="imagenet: decode + RandomResizedCrop 224 + flip + to tensor (Pillow/numpy); none: read bytes only.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Samples per batch.",
+)
+@click.option(
+    "--workers",
+    callback=_worker_list,
+    metavar="LIST",
+    help="Worker counts to try, comma-separated (e.g. 0,1,2,4). Default: 0, 1, 2, 4 ... up to the usable CPUs.",
+)
+@click.option(
+    "--pin/--no-pin",
+    default=None,
+    help="Pin host memory for the copy to the GPU. Default: on when a GPU is present (ignored without one).",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Measured steps per setting (after 2 warm-up steps).",
+)
+@click.option(
+    "--compute-ms",
+    type=click.FloatRange(min=0),
+    default=50.0,
+    show_default=True,
+    help="Length of the synthetic training step the loader has to keep up with, in milliseconds.",
+)
+@click.option(
+    "--compute-mode",
+    type=click.Choice(["sleep", "busy"]),
+    default="sleep",
+    show_default=True,
+    help="sleep: the CPU is free during the step (GPU training); busy: the step spins one CPU core (CPU training).",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Also write a PNG chart of throughput vs workers here (needs matplotlib).",
+)
+@json_option
+def loader_cmd(
+    data: str,
+    transform: str,
+    batch_size: int,
+    workers: list[int] | None,
+    pin: bool | None,
+    steps: int,
+    compute_ms: float,
+    compute_mode: str,
+    plot: str | None,
+    as_json: bool,
+) -> None:
+    """Find the DataLoader workers / pin_memory that keep a training step fed.
+
+    For each setting, runs a synthetic training step of --compute-ms fed by
+    make_loader and reports throughput (samples/s) and the data-stall share:
+    the part of each step spent waiting for the next batch. Recommends the
+    fewest workers within 5% of the best throughput (ideally with a stall under
+    10%). Point --data at the staged copy to measure what training will see.
+    """
+    from shmstage.bench import loader as bench
+
+    if plot:
+        bench.require_matplotlib()  # fail before minutes of measuring, not after
+    log(f"bench loader: {data} ({transform} transform, {compute_ms:g} ms {compute_mode} step)")
+    report = bench.run_loader_benchmark(
+        data,
+        transform=transform,
+        batch_size=batch_size,
+        workers=workers,
+        pin=pin,
+        steps=steps,
+        compute_ms=compute_ms,
+        compute_mode=compute_mode,
+        progress=log,
+    )
+    if plot:
+        bench.plot(report, plot)
+        log(f"plot written to {plot}")
+    emit(report, as_json, _render_loader)
+
+
+STAGE_TOOLS = ("cp", "rsync", "tar", "cat", "shmstage")
+
+
+def _tool_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    tools = tuple(dict.fromkeys(t.strip() for t in value.split(",") if t.strip()))
+    unknown = [t for t in tools if t not in STAGE_TOOLS]
+    if unknown or not tools:
+        raise click.BadParameter(
+            f"{value!r}: choose from {', '.join(STAGE_TOOLS)} (comma-separated)"
+        )
+    return tools
+
+
+def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
+    caches = (
+        "page cache dropped before every run"
+        if result.drop_caches
+        else "source warm in the page cache"
+    )
+    click.echo(
+        f"{result.source}: {result.files:,} files, {format_size(result.bytes)} -> {result.dest} "
+        f"({result.runs} runs each, median; {caches})"
+    )
+    click.echo()
+    rows = []
+    for r in result.tools:
+        ratio = "" if r.tool == "shmstage" or r.vs_shmstage is None else f"{r.vs_shmstage:.2f}x"
+        rows.append(
+            [
+                r.label,
+                f"{r.median_s:.2f}",
+                f"{min(r.times):.2f}-{max(r.times):.2f}",
+                f"{r.mb_per_s:,.0f}",
+                f"{r.files_per_s:,.0f}",
+                ratio,
+            ]
+        )
+    click.echo(
+        table(rows, ["tool", "median s", "min-max s", "MB/s", "files/s", "shmstage faster by"])
+    )
+    if not result.drop_caches:
+        click.echo()
+        click.echo(
+            "Note: the source was read from the page cache; as root, --drop-caches measures reads from disk."
+        )
+
+
+@bench_cmd.command("stage")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--dest",
+    type=click.Path(file_okay=False),
+    default="/dev/shm",
+    show_default=True,
+    help="Where the copies go (a scratch directory is made inside it and removed afterwards).",
+)
+@click.option(
+    "--runs",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Runs per tool (interleaved; the median is reported).",
+)
+@click.option(
+    "--tools",
+    default="cp,rsync,shmstage",
+    show_default=True,
+    callback=_tool_list,
+    help="Comma-separated tools to compare: cp, rsync, tar, cat (the read limit), shmstage.",
+)
+@click.option(
+    "--drop-caches",
+    is_flag=True,
+    help="Drop the page cache before every run so the source is read from disk (root only; slows the whole node briefly).",
+)
+@json_option
+def stage_cmd(
+    src: str, dest: str, runs: int, tools: tuple[str, ...], drop_caches: bool, as_json: bool
+) -> None:
+    """Time shmstage stage against cp -a and rsync -a on your own data.
+
+    Each tool copies SRC into a scratch directory under --dest; runs are
+    interleaved and every copy is checked and deleted. The page cache is left
+    alone unless --drop-caches is given (root only).
+    """
+    from shmstage.bench import stage as bench
+    from shmstage.capacity import check_fit
+
+    if drop_caches and os.geteuid() != 0:
+        raise RefusedError(
+            "--drop-caches needs root (it writes /proc/sys/vm/drop_caches): run as root or leave it out"
+        )
+    summary = bench.tree_summary(src)
+    fit = check_fit(summary.bytes, dest)
+    if not fit.fits:
+        raise RefusedError(f"one copy of {src} does not fit in {dest}: {fit.reason}")
+    log(
+        f"bench stage: {src} ({summary.files:,} files, {format_size(summary.bytes)}) -> {dest}, tools {', '.join(tools)}, {runs} runs"
+    )
+    result = bench.run_stage_benchmark(
+        src, dest, tools=tools, runs=runs, drop_caches=drop_caches, progress=log
+    )
+    emit(result, as_json, _render_stage)

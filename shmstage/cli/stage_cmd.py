@@ -1,0 +1,132 @@
+"""``shmstage stage``: copy a dataset into tmpfs and print where it is."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from shmstage.cli.output import dumps, log, stderr_is_tty
+from shmstage.cli.params import SIZE
+from shmstage.sizes import format_size
+from shmstage.stage import DEFAULT_DEST, Progress, stage, summary
+
+
+class ProgressLine:
+    """One self-overwriting line on stderr: bytes, files, rate, ETA (terminals only)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.width = 0
+        self.waiting = False
+
+    def __call__(self, p: Progress) -> None:
+        if p.phase == "waiting":
+            if not self.waiting:
+                self._write(
+                    f"waiting for another shmstage (pid {p.holder or '?'}) staging this dataset..."
+                )
+                self.waiting = True
+            return
+        now = time.monotonic()
+        if p.phase == "copying" and now - self.last < 0.1 and p.bytes_done < p.bytes_total:
+            return
+        self.last = now
+        if p.phase != "copying":
+            self._write(f"{p.phase}...")
+            return
+        rate = p.bytes_done / p.elapsed if p.elapsed > 0 else 0
+        left = (p.bytes_total - p.bytes_done) / rate if rate > 0 else 0
+        pct = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 100
+        self._write(
+            f"{pct:5.1f}%  {format_size(p.bytes_done)} / {format_size(p.bytes_total)}  "
+            f"{p.files_done}/{p.files_total} files  {format_size(rate)}/s  ETA {int(left) // 60}:{int(left) % 60:02d}"
+        )
+
+    def _write(self, text: str) -> None:
+        pad = max(0, self.width - len(text))
+        click.echo("\r" + text + " " * pad, err=True, nl=False)
+        self.width = len(text)
+
+    def close(self) -> None:
+        if self.width:
+            click.echo("\r" + " " * self.width + "\r", err=True, nl=False)
+
+
+@click.command("stage")
+@click.argument("src", type=click.Path(exists=False))
+@click.option("--name", help="Dataset name under DEST. Default: the source's base name.")
+@click.option(
+    "--dest",
+    envvar="SHMSTAGE_DEST",
+    help=f"Where staged datasets live (a tmpfs, or local NVMe for data larger than RAM). Default: {DEFAULT_DEST}.",
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 2 per CPU, 4 to 16."
+)
+@click.option(
+    "--verify",
+    type=click.Choice(["size", "checksum"]),
+    default="size",
+    show_default=True,
+    help="After copying, check sizes and mtimes (size) or compare every byte with the source (checksum).",
+)
+@click.option(
+    "--reserve",
+    type=SIZE,
+    help="Room to keep free for DataLoader shared memory. Default: 10%% of DEST, at most 4G.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Copy everything again, and replace a dataset of the same name from another source.",
+)
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="Print only the staged path (no progress or summary on stderr).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (and nothing else)."
+)
+def stage_cmd(
+    src: str,
+    name: str | None,
+    dest: str | None,
+    workers: int | None,
+    verify: str,
+    reserve: int | None,
+    force: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Stage SRC (a directory or tar archive) into tmpfs; print the staged path.
+
+    \b
+    The path is the last line of stdout, so scripts can write:
+      DATA=$(shmstage stage /nfs/imagenet --quiet)
+    Staging an unchanged source again is a no-op; a changed one copies only what
+    changed.  Several processes staging the same source share one copy.
+    """
+    bar = ProgressLine() if not quiet and stderr_is_tty() else None
+    try:
+        ds = stage(
+            src,
+            name=name,
+            dest=dest,
+            workers=workers,
+            verify=verify,
+            reserve=reserve,
+            force=force,
+            progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        click.echo(dumps(ds))
+        return
+    if not quiet:
+        log(summary(ds))
+    click.echo(ds.path)

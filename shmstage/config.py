@@ -1,0 +1,492 @@
+"""The YAML node config (``/etc/shmstage.yaml``): one declarative description of a node.
+
+``load_config`` reads and validates the whole file before anything runs; every problem is
+reported with its key path (``datasets[1].verify``) and line.  The schema is in docs/config.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import yaml
+
+from shmstage.errors import RefusedError
+from shmstage.sizes import SizeError, is_percent, parse_size
+from shmstage.stage.store import name_for
+
+DEFAULT_PATH = "/etc/shmstage.yaml"
+ENV_VAR = "SHMSTAGE_CONFIG"
+VERSION = 1
+VERIFY_MODES = ("size", "checksum")
+# The staging engine's dataset names (shmstage.stage.store): no leading dot, at most 200.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,199}$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str  # key path, e.g. "datasets[1].verify" ("" for the document itself)
+    line: int | None  # 1-based line in the file
+    reason: str
+
+    def format(self, path: str) -> str:
+        where = f"{path}:{self.line}" if self.line else path
+        return f"{where}: {self.key}: {self.reason}" if self.key else f"{where}: {self.reason}"
+
+
+class ConfigError(RefusedError):
+    """The node config is missing or invalid; nothing was run (exit 2)."""
+
+    def __init__(self, message: str, problems: tuple[Problem, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    path: str = "/dev/shm"
+    size: int | str | None = None  # bytes, "N%", "auto", or None = leave the size alone
+    persist: bool = False
+    fstab: str = "/etc/fstab"
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    source: str
+    name: str
+    verify: str = "size"
+
+
+@dataclass(frozen=True)
+class PillowSimdConfig:
+    enabled: bool = False
+    python: str | None = (
+        None  # interpreter whose environment gets pillow-simd; None = shmstage's own
+    )
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    num_workers: int | str | None = None  # an int or "auto"
+    pin_memory: bool | None = None
+    prefetch_factor: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    path: str | None  # the file it was read from
+    version: int = VERSION
+    shm: ShmConfig = field(default_factory=ShmConfig)
+    dest: str = "/dev/shm/shmstage"
+    reserve: int | None = None  # None = the default reserve (10% of the tmpfs, at most 4 GiB)
+    datasets: tuple[DatasetConfig, ...] = ()
+    pillow_simd: PillowSimdConfig = field(default_factory=PillowSimdConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+
+
+def config_path(path: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
+    """The file to read and whether the user chose it (``--config``/``$SHMSTAGE_CONFIG``)."""
+    if path is not None:
+        return os.fspath(path), True
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env, True
+    return DEFAULT_PATH, False
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> NodeConfig:
+    """Read and validate the node config; raise ConfigError listing every problem."""
+    file, explicit = config_path(path)
+    try:
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(
+                f"config file {file} does not exist; check --config / ${ENV_VAR}"
+            ) from None
+        raise ConfigError(
+            f"no node config at {DEFAULT_PATH}; write one (see docs/config.md) or pass --config PATH"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"config path {file} is a directory; pass the YAML file with --config"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config {file}: {e}") from None
+    return parse_config(text, file)
+
+
+def loader_env(path: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """SHMSTAGE_* loader variables from the config's ``loader`` section.
+
+    ``{}`` when no config was asked for and the default file does not exist; an invalid
+    config, or a missing file named by ``path``/``$SHMSTAGE_CONFIG``, raises ConfigError.
+    """
+    file, explicit = config_path(path)
+    if not explicit and not os.path.exists(file):
+        return {}
+    loader = load_config(file).loader
+    env: dict[str, str] = {}
+    if loader.num_workers is not None:
+        env["SHMSTAGE_NUM_WORKERS"] = str(loader.num_workers)
+    if loader.pin_memory is not None:
+        env["SHMSTAGE_PIN_MEMORY"] = "1" if loader.pin_memory else "0"
+    if loader.prefetch_factor is not None:
+        env["SHMSTAGE_PREFETCH_FACTOR"] = str(loader.prefetch_factor)
+    return env
+
+
+def parse_config(text: str, path: str = "<config>") -> NodeConfig:
+    """Validate YAML ``text`` (read from ``path``) into a NodeConfig."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            root = loader.get_single_node()
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            line = mark.line + 1 if mark else None
+            reason = f"not valid YAML: {e.problem or e.context}"
+            problem = Problem("", line, reason)
+            raise ConfigError(problem.format(path), (problem,)) from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        checker = _Checker(loader)
+        config = checker.document(root, path)
+    finally:
+        loader.dispose()
+    if checker.problems:
+        problems = tuple(checker.problems)
+        if len(problems) == 1:
+            message = problems[0].format(path)
+        else:
+            lines = "\n".join("  " + p.format(path) for p in problems)
+            message = f"invalid config {path} ({len(problems)} problems; nothing was run):\n{lines}"
+        raise ConfigError(message, problems)
+    return config
+
+
+# -- validation over the composed node tree (nodes keep their line marks) ----------------
+
+_Node = yaml.Node
+_MISSING = object()
+
+
+def _line(node: _Node | None) -> int | None:
+    return node.start_mark.line + 1 if node is not None else None
+
+
+def _kind(node: _Node, value: Any = None) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    return f"{value!r}"
+
+
+def _join(key: str, child: str) -> str:
+    return f"{key}.{child}" if key else child
+
+
+class _Checker:
+    def __init__(self, loader: yaml.SafeLoader) -> None:
+        self.loader = loader
+        self.problems: list[Problem] = []
+
+    def fail(self, key: str, node: _Node | None, reason: str) -> Any:
+        self.problems.append(Problem(key, _line(node), reason))
+        return _MISSING
+
+    def peek(self, node: _Node) -> Any:
+        """A scalar's value for messages (None for collections or unreadable values)."""
+        if not isinstance(node, yaml.ScalarNode):
+            return None
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.YAMLError:
+            return None
+
+    def scalar(self, key: str, node: _Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            return self.fail(key, node, f"expected a single value, got {_kind(node)}")
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.YAMLError as e:
+            return self.fail(key, node, f"cannot read this value: {getattr(e, 'problem', e)}")
+
+    def mapping(
+        self, key: str, node: _Node, fields: dict[str, Callable[[str, _Node], Any]]
+    ) -> dict[str, Any]:
+        """Check a mapping against ``fields`` (name -> checker); unknown keys are problems."""
+        out: dict[str, Any] = {}
+        if not isinstance(node, yaml.MappingNode):
+            self.fail(
+                key,
+                node,
+                f"expected a mapping with keys {', '.join(fields)}; got {_kind(node, self.peek(node))}",
+            )
+            return out
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            name = self.scalar(key, key_node)
+            if not isinstance(name, str):
+                self.fail(key, key_node, f"keys must be names, got {_kind(key_node, name)}")
+                continue
+            path = _join(key, name)
+            if name in seen:
+                self.fail(path, key_node, "duplicate key")
+                continue
+            seen.add(name)
+            check = fields.get(name)
+            if check is None:
+                self.fail(path, key_node, f"unknown key; expected one of: {', '.join(fields)}")
+                continue
+            value = check(path, value_node)
+            if value is not _MISSING:
+                out[name] = value
+        return out
+
+    # -- value checkers: (key path, node) -> value or _MISSING -------------------------------
+
+    def string(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        if not isinstance(value, str) or not value:
+            return self.fail(key, node, f"expected text, got {_kind(node, value)}")
+        return value
+
+    def optional_string(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value is None or value is _MISSING:
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `version: 9.5` reads as a number
+        return self.string(key, node)
+
+    def abspath(self, key: str, node: _Node) -> Any:
+        value = self.string(key, node)
+        if value is _MISSING:
+            return value
+        if not os.path.isabs(value):
+            return self.fail(key, node, f"{value!r} is not an absolute path")
+        return os.path.normpath(value)
+
+    def boolean(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        if not isinstance(value, bool):
+            return self.fail(key, node, f"expected true or false, got {_kind(node, value)}")
+        return value
+
+    def integer(self, key: str, node: _Node, minimum: int) -> Any:
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            return self.fail(key, node, f"expected a whole number, got {_kind(node, value)}")
+        if value < minimum:
+            return self.fail(key, node, f"must be at least {minimum}, got {value}")
+        return value
+
+    def size(self, key: str, node: _Node, *, percent: bool = False, auto: bool = False) -> Any:
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        allowed = (
+            "bytes or a size like 64G"
+            + (", N%" if percent else "")
+            + (' or "auto"' if auto else "")
+        )
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return self.fail(key, node, f"expected {allowed}, got {_kind(node, value)}")
+        if isinstance(value, str):
+            value = value.strip()
+            if value.lower() == "auto":
+                return (
+                    "auto"
+                    if auto
+                    else self.fail(key, node, f'"auto" is not allowed here; use {allowed}')
+                )
+            if is_percent(value):
+                if not percent:
+                    return self.fail(key, node, f"a percentage is not allowed here; use {allowed}")
+                try:
+                    parse_size(value, percent_of=100)
+                except SizeError as e:
+                    return self.fail(key, node, str(e))
+                return value.replace(" ", "")
+        try:
+            n = parse_size(value)
+        except SizeError as e:
+            return self.fail(key, node, str(e))
+        if percent and n == 0:
+            return self.fail(key, node, "a tmpfs size must be more than 0")
+        return n
+
+    # -- sections --------------------------------------------------------------------------
+
+    def document(self, root: _Node | None, path: str) -> NodeConfig:
+        if root is None:
+            self.fail("", None, "the file is empty; see docs/config.md for the schema")
+            return NodeConfig(path=path)
+        top = self.mapping(
+            "",
+            root,
+            {
+                "version": self.version,
+                "shm": self.shm,
+                "dest": self.abspath,
+                "reserve": lambda k, n: self.size(k, n),
+                "datasets": self.datasets,
+                "pillow_simd": self.pillow_simd,
+                "loader": self.loader_section,
+            },
+        )
+        shm = top.get("shm", ShmConfig())
+        # Staged copies live on the shm mount unless `dest` says otherwise.
+        dest = top.get("dest", os.path.join(shm.path, "shmstage"))
+        return NodeConfig(
+            path=path,
+            version=top.get("version", VERSION),
+            shm=shm,
+            dest=dest,
+            reserve=top.get("reserve"),
+            datasets=top.get("datasets", ()),
+            pillow_simd=top.get("pillow_simd", PillowSimdConfig()),
+            loader=top.get("loader", LoaderConfig()),
+        )
+
+    def version(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        if value != VERSION or isinstance(value, bool):
+            return self.fail(
+                key,
+                node,
+                f"unsupported config version {value!r}; this shmstage reads version {VERSION}",
+            )
+        return value
+
+    def shm(self, key: str, node: _Node) -> Any:
+        fields = self.mapping(
+            key,
+            node,
+            {
+                "path": self.abspath,
+                "size": lambda k, n: self.size(k, n, percent=True, auto=True),
+                "persist": self.boolean,
+                "fstab": self.abspath,
+            },
+        )
+        return ShmConfig(**fields)
+
+    def datasets(self, key: str, node: _Node) -> Any:
+        if not isinstance(node, yaml.SequenceNode):
+            value = self.peek(node)
+            if value is None and isinstance(node, yaml.ScalarNode):
+                return ()  # `datasets:` with nothing under it
+            return self.fail(key, node, f"expected a list of datasets, got {_kind(node, value)}")
+        out: list[DatasetConfig] = []
+        names: dict[str, int] = {}
+        for i, item in enumerate(node.value):
+            ikey = f"{key}[{i}]"
+            if isinstance(item, yaml.ScalarNode):  # shorthand: `- /nfs/imagenet`
+                source = self.abspath(ikey, item)
+                if source is _MISSING:
+                    continue
+                fields: dict[str, Any] = {"source": source}
+            else:
+                fields = self.mapping(
+                    ikey,
+                    item,
+                    {
+                        "source": self.abspath,
+                        "name": self.dataset_name,
+                        "verify": self.verify_mode,
+                    },
+                )
+                if not isinstance(item, yaml.MappingNode):
+                    continue
+                if "source" not in fields:
+                    if not any(self.peek(k) == "source" for k, _ in item.value):
+                        self.fail(
+                            f"{ikey}.source", item, "missing; every dataset needs a source path"
+                        )
+                    continue
+            name = fields.get("name") or name_for(fields["source"])
+            if name in names:
+                self.fail(
+                    f"{ikey}.name",
+                    item,
+                    f"duplicate dataset name {name!r} (also datasets[{names[name]}]); give one a distinct `name:`",
+                )
+                continue
+            names[name] = i
+            out.append(
+                DatasetConfig(
+                    source=fields["source"], name=name, verify=fields.get("verify", "size")
+                )
+            )
+        return tuple(out)
+
+    def dataset_name(self, key: str, node: _Node) -> Any:
+        value = self.string(key, node)
+        if value is _MISSING:
+            return value
+        if not _NAME_RE.match(value):
+            return self.fail(
+                key,
+                node,
+                f"{value!r} is not a valid name; use letters, digits, '.', '_', '+' and '-' (at most 200, not starting with '.')",
+            )
+        return value
+
+    def verify_mode(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        if value not in VERIFY_MODES:
+            return self.fail(
+                key, node, f"{_kind(node, value)} is not a verify mode; use size or checksum"
+            )
+        return value
+
+    def pillow_simd(self, key: str, node: _Node) -> Any:
+        fields = self.mapping(
+            key,
+            node,
+            {"enabled": self.boolean, "python": self.abspath, "version": self.optional_string},
+        )
+        return PillowSimdConfig(**fields)
+
+    def loader_section(self, key: str, node: _Node) -> Any:
+        fields = self.mapping(
+            key,
+            node,
+            {
+                "num_workers": self.num_workers,
+                "pin_memory": self.boolean,
+                "prefetch_factor": lambda k, n: self.integer(k, n, 1),
+            },
+        )
+        return LoaderConfig(**fields)
+
+    def num_workers(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value == "auto":
+            return value
+        if value is _MISSING:
+            return value
+        return self.integer(key, node, 0)

@@ -1,0 +1,525 @@
+"""``inspect``: one report on what matters before staging, with OK/WARN/FAIL verdicts.
+
+:func:`inspect_node` gathers facts (from :mod:`shmstage.system`, Pillow, torch)
+into a :class:`NodeReport`; its JSON form is a stable schema (docs/inspect.md)
+that scripts and the Ansible role read.  Only reads; changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import platform
+import socket
+from dataclasses import dataclass
+
+from shmstage import __version__, capacity, system
+from shmstage.errors import RefusedError
+from shmstage.sizes import format_size
+
+SCHEMA_VERSION = 1
+SMALL_SHM = 1 << 30  # below this DataLoader workers die with "Bus error" (Docker's default is 64M)
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+_RANK = {OK: 0, WARN: 1, FAIL: 2}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # shm | memory | cpu | memlock | pillow | torch | dataset | fit
+    verdict: str  # OK | WARN | FAIL
+    detail: str
+    advice: str | None  # what to do about it; None when OK
+
+
+@dataclass(frozen=True)
+class ShmInfo:
+    path: str
+    exists: bool
+    mountpoint: str | None  # the mount that holds path
+    fstype: str | None
+    is_mountpoint: bool  # path itself is that mount's root
+    memory_backed: bool  # tmpfs or ramfs
+    size: int | None  # bytes (statvfs); None when path does not exist
+    used: int | None
+    free: int | None
+    options: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total: int  # physical RAM
+    available: int  # MemAvailable
+    usable: int  # min(available, cgroup limit - cgroup usage)
+    ceiling: int  # min(RAM, cgroup limit): what a tmpfs can ever hold here
+    cgroup_version: int | None  # 1, 2, None = no memory cgroup found
+    cgroup_path: str | None
+    cgroup_limit: int | None  # None = unlimited
+    cgroup_usage: int | None
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    usable: int  # affinity, capped by the CFS quota
+    affinity: int
+    quota: float | None  # CPUs allowed by the cgroup CPU quota; None = unlimited
+    machine: str  # x86_64, aarch64...
+    avx2: bool
+    avx512: tuple[str, ...]  # avx512f, avx512bw, ...
+
+
+@dataclass(frozen=True)
+class PillowInfo:
+    flavor: str  # Pillow | pillow-simd | conflict | none | unknown
+    version: str | None
+    libjpeg_turbo: bool | None
+    avx2_build: bool | None
+    ok: bool
+    next_step: str | None
+
+
+@dataclass(frozen=True)
+class TorchInfo:
+    installed: bool
+    version: str | None
+    cuda_build: str | None  # torch.version.cuda; None for a CPU-only build
+    cuda_available: bool
+    devices: tuple[str, ...]  # GPU names
+    error: str | None  # when torch is installed but does not import
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    path: str
+    bytes: int
+    files: int
+    unreadable: int  # directories/files that could not be read
+    mountpoint: str | None
+    fstype: str | None
+    device: str | None  # mount source: /dev/nvme0n1p1, server:/export, ...
+    block_device: str | None  # the disk, e.g. nvme0n1; None for network/virtual file systems
+    rotational: bool | None
+    network: bool
+    dest: str  # where it would be staged
+    fit: capacity.Fit
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    schema_version: int
+    shmstage_version: str
+    hostname: str
+    shm: ShmInfo
+    memory: MemoryInfo
+    cpu: CpuInfo
+    memlock: int | None  # `ulimit -l` in bytes; None = unlimited
+    pillow: PillowInfo
+    torch: TorchInfo
+    dataset: DatasetInfo | None
+    checks: tuple[Check, ...]
+    verdict: str  # the worst verdict of all checks
+    next_step: str  # one line: what to do now
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether --dataset fits (None without one): ``inspect`` exits 1 when it does not."""
+        return None if self.dataset is None else self.dataset.fit.fits
+
+
+# --- facts ------------------------------------------------------------------
+
+
+def shm_info(path: str) -> ShmInfo:
+    if not os.path.exists(path):
+        return ShmInfo(path, False, None, None, False, False, None, None, None, ())
+    real = os.path.realpath(path)
+    mount = system.mount_of(real)
+    usage = system.disk_usage(real)
+    return ShmInfo(
+        path=path,
+        exists=True,
+        mountpoint=mount.mountpoint if mount else None,
+        fstype=mount.fstype if mount else None,
+        is_mountpoint=bool(mount and mount.mountpoint == real),
+        memory_backed=bool(mount and mount.fstype in capacity.MEMORY_BACKED),
+        size=usage.total,
+        used=usage.used,
+        free=usage.free,
+        options=mount.opts if mount else (),
+    )
+
+
+def memory_info(mem: system.Memory) -> MemoryInfo:
+    cg = mem.cgroup
+    return MemoryInfo(
+        mem.total, mem.available, mem.usable, mem.ceiling, cg.version, cg.path, cg.limit, cg.usage
+    )
+
+
+def cpu_info() -> CpuInfo:
+    return CpuInfo(
+        usable=system.usable_cpus(),
+        affinity=system.affinity_cpus(),
+        quota=system.cgroup_cpu_quota(),
+        machine=platform.machine(),
+        avx2=system.has_avx2(),
+        avx512=system.avx512_flags(),
+    )
+
+
+def pillow_info() -> PillowInfo:
+    try:
+        pillow = importlib.import_module("shmstage.pillow")
+    except ImportError:  # not installed alongside this version
+        return PillowInfo("unknown", None, None, None, False, None)
+    try:
+        st = pillow.check()
+    except Exception as e:  # a broken PIL must not break the whole report
+        return PillowInfo("unknown", None, None, None, False, f"could not check Pillow: {e}")
+    return PillowInfo(st.flavor, st.version, st.libjpeg_turbo, st.avx2_build, st.ok, st.next_step)
+
+
+def torch_info() -> TorchInfo:
+    # torch is optional and slow to import: look for it first, import only if present.
+    try:
+        present = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        present = False
+    if not present:
+        return TorchInfo(False, None, None, False, (), None)
+    try:
+        import torch
+
+        available = bool(torch.cuda.is_available())
+        names = (
+            tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+            if available
+            else ()
+        )
+        return TorchInfo(True, str(torch.__version__), torch.version.cuda, available, names, None)
+    except Exception as e:  # a broken install (missing libs, bad driver) is a finding, not a crash
+        return TorchInfo(True, None, None, False, (), f"{type(e).__name__}: {e}".splitlines()[0])
+
+
+def walk(path: str) -> tuple[int, int, int]:
+    """(bytes, files, unreadable) under ``path``: regular files and symlinks to files.
+
+    Iterative ``os.scandir`` (no recursion limit, one stat per entry that
+    scandir usually answers from the directory itself); symlinked
+    directories are not followed."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path), 1, 0
+    total = files = unreadable = 0
+    stack = [path]
+    while stack:
+        here = stack.pop()
+        try:
+            with os.scandir(here) as it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                        elif entry.is_file():
+                            total += entry.stat().st_size
+                            files += 1
+                    except OSError:
+                        unreadable += 1
+        except OSError:
+            unreadable += 1
+    return total, files, unreadable
+
+
+def default_dest(path: str) -> str:
+    """Where ``stage`` would put data: its DEFAULT_DEST for /dev/shm, else PATH/shmstage."""
+    if os.path.normpath(path) != "/dev/shm":
+        return os.path.join(path, "shmstage")
+    try:
+        from shmstage.stage import DEFAULT_DEST
+    except ImportError:
+        return os.environ.get("SHMSTAGE_DEST", "/dev/shm/shmstage")
+    return str(DEFAULT_DEST)
+
+
+def dataset_info(
+    path: str, dest: str, mem: system.Memory, reserve: int | None = None
+) -> DatasetInfo:
+    if not os.path.exists(path):
+        raise RefusedError(
+            f"dataset {path} does not exist; give the directory to stage with --dataset"
+        )
+    if not os.access(path, os.R_OK):
+        raise RefusedError(
+            f"cannot read dataset {path}: permission denied; run as a user who can read it"
+        )
+    real = os.path.realpath(path)
+    size, files, unreadable = walk(real)
+    mount = system.mount_of(real)
+    disk = system.block_device(real)
+    fstype = mount.fstype if mount else None
+    return DatasetInfo(
+        path=path,
+        bytes=size,
+        files=files,
+        unreadable=unreadable,
+        mountpoint=mount.mountpoint if mount else None,
+        fstype=fstype,
+        device=mount.device if mount else None,
+        block_device=disk.name if disk else None,
+        rotational=disk.rotational if disk else None,
+        network=bool(fstype and system.is_network_fs(fstype)),
+        dest=dest,
+        fit=capacity.check_fit(size, dest, reserve, memory=mem),
+    )
+
+
+# --- verdicts ---------------------------------------------------------------
+
+
+def _yes(flag: bool | None) -> str:
+    return "unknown" if flag is None else ("yes" if flag else "no")
+
+
+def _grow_advice(mountpoint: str, size: str) -> str:
+    if system.has_cap_sys_admin():
+        return f"grow it: shmstage remount --path {mountpoint} --size {size}"
+    return (
+        "restart the container with a bigger /dev/shm: docker run --shm-size=16g, or on "
+        "Kubernetes an emptyDir {medium: Memory, sizeLimit: 16Gi} mounted at /dev/shm"
+    )
+
+
+def check_shm(shm: ShmInfo, mem: MemoryInfo) -> Check:
+    if not shm.exists:
+        return Check(
+            "shm",
+            FAIL,
+            f"{shm.path} does not exist",
+            "pass the tmpfs to use with --path (usually /dev/shm)",
+        )
+    where = shm.path if shm.is_mountpoint else f"{shm.path} (on {shm.mountpoint})"
+    if not shm.memory_backed:
+        return Check(
+            "shm",
+            FAIL,
+            f"{where} is {shm.fstype or 'on an unknown file system'}, not RAM-backed tmpfs",
+            "point --path at a tmpfs such as /dev/shm",
+        )
+    assert shm.size is not None and shm.used is not None and shm.free is not None
+    opts = ",".join(shm.options)
+    detail = (
+        f"{where}: {shm.fstype} {format_size(shm.size)}, {format_size(shm.used)} used, "
+        f"{format_size(shm.free)} free ({opts})"
+    )
+    mp = shm.mountpoint or shm.path
+    if shm.size == 0:  # statvfs of a tmpfs mounted with size=0
+        return Check(
+            "shm",
+            WARN,
+            f"{where}: {shm.fstype} without a size limit ({opts})",
+            f"filling it can exhaust RAM; mount it with a size: mount -t tmpfs -o size=50% tmpfs {mp}",
+        )
+    if shm.size < SMALL_SHM:
+        return Check(
+            "shm", WARN, detail + "; too small for DataLoader workers", _grow_advice(mp, "50%")
+        )
+    if shm.size > mem.ceiling:
+        return Check(
+            "shm",
+            WARN,
+            detail + f"; bigger than the {format_size(mem.ceiling)} this node/cgroup can hold",
+            f"filling it would OOM-kill; shrink it: shmstage remount --path {mp} --size 90%",
+        )
+    return Check("shm", OK, detail, None)
+
+
+def check_memory(mem: MemoryInfo) -> Check:
+    detail = f"RAM {format_size(mem.total)}, {format_size(mem.available)} available"
+    if mem.cgroup_version is None:
+        return Check("memory", OK, detail + "; no memory cgroup", None)
+    used = "" if mem.cgroup_usage is None else f", {format_size(mem.cgroup_usage)} used"
+    if mem.cgroup_limit is None:
+        return Check("memory", OK, detail + f"; cgroup v{mem.cgroup_version} no limit{used}", None)
+    detail += f"; cgroup v{mem.cgroup_version} limit {format_size(mem.cgroup_limit)}{used}"
+    if mem.cgroup_limit < mem.total:
+        return Check(
+            "memory",
+            WARN,
+            detail + "; tmpfs pages count against the limit of the cgroup that writes them",
+            "make the memory limit cover the staged data plus training, or stage from outside this cgroup",
+        )
+    return Check("memory", OK, detail, None)
+
+
+def check_cpu(cpu: CpuInfo) -> Check:
+    quota = "no quota" if cpu.quota is None else f"quota {cpu.quota:g}"
+    detail = f"{cpu.usable} usable (affinity {cpu.affinity}, {quota})"
+    if cpu.machine not in ("x86_64", "amd64", "i686", "i386"):
+        return Check("cpu", OK, detail + f"; {cpu.machine}: no AVX", None)
+    avx512 = f"yes ({len(cpu.avx512)} flags)" if cpu.avx512 else "no"
+    detail += f"; AVX2 {_yes(cpu.avx2)}, AVX-512 {avx512}"
+    if not cpu.avx2:
+        return Check("cpu", WARN, detail, "no AVX2: build pillow-simd without it (SSE4 only)")
+    return Check("cpu", OK, detail, None)
+
+
+def check_memlock(limit: int | None) -> Check:
+    if limit is None:
+        return Check("memlock", OK, "ulimit -l unlimited", None)
+    return Check(
+        "memlock",
+        WARN,
+        f"ulimit -l {format_size(limit)}",
+        "NCCL over InfiniBand/RDMA needs locked memory: ulimit -l unlimited "
+        "(docker: --ulimit memlock=-1; systemd: LimitMEMLOCK=infinity)",
+    )
+
+
+def check_pillow(p: PillowInfo) -> Check:
+    if p.flavor == "unknown":
+        return Check(
+            "pillow",
+            WARN,
+            "could not check Pillow",
+            p.next_step or "run shmstage pillow-simd --check",
+        )
+    if p.flavor == "none":
+        return Check("pillow", WARN, "no Pillow installed", p.next_step)
+    detail = (
+        f"{p.flavor} {p.version or '?'}, libjpeg-turbo {_yes(p.libjpeg_turbo)}, "
+        f"AVX2 build {_yes(p.avx2_build)}"
+    )
+    return Check("pillow", OK if p.ok else WARN, detail, None if p.ok else p.next_step)
+
+
+def check_torch(t: TorchInfo) -> Check:
+    if not t.installed:
+        return Check(
+            "torch",
+            WARN,
+            "torch not installed",
+            "pip install torch (needed by shmstage's loader helpers)",
+        )
+    if t.error:
+        return Check(
+            "torch",
+            FAIL,
+            f"torch does not import: {t.error}",
+            "reinstall torch in this environment",
+        )
+    if t.cuda_available:
+        names = sorted(set(t.devices))
+        gpus = f"{len(t.devices)} GPU{'s' if len(t.devices) != 1 else ''} ({', '.join(names)})"
+        return Check("torch", OK, f"torch {t.version}, CUDA {t.cuda_build}, {gpus}", None)
+    if t.cuda_build is None:
+        return Check(
+            "torch",
+            WARN,
+            f"torch {t.version}: CPU-only build",
+            "install a CUDA build of torch to train on GPUs",
+        )
+    return Check(
+        "torch",
+        WARN,
+        f"torch {t.version}, CUDA {t.cuda_build} build, no GPU visible",
+        "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES",
+    )
+
+
+def check_dataset(d: DatasetInfo) -> list[Check]:
+    kind = []
+    if d.network:
+        kind.append("network file system")
+    elif d.fstype in capacity.MEMORY_BACKED:
+        kind.append("already in RAM")
+    elif d.rotational is not None:
+        kind.append("rotational disk" if d.rotational else "SSD")
+    where = f"{d.fstype or '?'} {d.device or '?'}" + (f" ({', '.join(kind)})" if kind else "")
+    detail = f"{d.path}: {format_size(d.bytes)} in {d.files:,} files on {where}"
+    if d.unreadable:
+        dataset = Check(
+            "dataset",
+            WARN,
+            detail + f"; {d.unreadable:,} entries unreadable",
+            f"staging needs to read everything: run as a user who can read all of {d.path}",
+        )
+    else:
+        dataset = Check("dataset", OK, detail, None)
+    fit = d.fit
+    if fit.fits:
+        free = format_size(fit.free)
+        detail = (
+            f"fits in {d.dest}: needs {format_size(fit.needed)} + {format_size(fit.reserve)} reserve, "
+            f"{free} free"
+        )
+        return [dataset, Check("fit", OK, detail, None)]
+    if fit.suggested_size:
+        advice = f"shmstage remount --size {fit.suggested_size}, then stage"
+    elif fit.fstype in capacity.MEMORY_BACKED:
+        advice = "stage to local disk with --dest, or free memory / raise the memory limit"
+    else:
+        advice = "free space there or stage elsewhere with --dest"
+    return [dataset, Check("fit", FAIL, f"does not fit in {d.dest}: {fit.reason}", advice)]
+
+
+# Which advice wins the one "next step" line when several checks complain.
+_PRIORITY = ("fit", "shm", "dataset", "memory", "torch", "pillow", "cpu", "memlock")
+
+
+def next_step(checks: tuple[Check, ...], dataset: str | None) -> str:
+    bad = [c for c in checks if c.verdict != OK and c.advice]
+    if bad:
+        worst = max(_RANK[c.verdict] for c in bad)
+        top = min(
+            (c for c in bad if _RANK[c.verdict] == worst), key=lambda c: _PRIORITY.index(c.name)
+        )
+        return top.advice or ""
+    if dataset:
+        return f"ready: shmstage stage {dataset}"
+    return "ready: check a dataset fits with shmstage inspect --dataset DIR"
+
+
+def inspect_node(
+    path: str = "/dev/shm",
+    dataset: str | None = None,
+    *,
+    dest: str | None = None,
+    reserve: int | None = None,
+) -> NodeReport:
+    """Everything ``shmstage inspect`` reports, with verdicts.
+
+    Raises :class:`RefusedError` when ``dataset`` is given but does not exist;
+    anything wrong with ``path`` is a FAIL check, not an exception."""
+    mem = system.memory()
+    memory = memory_info(mem)
+    shm = shm_info(path)
+    cpu = cpu_info()
+    memlock = system.memlock_limit()
+    data = dataset_info(dataset, dest or default_dest(path), mem, reserve) if dataset else None
+    pillow = pillow_info()
+    torch = torch_info()
+    checks = [
+        check_shm(shm, memory),
+        check_memory(memory),
+        check_cpu(cpu),
+        check_memlock(memlock),
+        check_pillow(pillow),
+        check_torch(torch),
+    ]
+    if data is not None:
+        checks += check_dataset(data)
+    verdict = max((c.verdict for c in checks), key=_RANK.__getitem__)
+    return NodeReport(
+        schema_version=SCHEMA_VERSION,
+        shmstage_version=__version__,
+        hostname=socket.gethostname(),
+        shm=shm,
+        memory=memory,
+        cpu=cpu,
+        memlock=memlock,
+        pillow=pillow,
+        torch=torch,
+        dataset=data,
+        checks=tuple(checks),
+        verdict=verdict,
+        next_step=next_step(tuple(checks), dataset),
+    )

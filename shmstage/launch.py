@@ -1,0 +1,480 @@
+"""``shmstage run``: stage the data, fill ``{staged}`` into the command, start it, forward signals.
+
+The job runs as a child in our process group (Ctrl-C in a terminal reaches both); signals
+sent to shmstage alone (``kill PID``, a pod's SIGTERM) are forwarded to it, and its exit
+status becomes ours (128+N when a signal killed it).  No process is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import psutil
+
+from shmstage.errors import RefusedError, ShmstageError
+
+# Signals a launcher must pass on: torchrun shuts its workers down on INT/TERM, jobs
+# checkpoint on USR1/USR2 (Slurm's --signal), HUP/QUIT for the rest.
+FORWARDED_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+LEFTOVER_GRACE = 5.0  # seconds a leftover descendant gets between SIGTERM and SIGKILL
+
+# si_code of a signal the kernel sent, e.g. a terminal's ^C to its foreground process group
+_SI_KERNEL = 0x80
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+ENV_DATA = "SHMSTAGE_DATA"
+
+
+class CommandNotFound(ShmstageError):
+    """The command to run does not exist (exit 127, like a shell)."""
+
+    exit_code = 127
+
+
+class CannotExecute(ShmstageError):
+    """The command exists but cannot be executed (exit 126, like a shell)."""
+
+    exit_code = 126
+
+
+class PlaceholderError(RefusedError):
+    """A ``{...}`` in the command cannot be filled in; nothing was started (exit 2)."""
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """One ``--stage SRC[=NAME]``."""
+
+    source: str
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> StageRequest:
+        """``SRC`` or ``SRC=NAME``; a ``=`` followed by a path (``/``) belongs to SRC."""
+        source, sep, name = text.rpartition("=")
+        if not sep or "/" in name:
+            return cls(text)
+        if not source or not name:
+            raise RefusedError(f"--stage {text!r}: write SRC or SRC=NAME")
+        return cls(source, name)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    returncode: int  # the job's exit status; 128+N when signal N killed it
+    staged: tuple[Any, ...]  # StagedDataset per --stage, in order
+    evicted: tuple[str, ...]  # names removed by --cleanup
+    leftovers: int  # descendants still running after the job exited (terminated by us)
+
+
+# --- placeholders -----------------------------------------------------------
+
+# {{word}} -> literal {word};  {word} / {word:ARG} -> a placeholder.  Other braces
+# ({"json": 1}, shell `{ a; }`) and ${VAR} are left alone, so only word-like
+# placeholders can be mistyped into an error.
+_PLACEHOLDER = re.compile(
+    r"\{\{(?P<escaped>[A-Za-z_]\w*(?::[^{}]*)?)\}\}"
+    r"|(?<!\$)\{(?P<key>[A-Za-z_]\w*)(?::(?P<arg>[^{}]*))?\}"
+)
+
+
+def _placeholders(args: Sequence[str]) -> list[tuple[str, str, str | None]]:
+    """(argument, key, arg) for every placeholder in ``args``."""
+    found = []
+    for a in args:
+        for m in _PLACEHOLDER.finditer(a):
+            if m.group("key") is not None:
+                found.append((a, m.group("key"), m.group("arg")))
+    return found
+
+
+def stage_name(request: StageRequest) -> str | None:
+    """The name the staging engine will use for ``request`` (checked when explicit)."""
+    try:
+        from shmstage.stage.store import check_name, name_for
+    except ImportError:  # an engine without these helpers: names are known after staging
+        return request.name
+    return check_name(request.name) if request.name is not None else name_for(request.source)
+
+
+def check_placeholders(args: Sequence[str], names: Sequence[str | None]) -> None:
+    """Refuse, before anything is staged or started, placeholders that cannot be filled.
+
+    ``names`` has one entry per --stage: its name, or None when not known before staging.
+    """
+    known = [n for n in names if n is not None]
+    for arg, key, name in _placeholders(args):
+        text = "{" + key + ("" if name is None else ":" + name) + "}"
+        if key != "staged":
+            raise PlaceholderError(
+                f"unknown placeholder {text} in {arg!r}: use {{staged}} or {{staged:NAME}}, "
+                f"or write {{{text}}} for a literal {text}"
+            )
+        if name is None and len(names) != 1:
+            raise PlaceholderError(
+                "{staged} needs exactly one --stage"
+                + (f" (got {len(names)}): use {{staged:NAME}}" if names else ": add --stage SRC")
+            )
+        if name is not None and not name:
+            raise PlaceholderError(f"empty name in {text} in {arg!r}: write {{staged:NAME}}")
+        if name is not None and len(known) == len(names) and name not in known:
+            raise PlaceholderError(
+                f"{text}: no --stage is named {name!r} (names: {', '.join(known) or 'none'})"
+            )
+
+
+def substitute(args: Sequence[str], staged: Sequence[tuple[str, str]]) -> list[str]:
+    """``args`` with ``{staged}`` / ``{staged:NAME}`` filled from ``staged`` ((name, path) per --stage)."""
+    paths = dict(staged)
+
+    def fill(m: re.Match[str]) -> str:
+        if m.group("escaped") is not None:
+            return "{" + m.group("escaped") + "}"
+        key, name = m.group("key"), m.group("arg")
+        if key != "staged":
+            raise PlaceholderError(
+                f"unknown placeholder {m.group(0)}: use {{staged}} or {{staged:NAME}}"
+            )
+        if name is None:
+            if len(staged) != 1:
+                raise PlaceholderError(f"{{staged}} needs exactly one --stage (got {len(staged)})")
+            return staged[0][1]
+        if name not in paths:
+            raise PlaceholderError(
+                f"{m.group(0)}: no --stage is named {name!r} (names: {', '.join(paths) or 'none'})"
+            )
+        return paths[name]
+
+    return [_PLACEHOLDER.sub(fill, a) for a in args]
+
+
+# --- environment ------------------------------------------------------------
+
+
+def env_name(name: str) -> str:
+    """``SHMSTAGE_DATA_<NAME>``: upper case, anything but letters and digits as ``_``."""
+    return f"{ENV_DATA}_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}"
+
+
+def loader_settings(
+    workers: int | None = None,
+    pin: bool | None = None,
+    prefetch_factor: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+) -> dict[str, str]:
+    """SHMSTAGE_* loader variables for the job: flags > the caller's environment > node config."""
+    from shmstage.config import loader_env  # YAML parsing only when `run` needs it
+
+    environ = os.environ if environ is None else environ
+    settings = {k: v for k, v in loader_env(config_path).items() if k not in environ}
+    if workers is not None:
+        settings["SHMSTAGE_NUM_WORKERS"] = str(workers)
+    if pin is not None:
+        settings["SHMSTAGE_PIN_MEMORY"] = "1" if pin else "0"
+    if prefetch_factor is not None:
+        settings["SHMSTAGE_PREFETCH_FACTOR"] = str(prefetch_factor)
+    return settings
+
+
+def job_env(
+    staged: Sequence[Any], settings: Mapping[str, str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The child's environment: ours plus SHMSTAGE_DATA(_<NAME>) and the loader settings."""
+    env = dict(os.environ if environ is None else environ)
+    if staged:
+        env[ENV_DATA] = str(staged[0].path)
+    for ds in staged:
+        env[env_name(ds.name)] = str(ds.path)
+    env.update(settings)
+    return env
+
+
+def resolve_command(command: Sequence[str], path: str | None = None) -> str:
+    """The executable ``command[0]`` names, or CommandNotFound (exit 127)."""
+    if not command:
+        raise RefusedError("no command to run: shmstage run [OPTIONS] -- CMD [ARGS...]")
+    exe = command[0]
+    if "/" in exe:
+        if os.path.isfile(exe) and os.access(exe, os.X_OK):
+            return exe
+        raise CommandNotFound(f"command not found: {exe}")
+    found = shutil.which(exe, path=path)
+    if found is None:
+        raise CommandNotFound(f"command not found: {exe}")
+    return found
+
+
+# --- the child --------------------------------------------------------------
+
+# NOTE [run: signals and the child]
+#
+#   shmstage (blocks FORWARDED + SIGCHLD) ── Popen ──▶ child (mask restored, PDEATHSIG=TERM)
+#        │  sigtimedwait loop
+#        ├─ SIGCHLD / timeout ─▶ poll(): exited? ─▶ terminate leftovers ─▶ return status
+#        └─ FORWARDED signal ──▶ kill(child, sig), unless the kernel sent it (a terminal's
+#                                ^C/^\ or hangup goes to the whole foreground group, so the
+#                                child already has it: a second SIGINT would cut torchrun's
+#                                own shutdown short)
+#
+# - The signals are blocked before the fork, so none is lost between spawn and wait; the
+#   child unblocks them in preexec_fn.  Python handlers stay installed as a fallback for a
+#   signal delivered to another thread (which does not block it).
+# - PR_SET_PDEATHSIG: if shmstage itself is SIGKILLed, the kernel sends the child SIGTERM.
+# - PR_SET_CHILD_SUBREAPER: descendants the job orphans are re-parented to us, not init,
+#   so after the job exits we find them, SIGTERM them, and SIGKILL after LEFTOVER_GRACE.
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # not Linux / no libc: prctl features are skipped
+        return None
+
+
+def _child_setup(mask: set[signal.Signals], parent: int) -> Callable[[], None]:
+    libc = _libc() if sys.platform.startswith("linux") else None
+
+    def setup() -> None:  # runs in the child between fork and exec
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # parent died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+def _set_subreaper(libc: Any, on: bool) -> bool:
+    """Set PR_SET_CHILD_SUBREAPER; return the previous value."""
+    if libc is None:
+        return False
+    old = ctypes.c_int(0)
+    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(old), 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+    return bool(old.value)
+
+
+def _terminate(procs: list[psutil.Process], grace: float) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def exit_status(returncode: int) -> int:
+    """A shell's view of a child's status: 128+N when signal N killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def spawn(
+    command: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    executable: str | None = None,
+    grace: float = LEFTOVER_GRACE,
+    log: Callable[[str], None] | None = None,
+) -> tuple[int, int]:
+    """Run ``command`` to completion forwarding signals; return (exit status, leftovers killed).
+
+    See NOTE [run: signals and the child].
+    """
+    libc = _libc() if sys.platform.startswith("linux") else None
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    old_subreaper = _set_subreaper(libc, True)
+    try:
+        returncode = _run_child(command, env, executable, before)
+        leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+        if leftovers:
+            if log is not None:
+                log(f"terminating {len(leftovers)} process(es) the job left running")
+            _terminate(leftovers, grace)
+    finally:
+        _set_subreaper(libc, old_subreaper)
+    return exit_status(returncode), len(leftovers)
+
+
+def _run_child(
+    command: Sequence[str],
+    env: Mapping[str, str] | None,
+    executable: str | None,
+    not_ours: set[int],
+) -> int:
+    main_thread = threading.current_thread() is threading.main_thread()
+    watched = {*FORWARDED_SIGNALS, signal.SIGCHLD}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if main_thread else set()
+    old_handlers: dict[int, Any] = {}
+    child: subprocess.Popen[Any] | None = None
+    try:
+        try:
+            child = subprocess.Popen(
+                list(command),
+                executable=executable,
+                env=None if env is None else dict(env),
+                preexec_fn=_child_setup(old_mask, os.getpid()),
+            )
+        except FileNotFoundError:
+            if executable is not None and os.path.exists(executable):  # a #! line's interpreter
+                raise CommandNotFound(f"cannot run {command[0]}: bad interpreter") from None
+            raise CommandNotFound(f"command not found: {command[0]}") from None
+        except OSError as e:
+            raise CannotExecute(f"cannot run {command[0]}: {e.strerror or e}") from None
+        if main_thread:
+
+            def fallback(signum: int, _frame: Any) -> None:
+                child.send_signal(signum)
+
+            for sig in FORWARDED_SIGNALS:
+                old_handlers[sig] = signal.signal(sig, fallback)
+            _wait_forwarding(child, watched, not_ours)
+        else:
+            child.wait()
+    finally:
+        if child is not None and child.poll() is None:  # we are failing: take the job with us
+            child.terminate()
+            try:
+                child.wait(LEFTOVER_GRACE)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if main_thread:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+    return child.returncode
+
+
+def _wait_forwarding(
+    child: subprocess.Popen[Any], watched: set[signal.Signals], not_ours: set[int]
+) -> None:
+    try:
+        child_pgid: int | None = os.getpgid(child.pid)
+    except ProcessLookupError:
+        child_pgid = None
+    while child.poll() is None:
+        info = signal.sigtimedwait(watched, 0.5)
+        if info is None:
+            continue
+        if info.si_signo == signal.SIGCHLD:
+            _reap_orphans(child.pid, not_ours)
+            continue
+        from_terminal = info.si_code == _SI_KERNEL and child_pgid == os.getpgrp()
+        if not from_terminal:
+            child.send_signal(info.si_signo)
+
+
+def _reap_orphans(job: int, not_ours: set[int]) -> None:
+    """Reap exited descendants the job orphaned onto us (subreaper), so no zombies pile up."""
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for p in children:
+        if p.pid == job or p.pid in not_ours:
+            continue  # the job is Popen's to reap; the caller's own children are not ours
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+# --- the whole command ------------------------------------------------------
+
+
+def _waiting_note(request: StageRequest, log: Callable[[str], None] | None) -> Any:
+    """A progress callback that says once that another process is staging the same data."""
+    said = False
+
+    def note(p: Any) -> None:
+        nonlocal said
+        if p.phase == "waiting" and log is not None and not said:
+            said = True
+            holder = f" (pid {p.holder})" if p.holder else ""
+            log(f"waiting for another process{holder} staging {request.source}")
+
+    return note
+
+
+def run(
+    command: Sequence[str],
+    *,
+    stage: Sequence[str | StageRequest] = (),
+    dest: str | None = None,
+    workers: int | None = None,
+    pin: bool | None = None,
+    prefetch_factor: int | None = None,
+    cleanup: bool = False,
+    config_path: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Stage each source, fill in the command, run it and return its status.
+
+    Everything that can be refused (placeholders, a missing command, a bad node config, a
+    failed staging) is refused before the job starts.
+    """
+    requests = [r if isinstance(r, StageRequest) else StageRequest.parse(r) for r in stage]
+    names = [stage_name(r) for r in requests]
+    known = [n for n in names if n is not None]
+    if len(set(known)) != len(known):
+        raise RefusedError(
+            f"two --stage sources would share a name ({', '.join(known)}): name them with SRC=NAME"
+        )
+    check_placeholders(command[1:], names)
+    exe = resolve_command(command)
+    settings = loader_settings(workers, pin, prefetch_factor, config_path=config_path)
+
+    staged: list[Any] = []
+    evicted: list[str] = []
+    returncode: int | None = None
+    leftovers = 0
+    try:
+        if requests:
+            from shmstage import stage as engine
+
+            for r in requests:
+                ds = engine.stage(r.source, name=r.name, dest=dest, progress=_waiting_note(r, log))
+                staged.append(ds)
+                if log is not None:
+                    log(f"{engine.summary(ds)} -> {ds.path}")
+        pairs = [(ds.name, str(ds.path)) for ds in staged]
+        if len({n for n, _ in pairs}) != len(pairs):
+            raise RefusedError("two --stage sources share a name: name them with SRC=NAME")
+        args = substitute(command[1:], pairs)
+        env = job_env(staged, settings)
+        returncode, leftovers = spawn([command[0], *args], env, executable=exe, log=log)
+    finally:
+        if cleanup and staged:
+            from shmstage import stage as engine
+
+            for ds in staged:
+                if ds.changed:  # only what this run copied; a dataset others staged stays
+                    evicted.extend(engine.evict(ds.name, dest=dest))
+            if log is not None and evicted:
+                log(f"evicted: {', '.join(evicted)}")
+    return RunResult(returncode, tuple(staged), tuple(evicted), leftovers)

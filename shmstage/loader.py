@@ -1,0 +1,492 @@
+"""Torch data-loading helpers that keep an accelerator fed from a staged copy.
+
+``make_loader`` sizes a DataLoader to the CPUs this rank really has; ``CudaPrefetcher``
+overlaps host-to-device copies with compute; ``BackgroundLoader`` runs any iterable in a
+thread.  This module imports torch; ``import shmstage`` and the CLI never import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+try:
+    import torch
+    from torch.utils.data import DataLoader
+except ImportError:  # pragma: no cover - exercised only on a torch-less install
+    raise ImportError(
+        "shmstage.loader needs torch: pip install torch (or 'shmstage[torch]')"
+    ) from None
+
+from shmstage import system
+from shmstage.errors import ShmstageError, ShmstageWarning
+
+__all__ = [
+    "BackgroundLoader",
+    "CudaPrefetcher",
+    "ShmstageWarning",
+    "default_num_workers",
+    "loader_kwargs",
+    "make_loader",
+    "seed_worker",
+    "staged_path",
+]
+
+DEFAULT_PREFETCH_FACTOR = 4
+
+ENV_NUM_WORKERS = "SHMSTAGE_NUM_WORKERS"
+ENV_PIN_MEMORY = "SHMSTAGE_PIN_MEMORY"
+ENV_PREFETCH_FACTOR = "SHMSTAGE_PREFETCH_FACTOR"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+# --- DataLoader settings ----------------------------------------------------
+
+
+def _env_int(var: str, minimum: int) -> int | None:
+    text = os.environ.get(var, "").strip()
+    if not text or text.lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ShmstageError(
+            f"{var}={text!r} is not a valid value: use an integer >= {minimum}"
+            + (" or 'auto'" if var == ENV_NUM_WORKERS else "")
+        )
+    return value
+
+
+def _env_bool(var: str) -> bool | None:
+    text = os.environ.get(var, "").strip().lower()
+    if not text or text == "auto":
+        return None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ShmstageError(f"{var}={os.environ[var]!r} is not a valid value: use 1 or 0 (or auto)")
+
+
+def local_world_size() -> int:
+    """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ShmstageError(f"LOCAL_WORLD_SIZE={text!r} is not a positive integer")
+    return int(text)
+
+
+def default_num_workers(cpus: int | None = None, ranks: int | None = None) -> int:
+    """Loader workers per rank: this rank's share of the usable CPUs, minus one, at least 1.
+
+    The usable CPUs are the affinity set capped by the cgroup CPU quota (not ``os.cpu_count()``,
+    which on a 128-core node in a 16-CPU container would start 8 ranks x 127 workers).  One CPU
+    per rank stays with the rank's main process, which collates, pins and launches kernels.
+    """
+    cpus = system.usable_cpus() if cpus is None else cpus
+    ranks = local_world_size() if ranks is None else ranks
+    return max(1, cpus // max(1, ranks) - 1)
+
+
+def _accelerator_present() -> bool:
+    if torch.cuda.is_available():
+        return True
+    accel = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accel is None or not accel.is_available():
+        return False
+    current = accel.current_accelerator()
+    # MPS shares memory with the host: there is nothing to pin.
+    return current is not None and current.type != "mps"
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed ``random`` and numpy in a loader worker from torch's per-worker seed.
+
+    torch seeds each worker with base_seed + worker_id but leaves ``random`` and numpy
+    alone, so forked workers would otherwise draw identical "random" augmentations.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def loader_kwargs(**overrides: Any) -> dict[str, Any]:
+    """DataLoader keyword arguments tuned for this node and rank.
+
+    Precedence: explicit ``overrides`` > ``SHMSTAGE_NUM_WORKERS`` / ``SHMSTAGE_PIN_MEMORY`` /
+    ``SHMSTAGE_PREFETCH_FACTOR`` (set by ``shmstage run``) > defaults.  Any other DataLoader
+    argument (``shuffle``, ``sampler``, ``collate_fn``...) passes through unchanged.
+    """
+    # read (and validate) every variable, even one an argument overrides: a typo in the
+    # job's environment should surface, not lie dormant until the argument goes away
+    env_workers = _env_int(ENV_NUM_WORKERS, 0)
+    env_pin = _env_bool(ENV_PIN_MEMORY)
+    env_prefetch = _env_int(ENV_PREFETCH_FACTOR, 1)
+
+    if "num_workers" in overrides:
+        workers = overrides.pop("num_workers")
+        if not isinstance(workers, int) or workers < 0:
+            raise ShmstageError(f"num_workers={workers!r}: use an integer >= 0")
+    else:
+        workers = default_num_workers() if env_workers is None else env_workers
+
+    pin = overrides.pop("pin_memory", None)
+    if pin is None:
+        pin = env_pin
+    if pin is None:
+        pin = _accelerator_present()
+
+    kwargs: dict[str, Any] = {"num_workers": workers, "pin_memory": bool(pin)}
+    if workers > 0:
+        prefetch = overrides.pop("prefetch_factor", None)
+        if prefetch is None:
+            prefetch = env_prefetch
+        kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch is None else prefetch
+        kwargs["persistent_workers"] = True
+        kwargs["worker_init_fn"] = seed_worker
+    else:
+        # DataLoader rejects these without workers; an env default does not apply either.
+        for key in ("prefetch_factor", "persistent_workers"):
+            if overrides.get(key):
+                raise ShmstageError(f"{key} needs num_workers > 0 (got num_workers=0)")
+            overrides.pop(key, None)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def make_loader(dataset: Any, batch_size: int | None = 1, **overrides: Any) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``."""
+    return DataLoader(dataset, batch_size=batch_size, **loader_kwargs(**overrides))
+
+
+# --- nested batches ---------------------------------------------------------
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in tuples/lists/dicts/namedtuples, keeping their types."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            clone = obj.copy()  # keeps OrderedDict / defaultdict / custom mappings
+            clone.update(items)
+            return clone
+        except (AttributeError, TypeError):
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        values = [_map_tensors(v, fn) for v in obj]
+        try:
+            return type(obj)(values)
+        except TypeError:
+            return values if isinstance(obj, list) else tuple(values)
+    return obj
+
+
+def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _each_tensor(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _each_tensor(v)
+
+
+# --- CudaPrefetcher ---------------------------------------------------------
+
+# NOTE [CudaPrefetcher lifecycle]
+#
+#   __init__: one side stream for the life of the prefetcher (a stream per epoch leaks).
+#
+#   __iter__:  copy(b0) on side ──┐
+#   next():    consumer.wait_stream(side); b0.record_stream(consumer); copy(b1) on side; yield b0
+#   next():    consumer.wait_stream(side); b1.record_stream(consumer); copy(b2) on side; yield b1
+#
+# b(k+1) is enqueued on the side stream before the consumer launches work on b(k), so the
+# host-to-device copy overlaps compute.  wait_stream orders the consumer's kernels after the
+# copy.  record_stream is what keeps this safe: b(k) was allocated on the side stream, so
+# without it the caching allocator would hand b(k)'s memory to the next copy as soon as the
+# Python tensor is freed, while kernels queued on the consumer stream may still read it.
+# record_stream makes the allocator wait for the consumer stream's pending work first.
+
+
+class CudaPrefetcher:
+    """Iterate ``loader`` with each batch already on ``device``, copied one batch ahead.
+
+    Tensors anywhere in tuples, lists, dicts and namedtuples are moved; other leaves and the
+    container types are kept.  Without CUDA (or with ``device="cpu"``) batches pass through
+    unchanged; for another device type they are moved with a plain ``.to(device)``.
+    See NOTE [CudaPrefetcher lifecycle].
+    """
+
+    def __init__(
+        self, loader: Iterable[Any], device: Any = None, non_blocking: bool = True
+    ) -> None:
+        self.loader = loader
+        self.non_blocking = non_blocking
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ShmstageError(
+                f"device {device} was asked for but CUDA is not available: "
+                "leave device=None to pass batches through on CPU"
+            )
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type == "cpu":
+            yield from self.loader
+        elif self._stream is None:
+            for batch in self.loader:
+                yield _map_tensors(
+                    batch, lambda t: t.to(self.device, non_blocking=self.non_blocking)
+                )
+        else:
+            yield from self._prefetch()
+
+    def _copy(self, batch: Any) -> Any:
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=self.non_blocking))
+
+    def _prefetch(self) -> Iterator[Any]:
+        end = object()
+        source = iter(self.loader)
+        nxt = next(source, end)
+        if nxt is end:
+            return
+        nxt = self._copy(nxt)
+        while nxt is not end:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_stream(self._stream)
+            batch = nxt
+            for t in _each_tensor(batch):
+                t.record_stream(consumer)
+            nxt = next(source, end)
+            if nxt is not end:
+                nxt = self._copy(nxt)
+            yield batch
+
+
+# --- BackgroundLoader -------------------------------------------------------
+
+# NOTE [BackgroundLoader lifecycle]
+#
+#   consumer thread                          producer thread (daemon, one per iter())
+#   ───────────────                          ────────────────────────────────────────
+#   iter(bg) ── start ────────────────────▶  it = iter(source)
+#   next()  ◀── q.get(timeout) ◀── put ────  for item in it: put(item) until done/stop
+#   next()  ◀── _End ──────────────────────  put(_End)                  (normal end)
+#   next()  ◀── _Raised(exc) ──────────────  put(_Raised(exc))          (source raised)
+#           raise exc (its own traceback)
+#   close() ── stop.set(); drain q ───────▶  put() sees stop, returns; it.close() runs
+#           join(timeout)                    the generator's `finally` in this thread
+#
+# - The queue is bounded (max_prefetch), so a fast producer cannot hold more than that.
+# - put() waits with a timeout and re-checks `stop`, so it never blocks forever on a
+#   consumer that went away; get() likewise re-checks the thread so a consumer never hangs.
+# - End and errors travel as private sentinels, so a `None` item is just an item.
+# - The producer closes its own iterator: a running generator cannot be closed from
+#   another thread ("generator already executing").
+# - The thread holds no reference to the iterator object, so dropping it (GC) calls
+#   close() via __del__; a new iter() closes the previous epoch.  close() is idempotent.
+
+_POLL = 0.05  # seconds between stop checks
+
+
+class _End:
+    pass
+
+
+class _Raised:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(source: Iterable[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
+    it: Iterator[Any] | None = None
+    try:
+        it = iter(source)
+        for item in it:
+            if not _put(q, item, stop):
+                return
+        _put(q, _End, stop)
+    except BaseException as exc:  # sent across: the consumer re-raises it
+        _put(q, _Raised(exc), stop)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):  # the consumer has gone; nobody to tell
+                close()
+
+
+class _BackgroundIterator:
+    """One epoch of a BackgroundLoader: a producer thread and its queue."""
+
+    def __init__(self, source: Iterable[Any], max_prefetch: int, join_timeout: float) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_prefetch)
+        self._stop = threading.Event()
+        self._done = False
+        self._join_timeout = join_timeout
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(source, self._queue, self._stop),
+            name="shmstage-background",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def __iter__(self) -> _BackgroundIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self.close()  # producer gone without a word (stopped): end
+                    raise StopIteration from None
+        if item is _End:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self.close()
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stop the producer, run the source's ``finally``, and join the thread (idempotent)."""
+        self._done = True
+        self._stop.set()
+        try:
+            while True:  # wake a producer blocked in put()
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(self._join_timeout)
+
+    def __enter__(self) -> _BackgroundIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # plain try: module globals (contextlib) may already be gone at interpreter exit
+        try:  # noqa: SIM105
+            self.close()
+        except Exception:
+            pass
+
+
+class BackgroundLoader:
+    """Iterate ``iterable`` in a background thread, up to ``max_prefetch`` items ahead.
+
+    Each ``iter()`` starts one daemon thread (closing the previous epoch's); an exception in
+    the source is re-raised in the consumer with its type and traceback; ``None`` items pass
+    through; ``close()``, leaving a ``with`` block or dropping the iterator stops the thread and
+    runs the source generator's ``finally``.  See NOTE [BackgroundLoader lifecycle].
+    """
+
+    def __init__(
+        self, iterable: Iterable[Any], max_prefetch: int = 2, join_timeout: float = 5.0
+    ) -> None:
+        if max_prefetch < 1:
+            raise ShmstageError(f"max_prefetch={max_prefetch}: use an integer >= 1")
+        self.iterable = iterable
+        self.max_prefetch = max_prefetch
+        self.join_timeout = join_timeout
+        self._current: weakref.ref[_BackgroundIterator] | None = None
+
+    def __iter__(self) -> _BackgroundIterator:
+        self.close()
+        epoch = _BackgroundIterator(self.iterable, self.max_prefetch, self.join_timeout)
+        self._current = weakref.ref(epoch)
+        return epoch
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop the current epoch's thread, if any (idempotent)."""
+        epoch = self._current() if self._current is not None else None
+        self._current = None
+        if epoch is not None:
+            epoch.close()
+
+    def __enter__(self) -> BackgroundLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # No __del__ here: `it = iter(BackgroundLoader(src))` drops the loader at once while the
+    # epoch lives on; each epoch stops itself when it is collected.
+
+
+# --- staged copies ----------------------------------------------------------
+
+
+def staged_path(
+    source_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
+) -> Path:
+    """The staged copy of a dataset when it is staged and complete, else the source (with a warning).
+
+    Lets a training script name its dataset once (``staged_path("/nfs/imagenet")``) and run
+    unchanged on a node where nothing was staged.
+    """
+    from shmstage.stage import find  # the staging engine; imported only when asked for
+
+    found = find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
+    if found is not None:
+        return Path(found.path)
+    warnings.warn(
+        f"{os.fspath(source_or_name)} is not staged on this node; reading it from its source "
+        f"(stage it first: shmstage stage {os.fspath(source_or_name)})",
+        ShmstageWarning,
+        stacklevel=2,
+    )
+    return Path(source_or_name)

@@ -1,0 +1,739 @@
+"""pillow-simd for a training interpreter: check what owns ``PIL``, plan and run a safe
+AVX2 + libjpeg-turbo source build, and record how it was built.
+
+The target interpreter is often not the one shmstage runs in, so facts about it come
+from a small probe run in that interpreter (in-process for the current one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import inspect
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shmstage import system
+from shmstage.errors import RefusedError, ShmstageError
+
+RECORD_NAME = "shmstage-pillow-simd.json"
+"""Build record written next to ``PIL/`` in the target's site-packages (not inside
+``PIL/``: pip would leave it behind there and turn ``PIL`` into a namespace package)."""
+
+OUTPUT_TAIL_LINES = 25
+
+
+# --- check -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """How shmstage built the active pillow-simd (read back from RECORD_NAME)."""
+
+    version: str
+    avx2: bool
+    cc: str
+    cflags: str
+    built_at: str
+    imaging_sha256: str
+
+
+@dataclass(frozen=True)
+class PillowStatus:
+    """What provides ``PIL`` in one interpreter, and whether it is the fast build."""
+
+    python: str
+    flavor: str  # "Pillow" | "pillow-simd" | "conflict" | "none"
+    version: str | None  # PIL.__version__ as imported; None when PIL does not import
+    pillow_version: str | None  # installed distributions (both set = conflict)
+    simd_version: str | None
+    libjpeg_turbo: bool | None  # None: PIL does not import
+    avx2_build: bool | None  # None: unknown (no matching shmstage build record)
+    cpu_avx2: bool
+    ok: bool
+    next_step: str
+    import_error: str | None = None
+    record: BuildRecord | None = None
+    dependents: tuple[str, ...] = ()  # installed packages that require `pillow`
+    site_packages: str | None = None  # where PIL/ lives (or would live)
+    prefix: str | None = None
+    python_h: bool = True  # the interpreter's C headers exist (needed to build)
+
+
+def _probe() -> dict:
+    """Facts about PIL in *this* interpreter. Self-contained: its source also runs in
+    other interpreters through ``python -c``, so it imports everything it uses."""
+    import hashlib
+    import importlib.metadata as md
+    import importlib.util
+    import json
+    import os
+    import re
+    import sys
+    import sysconfig
+
+    facts: dict = {
+        "python": sys.executable,
+        "prefix": sys.prefix,
+        "purelib": sysconfig.get_paths()["purelib"],
+        "python_h": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
+        "pip": importlib.util.find_spec("pip") is not None,
+        "dists": {},
+        "dependents": [],
+        "files": {},
+        "roots": {},
+    }
+    for dist in md.distributions():
+        name = re.sub(r"[-_.]+", "-", (dist.metadata["Name"] or "")).lower()
+        if name in ("pillow", "pillow-simd"):
+            facts["dists"][name] = dist.version
+            facts["files"][name] = [str(f) for f in (dist.files or [])]
+            facts["roots"][name] = str(dist.locate_file(""))
+            continue
+        for req in dist.requires or []:
+            req_name, _, marker = req.partition(";")
+            req_name = re.split(r"[\s\[<>=!~;(]", req_name.strip(), maxsplit=1)[0]
+            if re.sub(r"[-_.]+", "-", req_name).lower() == "pillow" and "extra" not in marker:
+                facts["dependents"].append(dist.metadata["Name"])
+                break
+    try:
+        import PIL
+        from PIL import features
+
+        facts["version"] = PIL.__version__
+        facts["pil_dir"] = os.path.dirname(PIL.__file__)
+        facts["libjpeg_turbo"] = bool(features.check_feature("libjpeg_turbo"))
+        from PIL import _imaging
+
+        with open(_imaging.__file__, "rb") as f:
+            facts["imaging_sha256"] = hashlib.sha256(f.read()).hexdigest()
+        record = os.path.join(os.path.dirname(facts["pil_dir"]), "shmstage-pillow-simd.json")
+        if os.path.exists(record):
+            with open(record) as f:
+                facts["record"] = json.load(f)
+    except Exception as e:  # a broken PIL is a fact to report, not a crash
+        facts["import_error"] = f"{type(e).__name__}: {e}"
+    return facts
+
+
+def probe_source() -> str:
+    """The probe as a ``python -c`` script printing one JSON document."""
+    body = textwrap.dedent(inspect.getsource(_probe))
+    return f"{body}\nimport json as _json\nprint(_json.dumps(_probe()))\n"
+
+
+def _run_probe(python: str) -> dict:
+    try:
+        proc = subprocess.run(
+            [python, "-c", probe_source()], capture_output=True, text=True, timeout=120
+        )
+    except FileNotFoundError:
+        raise RefusedError(f"no such interpreter: {python}") from None
+    except PermissionError:
+        raise RefusedError(f"not an executable interpreter: {python}") from None
+    except subprocess.TimeoutExpired:
+        raise ShmstageError(f"{python} did not answer the PIL probe within 120 s") from None
+    if proc.returncode != 0:
+        # The probe reports PIL problems as facts, so a failure here means the
+        # interpreter itself does not work (not Python, too old, broken).
+        raise RefusedError(
+            f"{python} is not a working Python 3.9+ interpreter "
+            f"(exit {proc.returncode}: {_clip(_tail(proc.stderr or proc.stdout, 1), 160) or 'no output'})"
+        )
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise ShmstageError(f"{python} printed no probe result: {_tail(proc.stdout, 3)}") from None
+
+
+def _record_from(facts: Mapping[str, Any]) -> BuildRecord | None:
+    raw = facts.get("record")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return BuildRecord(**{f.name: raw[f.name] for f in dataclasses.fields(BuildRecord)})
+    except (KeyError, TypeError):
+        return None
+
+
+def status_from_facts(facts: Mapping[str, Any], cpu_avx2: bool, hint: str = "") -> PillowStatus:
+    """Turn probe facts into a verdict. ``hint`` is appended to suggested commands."""
+    dists = facts.get("dists", {})
+    pillow, simd = dists.get("pillow"), dists.get("pillow-simd")
+    flavor = (
+        "conflict" if pillow and simd else "pillow-simd" if simd else "Pillow" if pillow else "none"
+    )
+    error = facts.get("import_error")
+    turbo = None if error else facts.get("libjpeg_turbo")
+    record = _record_from(facts)
+    # A record only speaks for the exact binary it was written for: pip may since have
+    # reinstalled pillow-simd from a cached SSE4 wheel.
+    valid = (
+        record is not None
+        and flavor == "pillow-simd"
+        and record.version == simd
+        and record.imaging_sha256 == facts.get("imaging_sha256")
+    )
+    avx2_build = record.avx2 if valid and record else None
+    cmd = f"shmstage pillow-simd{hint}"
+
+    ok = False
+    if flavor == "none":
+        step = f"PIL is not installed; install pillow-simd: {cmd}"
+    elif flavor == "conflict":
+        step = f"Pillow and pillow-simd are both installed and overwrite each other's PIL/; reinstall cleanly: {cmd}"
+    elif error:
+        step = f"PIL does not import ({error}); reinstall: {cmd}"
+    elif flavor == "Pillow":
+        step = f"stock Pillow is active; replace it with pillow-simd: {cmd}"
+    elif not turbo:
+        step = f"pillow-simd is built without libjpeg-turbo; rebuild: {cmd}"
+    elif avx2_build and not cpu_avx2:
+        step = f"this pillow-simd was built for AVX2, which this CPU lacks (SIGILL); rebuild: {cmd} --no-avx2"
+    else:
+        ok = True
+        if avx2_build is None and cpu_avx2:
+            step = f"build flags unknown (not built by shmstage); to make sure it uses AVX2: {cmd}"
+        elif avx2_build is False and cpu_avx2:
+            step = f"built for SSE4 only; this CPU has AVX2, rebuild for it: {cmd}"
+        else:
+            step = "nothing to do"
+    if ok and facts.get("dependents"):
+        step += f" (note: {_require(facts['dependents'])} `pillow`; see docs/pillow-simd.md)"
+
+    return PillowStatus(
+        python=facts.get("python", ""),
+        flavor=flavor,
+        version=None if error else facts.get("version"),
+        pillow_version=pillow,
+        simd_version=simd,
+        libjpeg_turbo=turbo,
+        avx2_build=avx2_build,
+        cpu_avx2=cpu_avx2,
+        ok=ok,
+        next_step=step,
+        import_error=error,
+        record=record if valid else None,
+        dependents=tuple(sorted(facts.get("dependents", []))),
+        site_packages=os.path.dirname(facts["pil_dir"])
+        if facts.get("pil_dir")
+        else facts.get("purelib"),
+        prefix=facts.get("prefix"),
+        python_h=bool(facts.get("python_h", True)),
+    )
+
+
+def _require(names: Sequence[str]) -> str:
+    return f"{', '.join(sorted(names))} {'requires' if len(names) == 1 else 'require'}"
+
+
+def check(python: str | os.PathLike[str] | None = None) -> PillowStatus:
+    """Which PIL the interpreter ``python`` (default: this one) gets, and is it the fast one."""
+    if python is None:
+        facts = _probe()
+        hint = ""
+    else:
+        facts = _run_probe(os.fspath(python))
+        hint = f" --python {python}"
+    return status_from_facts(facts, system.has_avx2(), hint)
+
+
+# --- plan --------------------------------------------------------------------
+
+X86_64 = ("x86_64", "amd64")
+WORK = "$WORK"  # stands for the install's temporary directory in printed commands
+
+
+@dataclass(frozen=True)
+class Host:
+    """The machine facts a plan depends on (faked in tests)."""
+
+    machine: str
+    cpu_avx2: bool
+    os_ids: tuple[str, ...] = ()  # ID and ID_LIKE from /etc/os-release
+    apt: bool = False
+    debs: frozenset[str] = frozenset()  # installed Debian packages among the ones we need
+    conda: str | None = None  # conda/mamba executable
+    root: bool = False
+    cc: bool = True  # a C compiler named `cc` is on PATH
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing the install does: an external command, or an internal action (no argv)."""
+
+    what: str
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    # "run", or "swap" (a command that changes the installed PIL), or an internal action:
+    # "backup" | "verify" | "record" | "restore" (the last runs only on failure)
+    action: str = "run"
+
+    def command(self) -> str:
+        """The step as a copy-pasteable shell line (for --dry-run and error messages)."""
+        if not self.argv:
+            return f"# {self.what}"
+        import shlex
+
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = " ".join(_quote(a) for a in self.argv)
+        return f"{env} {cmd}" if env else cmd
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    python: str
+    requirement: str  # "pillow-simd" or "pillow-simd==V"
+    avx2: bool
+    cc: str
+    system_deps: str  # "apt" | "conda" | "present" | "skipped"
+    steps: tuple[Step, ...]
+    warnings: tuple[str, ...]
+    nothing_to_do: bool
+    before: PillowStatus
+
+
+def host_facts(proc: str = "/proc", os_release: str = "/etc/os-release") -> Host:
+    """Read the machine facts (read-only; runs dpkg-query when apt exists)."""
+    ids: list[str] = []
+    try:
+        for line in Path(os_release).read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key in ("ID", "ID_LIKE"):
+                ids += value.strip().strip('"').split()
+    except OSError:
+        pass
+    apt = shutil.which("apt-get") is not None
+    debs: frozenset[str] = frozenset()
+    if apt and shutil.which("dpkg-query"):
+        # dpkg-query exits 1 when some names are unknown but still lists the known ones.
+        proc_ = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Package} ${db:Status-Abbrev}\n", *_DEB_CANDIDATES],
+            capture_output=True,
+            text=True,
+        )
+        debs = frozenset(
+            line.split()[0] for line in proc_.stdout.splitlines() if line.split()[1:2] == ["ii"]
+        )
+    conda = os.environ.get("CONDA_EXE") or shutil.which("mamba") or shutil.which("conda")
+    return Host(
+        machine=platform.machine().lower(),
+        cpu_avx2=system.has_avx2(proc),
+        os_ids=tuple(ids),
+        apt=apt,
+        debs=debs,
+        conda=conda,
+        root=os.geteuid() == 0,
+        cc=shutil.which("cc") is not None,
+    )
+
+
+_DEB_CANDIDATES = (
+    "libjpeg62-turbo-dev",
+    "libjpeg-turbo8-dev",
+    "libjpeg-dev",
+    "zlib1g-dev",
+    "python3-dev",
+    "gcc",
+)
+
+
+def _jpeg_deb(os_ids: Sequence[str]) -> str:
+    if "ubuntu" in os_ids:
+        return "libjpeg-turbo8-dev"
+    if "debian" in os_ids:
+        return "libjpeg62-turbo-dev"
+    return "libjpeg-dev"  # both distributions point this at their libjpeg-turbo
+
+
+def _system_steps(host: Host, before: PillowStatus) -> tuple[str, list[Step]]:
+    prefix = before.prefix or ""
+    if prefix and os.path.isdir(os.path.join(prefix, "conda-meta")):
+        if not host.conda:
+            raise RefusedError(
+                f"{before.python} is in a conda environment but no conda/mamba executable was found; "
+                "put conda on PATH, or install libjpeg-turbo and zlib yourself and pass --no-system-deps"
+            )
+        meta = Path(prefix, "conda-meta")
+        wanted = ["libjpeg-turbo", "zlib"]
+        missing = [p for p in wanted if not any(meta.glob(f"{p}-[0-9]*.json"))]
+        if not missing:
+            return "present", []
+        argv = (host.conda, "install", "-y", "-p", prefix, "-c", "conda-forge", *missing)
+        return "conda", [
+            Step(f"installing {', '.join(missing)} from conda-forge into {prefix}", argv)
+        ]
+    if not host.apt:
+        raise RefusedError(
+            "no apt-get and not a conda environment: install the libjpeg-turbo and zlib "
+            "development headers yourself, then rerun with --no-system-deps"
+        )
+    wanted = [_jpeg_deb(host.os_ids), "zlib1g-dev"]
+    if not before.python_h:
+        if not prefix.startswith("/usr"):
+            raise RefusedError(
+                f"Python.h is missing for {before.python} and apt cannot provide it for a "
+                "non-system interpreter; install that Python's development headers"
+            )
+        wanted.append("python3-dev")
+    if not host.cc:
+        wanted.append("gcc")
+    missing = [p for p in wanted if p not in host.debs]
+    if not missing:
+        return "present", []
+    if not host.root:
+        raise RefusedError(
+            f"build dependencies missing: {' '.join(missing)}; run as root to apt-get install "
+            "them, or install them yourself and pass --no-system-deps"
+        )
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    return "apt", [
+        Step("refreshing the apt package lists", ("apt-get", "update", "-q"), env),
+        Step(
+            f"installing {' '.join(missing)}",
+            ("apt-get", "install", "-y", "-q", "--no-install-recommends", *missing),
+            env,
+        ),
+    ]
+
+
+def build_plan(
+    host: Host,
+    before: PillowStatus,
+    *,
+    version: str | None = None,
+    avx2: bool = True,
+    system_deps: bool = True,
+) -> InstallPlan:
+    """The exact steps that turn ``before`` into an AVX2 (or SSE4) pillow-simd build."""
+    if host.machine not in X86_64:
+        raise RefusedError(
+            f"pillow-simd's SIMD code is x86-64 only and this machine is {host.machine}; "
+            "keep stock Pillow"
+        )
+    if version is not None and not version.strip():
+        raise RefusedError("--version must not be empty")
+    warnings: list[str] = []
+    use_avx2 = avx2 and host.cpu_avx2
+    if avx2 and not host.cpu_avx2:
+        warnings.append(
+            "this CPU has no AVX2: building the SSE4 variant (resize gains are smaller); "
+            "an AVX2 build would crash here with SIGILL"
+        )
+    if before.dependents:
+        warnings.append(
+            f"{_require(before.dependents)} `pillow`: installing or upgrading them "
+            "later with pip puts stock Pillow back over pillow-simd (see docs/pillow-simd.md)"
+        )
+    cc = "cc -mavx2" if use_avx2 else "cc"
+    requirement = f"pillow-simd=={version}" if version else "pillow-simd"
+    python = before.python
+    same = (
+        before.ok
+        and before.avx2_build is use_avx2
+        and (version is None or before.simd_version == version)
+    )
+    plan = functools.partial(
+        InstallPlan,
+        python=python,
+        requirement=requirement,
+        avx2=use_avx2,
+        cc=cc,
+        before=before,
+    )
+    if same:
+        return plan(system_deps="skipped", steps=(), nothing_to_do=True, warnings=tuple(warnings))
+
+    if not before.python_h and not system_deps:
+        warnings.append(f"Python.h is missing for {python}: the build will likely fail")
+    pip = (python, "-m", "pip")
+    if not before.site_packages or not os.path.isabs(python):
+        raise RefusedError(
+            f"cannot tell where {python} installs packages; pass --python with an absolute path"
+        )
+    kind, steps = _system_steps(host, before) if system_deps else ("skipped", [])
+    old = [
+        f"{name} {v}"
+        for name, v in (("Pillow", before.pillow_version), ("pillow-simd", before.simd_version))
+        if v
+    ]
+    steps += [
+        Step(
+            f"building the {'AVX2' if use_avx2 else 'SSE4'} pillow-simd wheel from source, "
+            "without pip's cache",
+            (
+                *pip,
+                "wheel",
+                "--no-cache-dir",
+                "--no-binary",
+                "pillow-simd",
+                "--no-deps",
+                "--disable-pip-version-check",
+                requirement,
+                "-w",
+                f"{WORK}/wheel",
+            ),
+            {"CC": cc},
+        ),
+    ]
+    if old:
+        steps.append(
+            Step(
+                f"backing up the installed {' and '.join(old)} files to {WORK}/backup",
+                action="backup",
+            )
+        )
+        steps.append(
+            Step(
+                f"removing {' and '.join(old)}",
+                (*pip, "uninstall", "-y", "--disable-pip-version-check", "pillow", "pillow-simd"),
+                action="swap",
+            )
+        )
+    steps += [
+        Step(
+            "installing the wheel just built",
+            (
+                *pip,
+                "install",
+                "--no-deps",
+                "--no-index",
+                "--disable-pip-version-check",
+                "--find-links",
+                f"{WORK}/wheel",
+                requirement,
+            ),
+            action="swap",
+        ),
+        Step(f"verifying in {python}: import PIL, libjpeg-turbo, a small resize", action="verify"),
+        Step(f"recording the build in {before.site_packages}/{RECORD_NAME}", action="record"),
+    ]
+    if old:
+        steps.append(
+            Step(
+                f"on any failure after the removal: put the backed-up {' and '.join(old)} back",
+                action="restore",
+            )
+        )
+    return plan(system_deps=kind, steps=tuple(steps), nothing_to_do=False, warnings=tuple(warnings))
+
+
+def plan_install(
+    python: str | os.PathLike[str] | None = None,
+    *,
+    version: str | None = None,
+    avx2: bool = True,
+    system_deps: bool = True,
+) -> InstallPlan:
+    """Look at this machine and the target interpreter and plan the install (changes nothing)."""
+    target = os.path.abspath(os.fspath(python)) if python is not None else sys.executable
+    facts = _run_probe(target)
+    if not facts.get("pip"):
+        raise RefusedError(f"{target} has no pip; add it with `{target} -m ensurepip` and rerun")
+    before = status_from_facts(
+        facts, system.has_avx2(), "" if python is None else f" --python {python}"
+    )
+    return build_plan(host_facts(), before, version=version, avx2=avx2, system_deps=system_deps)
+
+
+# --- install -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    changed: bool
+    plan: InstallPlan
+    after: PillowStatus
+    seconds: float
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    if "\n" in arg:
+        return "<script>"
+    return arg if arg.startswith(WORK) and " " not in arg else shlex.quote(arg)
+
+
+def run_step(step: Step, work: str, *, timeout: float | None = None) -> str:
+    """Run one external step without a shell; on failure raise with the command and its output tail."""
+    argv = [a.replace(WORK, work) for a in step.argv]
+    env = {**os.environ, **step.env}
+    try:
+        proc = subprocess.run(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+    except FileNotFoundError:
+        raise ShmstageError(f"{step.what} failed: {argv[0]} not found") from None
+    except subprocess.TimeoutExpired as e:
+        raise ShmstageError(
+            f"{step.what} timed out after {timeout:.0f} s: {step.command()}\n{_tail(e.output)}"
+        ) from None
+    if proc.returncode != 0:
+        lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else "no output"
+        raise ShmstageError(
+            f"{step.what} failed (exit {proc.returncode}): {_clip(last)}\n"
+            f"  command: {step.command().replace(WORK, work)}\n"
+            f"  last lines of its output:\n{_tail(proc.stdout, indent='    ')}"
+        )
+    return proc.stdout
+
+
+_VERIFY_SNIPPET = """
+from PIL import Image as _Image
+_im = _Image.linear_gradient("L").convert("RGB").resize((97, 61), _Image.BICUBIC)
+_im = _im.resize((224, 224), _Image.BILINEAR).transpose(_Image.FLIP_LEFT_RIGHT)
+import io as _io
+_buf = _io.BytesIO(); _im.save(_buf, "JPEG"); _buf.seek(0)
+assert _Image.open(_buf).convert("RGB").size == (224, 224)
+"""
+
+
+def _verify(python: str) -> dict:
+    """Probe the new PIL in ``python`` after a real resize/JPEG round trip; raise unless it is
+    pillow-simd with libjpeg-turbo."""
+    source = probe_source().replace(
+        "\nimport json as _json", _VERIFY_SNIPPET + "\nimport json as _json"
+    )
+    proc = subprocess.run([python, "-c", source], capture_output=True, text=True, timeout=300)
+    if proc.returncode < 0:
+        sig = -proc.returncode
+        raise ShmstageError(
+            f"verification crashed {python} with signal {sig}"
+            + (
+                " (SIGILL: built for instructions this CPU lacks; retry with --no-avx2)"
+                if sig == 4
+                else ""
+            )
+        )
+    if proc.returncode != 0:
+        raise ShmstageError(f"verification failed in {python}:\n{_tail(proc.stderr)}")
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    after = status_from_facts(facts, system.has_avx2())
+    if after.flavor != "pillow-simd" or after.import_error:
+        raise ShmstageError(f"after the install {python} has {after.flavor}, not pillow-simd")
+    if not after.libjpeg_turbo:
+        raise ShmstageError(
+            "the new pillow-simd was built without libjpeg-turbo; "
+            "install the libjpeg-turbo development package and rerun"
+        )
+    return facts
+
+
+def _backup(facts: Mapping[str, Any], dest: Path) -> list[tuple[Path, Path]]:
+    """Copy the installed Pillow/pillow-simd files aside; returns (original, copy) pairs."""
+    pairs: list[tuple[Path, Path]] = []
+    for name, files in facts.get("files", {}).items():
+        root = Path(facts["roots"][name])
+        for rel in files:
+            src = Path(os.path.normpath(root / rel))
+            if not src.is_file():
+                continue  # RECORD lists .pyc files that were never written
+            copy = dest / name / str(len(pairs))
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, copy)
+            pairs.append((src, copy))
+    return pairs
+
+
+def _restore(plan: InstallPlan, pairs: list[tuple[Path, Path]], work: str) -> str:
+    """Put the backed-up distribution back; returns a sentence for the error message."""
+    pip = (plan.python, "-m", "pip")
+    with contextlib.suppress(ShmstageError):
+        run_step(
+            Step("removing the failed install", (*pip, "uninstall", "-y", "pillow-simd", "pillow")),
+            work,
+        )
+    if not pairs:
+        return "PIL was not installed before; the failed pillow-simd was removed again"
+    try:
+        for src, copy in pairs:
+            src.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(copy, src)
+        facts = _run_probe(plan.python)
+    except (OSError, ShmstageError) as e:
+        return f"restoring the previous PIL FAILED ({e}); the backup is in {work}/backup"
+    if facts.get("import_error"):
+        return f"restored the previous files but PIL does not import: {facts['import_error']}"
+    return f"the previous PIL {facts.get('version')} was restored and imports"
+
+
+def install(plan: InstallPlan, log: Callable[[str], None] = lambda _: None) -> InstallResult:
+    """Carry out ``plan``. Until the new wheel exists nothing is removed; after that any
+    failure puts the backed-up previous distribution back (never leaves PIL missing)."""
+    start = time.monotonic()
+    if plan.nothing_to_do:
+        return InstallResult(False, plan, plan.before, 0.0)
+    with tempfile.TemporaryDirectory(prefix="shmstage-pillow-") as work:
+        pairs: list[tuple[Path, Path]] = []
+        touched = False  # PIL in the target changed: from here on, failures restore
+        try:
+            for step in plan.steps:
+                if step.action == "restore":
+                    continue
+                line = f"{step.what}: {step.command()}" if step.argv else step.what
+                log(line.replace(WORK, work))
+                if step.action in ("run", "swap"):
+                    touched = touched or step.action == "swap"
+                    run_step(step, work)
+                elif step.action == "backup":
+                    pairs = _backup(_run_probe(plan.python), Path(work, "backup"))
+                elif step.action == "verify":
+                    facts = _verify(plan.python)
+                elif step.action == "record":
+                    _write_record(plan, facts)
+        except (ShmstageError, OSError) as e:
+            message = str(e) if isinstance(e, ShmstageError) else f"install failed: {e}"
+            if not touched:
+                raise ShmstageError(f"{message}\nnothing was changed in {plan.python}") from None
+            raise ShmstageError(f"{message}\n{_restore(plan, pairs, work)}") from None
+        except KeyboardInterrupt:
+            if touched:
+                log(_restore(plan, pairs, work))
+            raise
+    after = check(plan.python)
+    return InstallResult(True, plan, after, round(time.monotonic() - start, 1))
+
+
+def _write_record(plan: InstallPlan, facts: Mapping[str, Any]) -> None:
+    record = BuildRecord(
+        version=facts["dists"]["pillow-simd"],
+        avx2=plan.avx2,
+        cc=plan.cc,
+        cflags=os.environ.get("CFLAGS", ""),
+        built_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        imaging_sha256=facts["imaging_sha256"],
+    )
+    path = Path(os.path.dirname(facts["pil_dir"]), RECORD_NAME)
+    path.write_text(json.dumps(dataclasses.asdict(record), indent=2) + "\n")
+
+
+def _clip(line: str, width: int = 300) -> str:
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _tail(text: str | bytes | None, lines: int = OUTPUT_TAIL_LINES, indent: str = "") -> str:
+    """The last ``lines`` lines of a command's output (joined with " | " when 3 or fewer)."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    kept = [_clip(line) for line in (text or "").strip().splitlines()[-lines:]]
+    return " | ".join(kept) if lines <= 3 else "\n".join(indent + line for line in kept)

@@ -1,0 +1,300 @@
+"""``shmstage prepare``: converge a node to its YAML config, idempotently.
+
+Steps run in order (inspect, size the tmpfs, stage each dataset, pillow-simd) and each
+reports ok / changed / skipped / failed (or would-change under ``dry_run``).  The first
+failed step stops the run; what earlier steps did stays in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shmstage import system
+from shmstage.capacity import MEMORY_BACKED, RESERVE_CAP
+from shmstage.config import DatasetConfig, NodeConfig
+from shmstage.errors import ShmstageError
+from shmstage.sizes import format_size
+
+if TYPE_CHECKING:
+    from shmstage.shm import RemountPlan
+
+OK, CHANGED, FAILED, SKIPPED, WOULD_CHANGE = "ok", "changed", "failed", "skipped", "would-change"
+_MIB = 1 << 20
+_PAGE = 4096
+# A manifest entry is one JSON list (path, kind, size, mtime, mode, link): ~100-200 bytes.
+_MANIFEST_BYTES_PER_FILE = 256
+
+
+@dataclass(frozen=True)
+class Step:
+    step: str  # "inspect", "shm-size", "stage <name>", "pillow-simd"
+    status: str  # ok | changed | failed | skipped | would-change
+    detail: str
+
+
+@dataclass(frozen=True)
+class PrepareReport:
+    config: str | None
+    dry_run: bool
+    changed: bool  # some step changed the node (always false under dry_run)
+    would_change: bool  # dry_run only: some step would change the node
+    failed: bool
+    error: str | None  # the failed step's message
+    steps: tuple[Step, ...]
+
+
+class StepFailed(ShmstageError):
+    """A prepare step failed; earlier steps' changes stay."""
+
+
+def prepare(
+    config: NodeConfig,
+    *,
+    dry_run: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> PrepareReport:
+    """Converge the node to ``config``; never raises for a failed step (see ``report.failed``)."""
+    say = log or (lambda _msg: None)
+    steps: list[Step] = []
+    error: str | None = None
+    plan: list[tuple[str, Callable[[], tuple[str, str]]]] = [
+        ("inspect", lambda: _inspect(config)),
+        ("shm-size", lambda: _size_shm(config, dry_run)),
+    ]
+    for ds in config.datasets:
+        plan.append((f"stage {ds.name}", lambda ds=ds: _stage(config, ds, dry_run)))
+    plan.append(("pillow-simd", lambda: _pillow(config, dry_run, say)))
+    for name, run in plan:
+        say(f"prepare: {name}...")
+        try:
+            status, detail = run()
+        except (ShmstageError, OSError) as e:
+            error = f"{name} failed: {e}"
+            steps.append(Step(name, FAILED, str(e)))
+            break
+        steps.append(Step(name, status, detail))
+    return PrepareReport(
+        config=config.path,
+        dry_run=dry_run,
+        changed=any(s.status == CHANGED for s in steps),
+        would_change=any(s.status == WOULD_CHANGE for s in steps),
+        failed=error is not None,
+        error=error,
+        steps=tuple(steps),
+    )
+
+
+# -- steps: each returns (status, detail) or raises ShmstageError ------------------------
+
+
+def _inspect(config: NodeConfig) -> tuple[str, str]:
+    path = config.shm.path
+    if not os.path.isdir(path):
+        raise StepFailed(f"shm.path {path} does not exist; mount a tmpfs there or fix shm.path")
+    mount = system.mount_of(path)
+    usage = system.disk_usage(path)
+    fstype = mount.fstype if mount else "unknown"
+    if config.shm.size is not None:
+        if mount is None or os.path.realpath(mount.mountpoint) != os.path.realpath(path):
+            raise StepFailed(
+                f"shm.path {path} is not a mount point, so it cannot be resized; "
+                "point shm.path at the tmpfs mount (e.g. /dev/shm) or drop shm.size"
+            )
+        if fstype != "tmpfs":
+            raise StepFailed(f"shm.path {path} is {fstype}, not tmpfs; only a tmpfs can be resized")
+    mem = system.memory()
+    detail = (
+        f"{fstype} at {mount.mountpoint if mount else path}: {format_size(usage.total)}, "
+        f"{format_size(usage.free)} free; {format_size(mem.usable)} RAM usable"
+    )
+    if fstype not in MEMORY_BACKED:
+        detail += " (not RAM-backed)"
+    return OK, detail
+
+
+def _size_shm(config: NodeConfig, dry_run: bool) -> tuple[str, str]:
+    shm = config.shm
+    if shm.size is None:
+        return SKIPPED, "shm.size not set; the tmpfs size is left alone"
+    from shmstage.shm import apply_remount, plan_remount
+
+    size: int | str = shm.size
+    why = ""
+    if size == "auto":
+        current = system.disk_usage(shm.path).total
+        wanted = auto_size(config)
+        # auto only grows: a tmpfs already big enough is left alone (and persisted as is).
+        size = max(current, wanted)
+        why = f" (auto: datasets + reserve need {format_size(wanted)})"
+    plan = plan_remount(size, shm.path, persist=shm.persist, fstab=shm.fstab)
+    if not plan.changed:
+        persisted = f", persisted in {shm.fstab}" if shm.persist else ""
+        return OK, f"{shm.path} is {format_size(plan.current_size)}{persisted}{why}"
+    what = _describe_remount(plan)
+    if dry_run:
+        return WOULD_CHANGE, f"would {what}{why}"
+    apply_remount(plan)
+    return CHANGED, f"{what}{why}"
+
+
+def _describe_remount(plan: RemountPlan) -> str:
+    parts = []
+    if plan.remount_needed:
+        before = format_size(plan.current_size) if plan.current_size else "unlimited"
+        parts.append(
+            f"resize {plan.path} {before} -> {format_size(plan.new_size)} (size={plan.size_option})"
+        )
+    if plan.fstab_changed:
+        parts.append(f"persist size={plan.size_option} in {plan.fstab}")
+    return " and ".join(parts)
+
+
+def auto_size(config: NodeConfig) -> int:
+    """Size for ``shm.size: auto``, rounded up to whole MiB:
+
+        what the tmpfs holds besides the listed datasets and shmstage's bookkeeping
+      + the tmpfs footprint of the listed sources + an estimate of their manifests
+      + the reserve (default: staging's rule, 10% of the tmpfs, at most 4 GiB).
+
+    Copies already staged are taken out of "what it holds" and put back as sources, so a
+    converged node gets the same answer again (prepare stays idempotent)."""
+    shm = config.shm.path
+    dest_on_shm = _under(config.dest, shm)
+    other = system.disk_usage(shm).used
+    needed = _MIB
+    for ds in config.datasets:
+        size, files = footprint(ds.source)
+        needed += size + files * _MANIFEST_BYTES_PER_FILE
+        if dest_on_shm and _published(ds.name, config.dest) is not None:
+            other -= footprint(os.path.join(config.dest, ds.name))[0]
+    if dest_on_shm:
+        other -= footprint(os.path.join(config.dest, ".shmstage"))[0]
+    base = max(0, other) + needed
+    reserve = config.reserve
+    if reserve is None:
+        reserve = min(RESERVE_CAP, -(-base // 9))  # 10% of the total is base / 9
+    return -(-(base + reserve) // _MIB) * _MIB
+
+
+def footprint(path: str) -> tuple[int, int]:
+    """(bytes the regular files under ``path`` take on a tmpfs: whole pages, hard links
+    once; number of files).  A single file counts as itself; a missing path is (0, 0)."""
+    seen: set[tuple[int, int]] = set()
+    total = files = 0
+
+    def add(st: os.stat_result) -> None:
+        nonlocal total, files
+        files += 1
+        if st.st_nlink > 1:
+            if (st.st_dev, st.st_ino) in seen:
+                return
+            seen.add((st.st_dev, st.st_ino))
+        total += -(-st.st_size // _PAGE) * _PAGE
+
+    try:
+        if not os.path.isdir(path):
+            add(os.stat(path))
+            return total, files
+        stack = [path]
+        while stack:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        add(entry.stat(follow_symlinks=False))
+    except OSError:
+        pass
+    return total, files
+
+
+def _bytes(path: str) -> int:
+    return footprint(path)[0]
+
+
+def _published(name: str, dest: str) -> Any:
+    """The store's record of a published copy, read-only (``find`` would touch last_used)."""
+    from shmstage.stage.store import Store
+
+    store = Store(dest)
+    if not store.exists():
+        return None
+    return store.open(create=False).published(name)
+
+
+def _under(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, str]:
+    from shmstage.stage import stage
+
+    if not os.path.exists(ds.source):
+        raise StepFailed(
+            f"source {ds.source} does not exist; mount it or remove it from the config"
+        )
+    if dry_run:
+        current = staged_is_current(ds.source, ds.name, config.dest)
+        if current:
+            return OK, f"{os.path.join(config.dest, ds.name)} up to date"
+        what = "stage" if current is False else "check and refresh"
+        return WOULD_CHANGE, f"would {what} {ds.source} ({format_size(_bytes(ds.source))})"
+    result = stage(
+        ds.source, name=ds.name, dest=config.dest, verify=ds.verify, reserve=config.reserve
+    )
+    if result.changed:
+        return CHANGED, (
+            f"copied {format_size(result.copied_bytes)} to {result.path} "
+            f"in {result.seconds:.1f}s (verify={ds.verify})"
+        )
+    files = f"{result.files} file{'' if result.files == 1 else 's'}"
+    return OK, f"{result.path} up to date ({files}, {format_size(result.bytes)})"
+
+
+def staged_is_current(source: str, name: str, dest: str) -> bool | None:
+    """Would ``stage(source, name=name, dest=dest)`` copy nothing?  Read-only (unlike
+    ``find``, it does not touch last_used); None when the store cannot be read."""
+    from shmstage.stage.plan import walk
+    from shmstage.stage.store import Store
+
+    try:
+        record = _published(name, dest)
+        manifest = Store(dest).read_manifest(name) if record else None
+        real = os.path.realpath(source)
+        if record is None or manifest is None or record.source != real:
+            return False
+        if manifest.get("root") != [record.root_ino, record.root_dev]:
+            return False
+        if os.path.isdir(real):
+            # The engine's own test (stage/engine.py): the walked tree equals the manifest.
+            return manifest.get("entries") == [list(e) for e in walk(real).entries]
+        st = os.stat(real)
+        return manifest.get("archive") == [st.st_size, st.st_mtime_ns, st.st_ino]
+    except (ShmstageError, OSError, KeyError, TypeError):
+        return None
+
+
+def _pillow(config: NodeConfig, dry_run: bool, say: Callable[[str], None]) -> tuple[str, str]:
+    cfg = config.pillow_simd
+    if not cfg.enabled:
+        return SKIPPED, "pillow_simd.enabled is false"
+    from shmstage import pillow
+
+    target = cfg.python or "shmstage's python"
+    plan = pillow.plan_install(cfg.python, version=cfg.version)
+    if plan.nothing_to_do:
+        return OK, f"pillow-simd {plan.before.version} in {target}"
+    before = f"{plan.before.flavor} {plan.before.version or ''}".strip()
+    if dry_run:
+        return (
+            WOULD_CHANGE,
+            f"would build and install {plan.requirement} into {target} (now: {before})",
+        )
+    result = pillow.install(plan, log=say)
+    if not result.changed:
+        return OK, f"pillow-simd {result.after.version} in {target}"
+    return CHANGED, f"installed pillow-simd {result.after.version} into {target} (was: {before})"

@@ -1,0 +1,486 @@
+"""Resize a tmpfs (normally /dev/shm) and persist its size in fstab.
+
+The only module that changes mounts or fstab.  :func:`plan_remount` checks
+everything and changes nothing (``--dry-run`` stops there); :func:`apply_remount`
+carries a plan out: remount first, then swap in the new fstab atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+import shlex
+import stat
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from shmstage import system
+from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+from shmstage.sizes import format_size, is_percent, mount_size, parse_size
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RemountPlan:
+    """What ``remount`` would do.  Nothing has been changed yet."""
+
+    path: str  # the tmpfs mount point
+    requested: str  # the size as given: "64G", "50%", "68719476736"
+    current_size: int  # bytes; 0 = unlimited tmpfs
+    new_size: int  # bytes, rounded the way the kernel will round them
+    size_option: str  # the value passed as size= ("64G", "1536M")
+    used: int  # bytes in use on the tmpfs now
+    ceiling: int  # RAM this node/cgroup can hold: the limit without --force
+    remount_needed: bool
+    commands: tuple[str, ...]  # exact shell commands, for humans and --dry-run
+    persist: bool
+    fstab: str | None
+    fstab_changed: bool
+    fstab_diff: str  # unified diff; "" when fstab stays as it is
+    backup: str | None  # where the old fstab is kept when it changes
+    warnings: tuple[str, ...]
+
+    @property
+    def changed(self) -> bool:
+        return self.remount_needed or self.fstab_changed
+
+
+@dataclass(frozen=True)
+class RemountResult:
+    """What ``remount`` did (or, with ``dry_run``, would do)."""
+
+    path: str
+    dry_run: bool
+    changed: bool
+    old_size: int
+    new_size: int  # read back from the kernel after a real remount
+    size_option: str
+    used: int
+    remounted: bool
+    commands: tuple[str, ...]
+    fstab: str | None
+    fstab_changed: bool
+    fstab_diff: str
+    backup: str | None
+    warnings: tuple[str, ...]
+    message: str
+
+
+# --- planning ---------------------------------------------------------------
+
+
+def _tmpfs_mount(path: str, proc: str) -> system.Mount:
+    if not os.path.exists(path):
+        raise RefusedError(f"{path} does not exist; give the mount point of a tmpfs with --path")
+    real = os.path.realpath(path)
+    mount = system.mount_of(real, proc)
+    if mount is not None and mount.mountpoint == real and mount.fstype == "tmpfs":
+        return mount
+    if mount is None:
+        where = "it is on no mount this process can see"
+    elif mount.fstype == "tmpfs":
+        where = (
+            f"it is inside the tmpfs mounted at {mount.mountpoint}; use --path {mount.mountpoint}"
+        )
+    else:
+        where = f"it is on {mount.fstype} mounted at {mount.mountpoint}"
+    raise RefusedError(
+        f"{path} is not a tmpfs mount point ({where}); remount only resizes tmpfs mounts such as /dev/shm"
+    )
+
+
+def current_size(mount: system.Mount, path: str) -> int:
+    """The tmpfs size in bytes (0 = unlimited), from its ``size=`` option or statvfs."""
+    opt = mount.option("size")
+    if opt is not None:
+        try:
+            return parse_size(opt)
+        except ShmstageError:
+            pass  # an odd spelling: ask statvfs instead
+    return system.disk_usage(path).total
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _ram_words(mem: system.Memory) -> str:
+    if mem.cgroup.limit is not None and mem.cgroup.limit < mem.total:
+        return "this cgroup's memory limit"
+    return "RAM on this node"
+
+
+def human(n: int) -> str:
+    """``64G`` when exact, else ``24684084k (23.5 GiB)``."""
+    if n == 0:
+        return "unlimited"  # a tmpfs mounted with size=0
+    exact = mount_size(n)
+    return exact if exact[-1:] in ("M", "G", "T") else f"{exact} ({format_size(n)})"
+
+
+def plan_remount(
+    size: str | int,
+    path: str = "/dev/shm",
+    *,
+    persist: bool = False,
+    fstab: str = "/etc/fstab",
+    force: bool = False,
+    memory: system.Memory | None = None,
+    proc: str = "/proc",
+) -> RemountPlan:
+    """Check a resize of the tmpfs at ``path`` to ``size`` and say exactly what it takes.
+
+    ``size`` is bytes, ``"64G"``-style, or ``"N%"`` of the memory this node/cgroup
+    can hold (``system.memory().ceiling``).  Raises :class:`RefusedError` (exit 2)
+    for a shrink below what is used, a size beyond RAM/the cgroup limit without
+    ``force``, or a path that is not a tmpfs mount point."""
+    mount = _tmpfs_mount(path, proc)
+    mem = memory if memory is not None else system.memory()
+    ceiling = mem.ceiling
+    requested = str(size).strip()
+    new = parse_size(size, percent_of=ceiling)
+    # The kernel keeps whole pages; a percentage is rounded down to a MiB so the
+    # command reads well (size=12053M rather than size=12638957568).
+    new = (new // _MIB) * _MIB if is_percent(requested) else _round_up(new, PAGE_SIZE)
+    if new <= 0:
+        raise RefusedError(
+            f"invalid size {requested!r}: it must be more than 0 (size=0 would make the tmpfs unlimited)"
+        )
+    option = mount_size(new)
+    where = mount.mountpoint
+    current = current_size(mount, where)
+    if current == 0:
+        raise RefusedError(
+            f"{where} is a tmpfs without a size limit (size=0) and the kernel cannot add one by "
+            f"remounting; unmount it and mount it again: mount -t tmpfs -o size={option} tmpfs {where}"
+        )
+    used = system.disk_usage(where).used
+    if new < used:
+        raise RefusedError(
+            f"refusing to shrink {where} to {option}: {format_size(used)} is in use; "
+            f"free space first (e.g. `shmstage evict`) or choose at least {mount_size(_round_up(used, _MIB))}"
+        )
+    warnings: list[str] = []
+    if new > ceiling:
+        if not force:
+            raise RefusedError(
+                f"refusing to size {where} to {option}: more than the {format_size(ceiling)} of "
+                f"{_ram_words(mem)}; tmpfs pages live in RAM, so filling it would swap or OOM-kill "
+                "processes; pass --force to do it anyway"
+            )
+        warnings.append(
+            f"{option} is more than the {format_size(ceiling)} of {_ram_words(mem)} (--force)"
+        )
+    remount_needed = _round_up(current, PAGE_SIZE) != new
+    commands = (
+        (shlex.join(["mount", "-o", f"remount,size={option}", where]),) if remount_needed else ()
+    )
+
+    fstab_path: str | None = None
+    fstab_changed, diff, backup = False, "", None
+    if persist:
+        fstab_path = fstab
+        before = read_fstab(fstab)
+        after = edit_fstab(before, where, option, fstab=fstab)
+        fstab_changed = after != before
+        if fstab_changed:
+            diff = fstab_diff(before, after, fstab)
+            backup = backup_path(fstab)
+    if (remount_needed or fstab_changed) and not system.has_cap_sys_admin(proc):
+        warnings.append("applying this needs root (CAP_SYS_ADMIN)")
+    return RemountPlan(
+        path=where,
+        requested=requested,
+        current_size=current,
+        new_size=new,
+        size_option=option,
+        used=used,
+        ceiling=ceiling,
+        remount_needed=remount_needed,
+        commands=commands,
+        persist=persist,
+        fstab=fstab_path,
+        fstab_changed=fstab_changed,
+        fstab_diff=diff,
+        backup=backup,
+        warnings=tuple(warnings),
+    )
+
+
+# --- fstab ------------------------------------------------------------------
+# fstab is edited as text, line by line: lines for other mount points are
+# passed through untouched (bytes included: read and written with
+# surrogateescape), and the line for our mount point only gets its options
+# field replaced, so its spacing and comments stay as the admin wrote them.
+
+
+_FIELD = re.compile(r"\S+")
+
+
+def read_fstab(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "surrogateescape")
+    except FileNotFoundError:
+        raise RefusedError(
+            f"fstab {path} does not exist; pass an existing file with --fstab"
+        ) from None
+    except PermissionError:
+        raise PermissionDenied(f"cannot read {path}: permission denied; run as root") from None
+    except IsADirectoryError:
+        raise RefusedError(f"fstab {path} is a directory; pass a file with --fstab") from None
+
+
+def _same_size(value: str, size_option: str) -> bool:
+    try:
+        return parse_size(value) == parse_size(size_option)  # 64g == 64G == 65536M
+    except ShmstageError:
+        return False  # e.g. "50%": rewrite it with the resolved size
+
+
+def _with_size(options: str, size_option: str) -> str:
+    sizes = [o.partition("=")[2] for o in options.split(",") if o.startswith("size=")]
+    if len(sizes) == 1 and _same_size(sizes[0], size_option) and "nr_blocks=" not in options:
+        return options  # already right: leave the admin's spelling alone
+    out: list[str] = []
+    placed = False
+    for opt in options.split(","):
+        key = opt.partition("=")[0]
+        if key in ("size", "nr_blocks"):  # nr_blocks= is size= in pages: one of them
+            if not placed:
+                out.append(f"size={size_option}")
+                placed = True
+            continue
+        if opt:
+            out.append(opt)
+    if not placed:
+        out.append(f"size={size_option}")
+    return ",".join(out)
+
+
+def _same_mountpoint(a: str, b: str) -> bool:
+    return (a.rstrip("/") or "/") == (b.rstrip("/") or "/")
+
+
+def edit_fstab(text: str, mountpoint: str, size_option: str, *, fstab: str = "fstab") -> str:
+    """``text`` with the tmpfs line(s) for ``mountpoint`` set to ``size=size_option``.
+
+    Existing lines keep their other options; a missing line is appended as
+    ``tmpfs <mountpoint> tmpfs defaults,size=<size> 0 0``."""
+    lines = text.split("\n")
+    found = False
+    for n, line in enumerate(lines):
+        body = line.rstrip("\r")
+        if not body.strip() or body.lstrip().startswith("#"):
+            continue
+        fields = [(m.start(), m.end()) for m in _FIELD.finditer(body)]
+        if len(fields) < 2:
+            continue
+        if not _same_mountpoint(system.unescape_mount_field(body[slice(*fields[1])]), mountpoint):
+            continue
+        fstype = body[slice(*fields[2])] if len(fields) > 2 else "?"
+        if fstype != "tmpfs":
+            raise RefusedError(
+                f"{fstab} line {n + 1} mounts {mountpoint} as {fstype}, not tmpfs; edit that line by hand"
+            )
+        if len(fields) > 3:
+            start, end = fields[3]
+            body = body[:start] + _with_size(body[start:end], size_option) + body[end:]
+        else:
+            body = body + f"\tdefaults,size={size_option}\t0\t0"
+        lines[n] = body + line[len(line.rstrip("\r")) :]
+        found = True
+    if found:
+        return "\n".join(lines)
+    if text and not text.endswith("\n"):
+        text += "\n"
+    return (
+        text
+        + f"tmpfs {system.escape_mount_field(mountpoint)} tmpfs defaults,size={size_option} 0 0\n"
+    )
+
+
+def fstab_diff(before: str, after: str, path: str) -> str:
+    def lines(text: str) -> list[str]:
+        return [ln if ln.endswith("\n") else ln + "\n" for ln in text.splitlines(keepends=True)]
+
+    return "".join(difflib.unified_diff(lines(before), lines(after), fromfile=path, tofile=path))
+
+
+def backup_path(fstab: str) -> str:
+    return os.path.realpath(fstab) + ".shmstage.bak"
+
+
+def _write_atomic(path: str, data: bytes, like: os.stat_result) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory, fsync, rename."""
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, stat.S_IMODE(like.st_mode))
+        if os.geteuid() == 0:
+            os.chown(tmp, like.st_uid, like.st_gid)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def write_fstab(path: str, text: str) -> str:
+    """Replace fstab atomically with ``text``; the old content goes to ``<fstab>.shmstage.bak``.
+
+    Returns the backup path."""
+    real = os.path.realpath(path)  # a symlinked fstab stays a symlink
+    try:
+        st = os.stat(real)
+        with open(real, "rb") as f:
+            old = f.read()
+        backup = backup_path(path)
+        _write_atomic(backup, old, st)
+        _write_atomic(real, text.encode("utf-8", "surrogateescape"), st)
+    except PermissionError:
+        raise PermissionDenied(
+            f"cannot write {path}: permission denied; run as root (sudo shmstage remount ... --persist)"
+        ) from None
+    except OSError as e:
+        raise ShmstageError(
+            f"cannot write {path}: {e.strerror}; fstab was left as it was"
+        ) from None
+    return backup
+
+
+# --- applying ---------------------------------------------------------------
+
+
+def _k8s(option: str) -> str:
+    return (
+        option[:-1] + {"k": "Ki", "M": "Mi", "G": "Gi", "T": "Ti"}[option[-1]]
+        if option[-1:] in "kMGT"
+        else option
+    )
+
+
+def not_permitted_message(path: str, option: str) -> str:
+    return (
+        f"cannot resize {path}: changing a mount needs root with CAP_SYS_ADMIN, which this process lacks. "
+        f"On the host run it as root (sudo shmstage remount --size {option}); in a container the size is "
+        f"set when it starts: `docker run --shm-size={option.lower()}`, or on Kubernetes mount an "
+        f"`emptyDir: {{medium: Memory, sizeLimit: {_k8s(option)}}}` volume at {path}"
+    )
+
+
+def _remount(plan: RemountPlan) -> None:
+    argv = ["mount", "-o", f"remount,size={plan.size_option}", plan.path]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise ShmstageError("mount(8) is not installed; install util-linux") from None
+    if done.returncode == 0:
+        return
+    # util-linux appends "dmesg(1) may have more information..." lines: keep the reason.
+    lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+    reason = [ln for ln in lines if "dmesg(1)" not in ln] or lines
+    text = " ".join(reason) if reason else f"exit code {done.returncode}"
+    lowered = text.lower()
+    if "permission denied" in lowered or "superuser" in lowered or "not permitted" in lowered:
+        # e.g. root in a container whose seccomp/AppArmor profile forbids mount(2)
+        raise PermissionDenied(not_permitted_message(plan.path, plan.size_option))
+    raise ShmstageError(f"`{shlex.join(argv)}` failed: {text}")
+
+
+def apply_remount(plan: RemountPlan, *, proc: str = "/proc") -> RemountResult:
+    """Remount (when the size differs), then persist in fstab (when asked and it differs)."""
+    if not plan.changed:
+        return plan_result(plan)
+    new_fstab: str | None = None
+    if plan.fstab_changed and plan.fstab is not None:
+        # Re-read: fstab may have changed since the plan; other lines stay as they are now.
+        new_fstab = edit_fstab(
+            read_fstab(plan.fstab), plan.path, plan.size_option, fstab=plan.fstab
+        )
+        if not os.access(os.path.dirname(os.path.realpath(plan.fstab)), os.W_OK):
+            raise PermissionDenied(
+                f"cannot write {plan.fstab}: permission denied; run as root (sudo shmstage remount ... --persist)"
+            )
+    if plan.remount_needed:
+        if not system.has_cap_sys_admin(proc):
+            raise PermissionDenied(not_permitted_message(plan.path, plan.size_option))
+        _remount(plan)
+    backup = write_fstab(plan.fstab, new_fstab) if new_fstab is not None and plan.fstab else None
+    mount = system.mount_of(plan.path, proc)
+    after = current_size(mount, plan.path) if mount is not None else plan.new_size
+    parts = []
+    if plan.remount_needed:
+        parts.append(f"resized {plan.path} from {human(plan.current_size)} to {human(after)}")
+    else:
+        parts.append(f"{plan.path} is already {human(after)}")
+    if backup:
+        parts.append(f"persisted size={plan.size_option} in {plan.fstab} (backup: {backup})")
+    return RemountResult(
+        path=plan.path,
+        dry_run=False,
+        changed=True,
+        old_size=plan.current_size,
+        new_size=after,
+        size_option=plan.size_option,
+        used=plan.used,
+        remounted=plan.remount_needed,
+        commands=plan.commands,
+        fstab=plan.fstab,
+        fstab_changed=backup is not None,
+        fstab_diff=plan.fstab_diff,
+        backup=backup,
+        warnings=plan.warnings,
+        message="; ".join(parts),
+    )
+
+
+def plan_result(plan: RemountPlan, *, dry_run: bool = False) -> RemountResult:
+    """The result of a plan that is not carried out: nothing to do, or ``--dry-run``."""
+    if not plan.changed:
+        where = f"{plan.path} and {plan.fstab}" if plan.persist else plan.path
+        message = f"{where}: already {human(plan.current_size)}, nothing to do"
+    else:
+        parts = []
+        if plan.remount_needed:
+            parts.append(
+                f"would resize {plan.path} from {human(plan.current_size)} to {human(plan.new_size)}"
+            )
+        else:
+            parts.append(f"{plan.path} is already {human(plan.current_size)}")
+        if plan.fstab_changed:
+            parts.append(
+                f"would persist size={plan.size_option} in {plan.fstab} (backup: {plan.backup})"
+            )
+        message = "dry run, nothing changed: " + "; ".join(parts)
+    return RemountResult(
+        path=plan.path,
+        dry_run=dry_run,
+        changed=plan.changed and dry_run,  # in a dry run: what would change
+        old_size=plan.current_size,
+        new_size=plan.new_size if dry_run else plan.current_size,
+        size_option=plan.size_option,
+        used=plan.used,
+        remounted=False,
+        commands=plan.commands,
+        fstab=plan.fstab,
+        fstab_changed=False,
+        fstab_diff=plan.fstab_diff,
+        backup=None,
+        warnings=plan.warnings,
+        message=message,
+    )

@@ -1,0 +1,56 @@
+"""The staging engine: copy a dataset into tmpfs, exactly, atomically, once.
+
+Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
+
+    DEST/<name>/                          the published dataset: exactly the source tree,
+                                          nothing added (a real directory, replaced in one
+                                          renameat2(RENAME_EXCHANGE) on republish)
+    DEST/.shmstage/meta/<name>.json       summary: source, bytes, files, staged_at,
+                                          last_used, inode of DEST/<name>
+    DEST/.shmstage/manifests/<name>.json  every entry (path, kind, size, mtime_ns, mode, link)
+    DEST/.shmstage/locks/<name>.lock      flock held while staging or evicting <name>
+    DEST/.shmstage/partial/<name>/        the next version being built (0700; resumed after
+                                          a crash, removed on any handled failure)
+    DEST/.shmstage/trash/                 old versions on their way out
+
+A dataset is published when DEST/<name> exists and its inode matches the one in
+its meta record; :func:`find` and :func:`list_staged` return only such copies.
+Readers need no lock: they see either no dataset or a complete one.
+
+    from shmstage.stage import stage, find
+    ds = stage("/nfs/imagenet")            # StagedDataset(path="/dev/shm/shmstage/imagenet", ...)
+    find("imagenet") or find("/nfs/imagenet")
+"""
+
+from __future__ import annotations
+
+from shmstage.stage.engine import (
+    Difference,
+    Interrupted,
+    Progress,
+    StagedDataset,
+    VerifyReport,
+    evict,
+    find,
+    list_staged,
+    stage,
+    summary,
+    verify,
+)
+from shmstage.stage.store import DEFAULT_DEST, resolve_dest
+
+__all__ = [
+    "DEFAULT_DEST",
+    "Difference",
+    "Interrupted",
+    "Progress",
+    "StagedDataset",
+    "VerifyReport",
+    "evict",
+    "find",
+    "list_staged",
+    "resolve_dest",
+    "stage",
+    "summary",
+    "verify",
+]

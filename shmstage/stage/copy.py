@@ -1,0 +1,569 @@
+"""The parallel copier: forked worker processes copy (or compare) batches of files.
+
+Threads are not enough for many small files (the GIL serialises the per-file
+Python work), so the work runs in processes, a few syscalls per file
+(open, sendfile, fstat, futimens, fadvise, close), batched so that one pipe
+message moves up to a few hundred files.  Big files are split into chunks that
+several workers copy at once.
+
+NOTE [copier lifecycle]
+
+    main process (run)                      worker i (forked)
+    ------------------                      -----------------
+    build tasks (inherited by fork)
+    fork N workers  ----------------------> ignore SIGINT, die with the parent
+    send 2N task indices  ---- task pipe -> read 4 bytes: a task index (-1: exit 0)
+    select(result pipe, 0.2 s)              copy/compare the task's files
+       OK       -> progress, send next <--- one record per task (<= PIPE_BUF: atomic)
+       MISMATCH -> remember (compare)  <--- one record per differing file
+       ERROR    -> stop, raise         <--- errno, what failed, which file
+       a worker died -> raise
+    all done: send -1 per worker, reap
+    any exception (ours, SIGTERM, Ctrl-C): SIGKILL every worker, reap, re-raise
+    (idempotent; the caller then removes the partial tree)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import select
+import signal
+import struct
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from shmstage.errors import ShmstageError
+from shmstage.system import usable_cpus
+
+# A job: (src, dst, size, mtime_ns, atime_ns, mode, rel)
+Job = tuple
+COPY, COMPARE = 0, 1
+
+BATCH_FILES = 256
+BATCH_BYTES = 32 << 20
+CHUNK = 64 << 20  # files above 2 chunks are split so several workers share them
+BUF = 1 << 20
+SMALL = 256 << 10  # read whole, write whole
+
+_OK, _ERR, _MISMATCH = 0, 1, 2
+(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL) = range(6)
+_HEAD = struct.Struct("<iiqqii i")
+_PIPE_BUF = 4096
+
+# Test hook (documented in docs/staging.md): seconds to sleep after each copied
+# file, so tests can land a signal mid-copy on a tiny dataset.
+SLOW_ENV = "SHMSTAGE_TEST_SLOW_COPY"
+
+_RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOATIME = getattr(os, "O_NOATIME", 0)
+_WR_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_WR_OLD = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
+_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", 2)
+_PR_SET_PDEATHSIG = 1
+
+
+def default_workers() -> int:
+    """Copying is I/O bound: more workers than CPUs hides disk/NFS latency."""
+    return min(16, max(4, 2 * usable_cpus()))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a worker reported: which file, what went wrong."""
+
+    kind: str  # "read", "write", "vanished", "changed", "internal"
+    errno: int
+    path: str
+    detail: str
+
+
+class CopyFailed(ShmstageError):
+    """A worker could not copy a file; ``failure`` says which and why."""
+
+    def __init__(self, message: str, failure: Failure) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass(frozen=True)
+class Task:
+    op: int
+    first: int  # job index
+    last: int  # one past the last job (whole files), or first + 1 (a chunk)
+    offset: int = 0
+    length: int = -1  # -1: whole files
+
+
+def make_tasks(
+    jobs: Sequence[Job], op: int = COPY, chunk: int = CHUNK
+) -> tuple[list[Task], list[int]]:
+    """Batches of small files and chunks of big ones; returns (tasks, chunked job indices).
+
+    Chunks go first so the big files start early and the small batches fill the tail."""
+    chunks: list[Task] = []
+    batches: list[Task] = []
+    chunked: list[int] = []
+    start, nbytes = None, 0
+    for i, job in enumerate(jobs):
+        size = job[2]
+        if size > 2 * chunk:
+            chunked.append(i)
+            for off in range(0, size, chunk):
+                chunks.append(Task(op, i, i + 1, off, min(chunk, size - off)))
+            if start is not None:
+                batches.append(Task(op, start, i))
+                start, nbytes = None, 0
+            continue
+        if start is None:
+            start, nbytes = i, 0
+        nbytes += size
+        if i + 1 - start >= BATCH_FILES or nbytes >= BATCH_BYTES:
+            batches.append(Task(op, start, i + 1))
+            start = None
+    if start is not None:
+        batches.append(Task(op, start, len(jobs)))
+    return chunks + batches, chunked
+
+
+def run(
+    jobs: Sequence[Job],
+    tasks: Sequence[Task],
+    workers: int,
+    progress: Callable[[int, int], None] | None = None,
+    while_running: Callable[[], None] | None = None,
+) -> list[str]:
+    """Run ``tasks`` in ``workers`` processes; returns differing paths (compare tasks).
+
+    ``progress(bytes, files)`` is called with increments; ``while_running()`` once,
+    right after the workers start.  Raises CopyFailed on the first failure, after
+    every worker is gone."""
+    if not tasks:
+        return []
+    workers = max(1, min(workers, len(tasks)))
+    slow = float(os.environ.get(SLOW_ENV) or 0)
+    task_r, task_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pids: list[int] = []
+    alive: set[int] = set()
+    mismatches: list[str] = []
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about fork() in a threaded process; workers only
+            # make os.* calls on inherited data, never locks held by other threads.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for _ in range(workers):
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    code = 1
+                    try:
+                        os.close(task_w)
+                        os.close(res_r)
+                        code = _worker(jobs, tasks, task_r, res_w, slow)
+                    finally:
+                        os._exit(code)
+                pids.append(pid)
+                alive.add(pid)
+        os.close(task_r)
+        os.close(res_w)
+        task_r = res_w = -1
+        feed = _Feeder(task_w, len(tasks), len(pids))
+        feed.push()
+        if while_running is not None:
+            while_running()  # the workers are busy; the parent's own work overlaps theirs
+        done = 0
+        while done < len(tasks):
+            ready, _, _ = select.select([res_r], [], [], 0.2)
+            if not ready:
+                _check_alive(alive)
+                continue
+            status, task, nbytes, nfiles, err, kind, text = _read_record(res_r)
+            if status == _MISMATCH:
+                mismatches.append(text)
+                continue
+            if status == _ERR:
+                raise _failure(jobs, err, kind, text)
+            done += 1
+            if progress is not None:
+                progress(nbytes, nfiles)
+            feed.push()
+        feed.finish()
+        for pid in alive:
+            os.waitpid(pid, 0)
+        pids = []
+    finally:
+        pids = [pid for pid in pids if pid in alive]
+        for pid in pids:  # something went wrong: stop every worker now
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        for fd in (task_r, task_w, res_r, res_w):
+            if fd >= 0:
+                os.close(fd)
+    return mismatches
+
+
+class _Feeder:
+    """Task indices (then one -1 per worker) into the task pipe, as many as fit.
+
+    The pipe is enlarged and written without blocking in PIPE_BUF pieces (atomic,
+    so a worker's 4-byte read always gets one whole index)."""
+
+    def __init__(self, fd: int, ntasks: int, nworkers: int) -> None:
+        self.fd = fd
+        self.records = list(range(ntasks)) + [-1] * nworkers
+        self.next = 0
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+        os.set_blocking(fd, False)
+
+    def push(self) -> None:
+        per = _PIPE_BUF // 4
+        while self.next < len(self.records):
+            batch = self.records[self.next : self.next + per]
+            try:
+                os.write(self.fd, struct.pack(f"<{len(batch)}i", *batch))
+            except BlockingIOError:
+                if len(batch) == 1:
+                    return
+                per = 1  # less than PIPE_BUF free: go one record at a time
+                continue
+            self.next += len(batch)
+
+    def finish(self) -> None:
+        os.set_blocking(self.fd, True)
+        for i in range(self.next, len(self.records)):
+            os.write(self.fd, struct.pack("<i", self.records[i]))
+        self.next = len(self.records)
+
+
+def _check_alive(alive: set[int]) -> None:
+    for pid in list(alive):
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            alive.discard(pid)
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                raise ShmstageError(
+                    f"a copy worker was killed by signal {sig} ({signal.Signals(sig).name}); "
+                    "out of memory? check `dmesg` and the reserve"
+                )
+            if os.WEXITSTATUS(status):  # 0: it took an end marker; its results are in the pipe
+                raise ShmstageError(
+                    f"a copy worker exited early with status {os.WEXITSTATUS(status)}"
+                )
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise ShmstageError("copy workers exited unexpectedly")
+        data += chunk
+    return data
+
+
+def _read_record(fd: int) -> tuple[int, int, int, int, int, int, str]:
+    status, task, nbytes, nfiles, err, kind, size = _HEAD.unpack(_read_exact(fd, _HEAD.size))
+    text = _read_exact(fd, size).decode("utf-8", "surrogateescape") if size else ""
+    return status, task, nbytes, nfiles, err, kind, text
+
+
+def _send(
+    fd: int,
+    status: int,
+    task: int,
+    nbytes: int,
+    nfiles: int,
+    err: int = 0,
+    kind: int = 0,
+    text: str = "",
+) -> None:
+    raw = text.encode("utf-8", "surrogateescape")[: _PIPE_BUF - _HEAD.size]
+    os.write(fd, _HEAD.pack(status, task, nbytes, nfiles, err, kind, len(raw)) + raw)
+
+
+_KINDS = {
+    _K_READ: "read",
+    _K_WRITE: "write",
+    _K_VANISHED: "vanished",
+    _K_CHANGED: "changed",
+    _K_INTERNAL: "internal",
+}
+
+
+def _failure(jobs: Sequence[Job], err: int, kind: int, text: str) -> CopyFailed:
+    f = Failure(_KINDS.get(kind, "internal"), err, text, os.strerror(err) if err else "")
+    if f.kind == "vanished":
+        msg = f"source file vanished during the copy: {text}; re-run when the source is stable"
+    elif f.kind == "changed":
+        msg = f"source file changed during the copy: {text} (its size or mtime differs from the scan); re-run when the source is stable"
+    elif f.kind == "read":
+        msg = f"cannot read source file {text}: {f.detail}"
+    elif f.kind == "write":
+        msg = f"cannot write {text}: {f.detail}"
+    else:
+        msg = f"copy worker failed on {text}"
+    return CopyFailed(msg, f)
+
+
+# --- the worker --------------------------------------------------------------------
+
+
+class _Fail(Exception):
+    def __init__(self, kind: int, err: int, path: str) -> None:
+        self.kind, self.err, self.path = kind, err, path
+
+
+def _worker(
+    jobs: Sequence[Job], tasks: Sequence[Task], task_r: int, res_w: int, slow: float
+) -> int:  # pragma: no cover - child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(
+            _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0
+        )  # die with the parent, even on SIGKILL
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return 1
+    os.umask(0)  # modes are given exactly at create time
+    state = _State()
+    while True:
+        idx = struct.unpack("<i", _read_exact(task_r, 4))[0]
+        if idx < 0:
+            return 0
+        task = tasks[idx]
+        try:
+            nbytes, nfiles = _do_task(jobs, task, state, res_w, idx, slow)
+        except _Fail as f:
+            _send(res_w, _ERR, idx, 0, 0, f.err, f.kind, f.path)
+            return 0
+        except Exception as e:  # report, never a traceback from a child
+            _send(
+                res_w,
+                _ERR,
+                idx,
+                0,
+                0,
+                0,
+                _K_INTERNAL,
+                f"{jobs[task.first][0]}: {type(e).__name__}: {e}",
+            )
+            return 0
+        _send(res_w, _OK, idx, nbytes, nfiles)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.noatime = _NOATIME
+        self.sendfile = True
+        self.buf = bytearray(BUF)
+        self.buf2 = bytearray(BUF)
+
+
+def _do_task(
+    jobs: Sequence[Job], task: Task, state: _State, res_w: int, idx: int, slow: float
+) -> tuple[int, int]:  # pragma: no cover - child
+    nbytes = nfiles = 0
+    if task.length >= 0:
+        job = jobs[task.first]
+        last = task.offset + task.length >= job[2]
+        if task.op == COPY:
+            _copy_chunk(job, task.offset, task.length, state)
+        elif not _same_range(job, task.offset, task.length, state):
+            _send(res_w, _MISMATCH, idx, 0, 0, 0, 0, job[6])
+        return task.length, int(last)
+    for i in range(task.first, task.last):
+        job = jobs[i]
+        if task.op == COPY:
+            _copy_file(job, state)
+            if slow:
+                time.sleep(slow)
+        elif not _same_range(job, 0, job[2], state):
+            _send(res_w, _MISMATCH, idx, 0, 0, 0, 0, job[6])
+        nbytes += job[2]
+        nfiles += 1
+    return nbytes, nfiles
+
+
+def _open_src(path: str, state: _State) -> int:  # pragma: no cover - child
+    try:
+        return os.open(path, _RD | state.noatime)
+    except PermissionError:
+        if not state.noatime:
+            raise _Fail(_K_READ, errno.EACCES, path) from None
+        state.noatime = 0  # O_NOATIME needs ownership (or CAP_FOWNER): go without
+        return _open_src(path, state)
+    except FileNotFoundError:
+        raise _Fail(_K_VANISHED, errno.ENOENT, path) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # replaced by a symlink since the scan
+            raise _Fail(_K_CHANGED, e.errno, path) from None
+        raise _Fail(_K_READ, e.errno or 0, path) from None
+
+
+def _pump(
+    fi: int, fo: int, offset: int, count: int, state: _State, src: str, dst: str
+) -> int:  # pragma: no cover - child
+    """Copy ``count`` bytes at ``offset``; returns bytes copied (less means the source shrank)."""
+    done = 0
+    if state.sendfile:
+        try:
+            if offset:
+                os.lseek(fo, offset, os.SEEK_SET)
+            while done < count:
+                n = os.sendfile(fo, fi, offset + done, count - done)
+                if n == 0:
+                    return done
+                done += n
+            return done
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and done == 0:
+                state.sendfile = False  # e.g. a file system without splice support
+            else:
+                raise _Fail(*_which_side(fi, fo, e, src, dst)) from None
+    view = memoryview(state.buf)
+    while done < count:
+        try:
+            n = os.preadv(fi, [view[: min(BUF, count - done)]], offset + done)
+        except OSError as e:
+            raise _Fail(_K_READ, e.errno or 0, src) from None
+        if n == 0:
+            return done
+        w = 0
+        while w < n:
+            try:
+                w += os.pwrite(fo, view[w:n], offset + done + w)
+            except OSError as e:
+                raise _Fail(_K_WRITE, e.errno or 0, dst) from None
+        done += n
+    return done
+
+
+def _which_side(
+    fi: int, fo: int, e: OSError, src: str, dst: str
+) -> tuple[int, int, str]:  # pragma: no cover - child
+    """sendfile does not say which fd failed; ENOSPC/EDQUOT/EFBIG/EROFS are the destination's."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return _K_WRITE, e.errno, dst
+    return _K_READ, e.errno or 0, src
+
+
+def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
+    src, dst, size, mtime, atime, mode, _rel = job
+    fi = _open_src(src, state)
+    try:
+        try:
+            fo = os.open(dst, _WR_NEW, mode)
+        except OSError as e:
+            raise _Fail(_K_WRITE, e.errno or 0, dst) from None
+        try:
+            if size <= SMALL:
+                done = _small(fi, fo, size, src, dst)
+            else:
+                if size > BUF:
+                    os.posix_fadvise(fi, 0, 0, _SEQUENTIAL)
+                done = _pump(fi, fo, 0, size, state, src, dst)
+            st = os.fstat(fi)
+            if done != size or st.st_size != size or st.st_mtime_ns != mtime:
+                raise _Fail(_K_CHANGED, 0, src)
+            try:
+                os.utime(fo, ns=(atime, mtime))
+            except OSError as e:
+                raise _Fail(_K_WRITE, e.errno or 0, dst) from None
+        finally:
+            os.close(fo)
+    finally:
+        os.posix_fadvise(fi, 0, 0, _DONTNEED)  # RAM is used once: drop the source's pages
+        os.close(fi)
+
+
+def _small(fi: int, fo: int, size: int, src: str, dst: str) -> int:  # pragma: no cover - child
+    """One read, one write: for small files the cheapest path (sendfile costs more per call)."""
+    try:
+        data = os.read(fi, size + 1)  # one byte more shows a file that grew
+    except OSError as e:
+        raise _Fail(_K_READ, e.errno or 0, src) from None
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fo, view) :]
+    except OSError as e:
+        raise _Fail(_K_WRITE, e.errno or 0, dst) from None
+    return len(data)
+
+
+def _copy_chunk(
+    job: Job, offset: int, length: int, state: _State
+) -> None:  # pragma: no cover - child
+    src, dst, size, mtime, _atime, _mode, _rel = job
+    fi = _open_src(src, state)
+    try:
+        os.posix_fadvise(fi, offset, length, _SEQUENTIAL)
+        try:
+            fo = os.open(dst, _WR_OLD)
+        except OSError as e:
+            raise _Fail(_K_WRITE, e.errno or 0, dst) from None
+        try:
+            done = _pump(fi, fo, offset, length, state, src, dst)
+        finally:
+            os.close(fo)
+        st = os.fstat(fi)
+        if done != length or st.st_size != size or st.st_mtime_ns != mtime:
+            raise _Fail(_K_CHANGED, 0, src)
+    finally:
+        os.posix_fadvise(fi, offset, length, _DONTNEED)
+        os.close(fi)
+
+
+def _same_range(
+    job: Job, offset: int, length: int, state: _State
+) -> bool:  # pragma: no cover - child
+    """Byte-compare ``length`` bytes of the source and the staged file (False if either is gone)."""
+    src, dst = job[0], job[1]
+    try:
+        fa = _open_src(src, state)
+    except _Fail as f:
+        if f.kind in (_K_VANISHED, _K_CHANGED):
+            return False
+        raise
+    try:
+        try:
+            fb = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _Fail(_K_READ, e.errno or 0, dst) from None
+        try:
+            if os.fstat(fa).st_size != os.fstat(fb).st_size:
+                return False
+            a, b = memoryview(state.buf), memoryview(state.buf2)
+            pos, end = offset, offset + length
+            while pos < end:
+                want = min(BUF, end - pos)
+                na = os.preadv(fa, [a[:want]], pos)
+                nb = os.preadv(fb, [b[:want]], pos)
+                if na != nb or a[:na] != b[:nb]:
+                    return False
+                if na == 0:
+                    return pos >= end
+                pos += na
+            return True
+        finally:
+            os.close(fb)
+    finally:
+        os.posix_fadvise(fa, offset, length, _DONTNEED)
+        os.close(fa)

@@ -1,0 +1,676 @@
+"""stage / find / list / verify / evict: the staging engine's public operations.
+
+``stage`` takes the dataset's lock, compares a fast walk of the source with the
+manifest (a no-op when equal), builds the new version in ``partial/<name>``
+(hard-linking unchanged files from the published version, copying the rest in
+parallel), then publishes it atomically.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmstage.errors import RefusedError, ShmstageError
+from shmstage.sizes import format_size
+from shmstage.stage import copy as copier
+from shmstage.stage import tar as tarsrc
+from shmstage.stage.plan import Tree, page_bytes, require_fit, walk
+from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
+
+VERIFY_MODES = ("size", "checksum")
+
+
+@dataclass(frozen=True)
+class StagedDataset:
+    """A complete, published copy of a dataset."""
+
+    name: str
+    source: str
+    path: str  # DEST/<name>: exactly the source tree
+    bytes: int
+    files: int
+    staged_at: float  # epoch seconds of the last (re)publish
+    last_used: float  # epoch seconds of the last stage()/find() that returned it
+    changed: bool = False  # this call copied something
+    copied_bytes: int = 0
+    seconds: float = 0.0  # this call's wall time (list(): the last staging's)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What ``stage`` is doing; passed to the ``progress`` callback."""
+
+    phase: str  # "waiting", "scanning", "copying", "publishing", "verifying"
+    bytes_done: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    files_total: int = 0
+    elapsed: float = 0.0
+    holder: int | None = None  # "waiting": pid holding the lock
+
+
+@dataclass(frozen=True)
+class Difference:
+    path: str
+    problem: str  # "missing", "extra", "changed", "content"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    name: str
+    path: str
+    source: str
+    checksum: bool
+    files: int  # regular files checked
+    ok: bool
+    differences: list[Difference] = field(default_factory=list)
+
+
+class Interrupted(ShmstageError):
+    """SIGTERM (or SIGHUP) arrived while staging; the partial copy was removed."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}; the partial copy was removed")
+        self.exit_code = 128 + signum
+
+
+def _dataset(record: Record, store: Store, **kw: Any) -> StagedDataset:
+    return StagedDataset(
+        name=record.name,
+        source=record.source,
+        path=store.path(record.name),
+        bytes=record.bytes,
+        files=record.files,
+        staged_at=record.staged_at,
+        last_used=record.last_used,
+        **kw,
+    )
+
+
+# --- stage ---------------------------------------------------------------------------
+
+
+def stage(
+    src: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    workers: int | None = None,
+    verify: str = "size",
+    reserve: int | None = None,
+    force: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+) -> StagedDataset:
+    """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy."""
+    t0 = time.monotonic()
+    if verify not in VERIFY_MODES:
+        raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
+    if workers is not None and workers < 1:
+        raise RefusedError(f"invalid number of workers {workers}: must be at least 1")
+    raw = os.fspath(src)
+    source = os.path.realpath(raw)
+    if not os.path.exists(source):
+        raise RefusedError(f"source {raw} does not exist")
+    if os.path.isdir(source):
+        kind = "dir"
+    elif tarsrc.is_archive(source):
+        kind = "tar"
+    else:
+        raise RefusedError(
+            f"source {raw} is neither a directory nor a tar archive (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)"
+        )
+    name = check_name(name) if name is not None else name_for(source)
+    store = Store(dest)
+    real_dest = os.path.realpath(store.dest)
+    if _within(real_dest, source) or (kind == "dir" and _within(source, real_dest)):
+        raise RefusedError(
+            f"source {raw} and destination {store.dest} overlap; stage to a separate directory"
+        )
+    store.open()
+
+    def report(phase: str, **kw: Any) -> None:
+        if progress is not None:
+            progress(Progress(phase, elapsed=time.monotonic() - t0, **kw))
+
+    with _signals_raise(), store.lock(name, on_wait=lambda pid: report("waiting", holder=pid)):
+        return _stage_locked(store, source, kind, name, workers, verify, reserve, force, report, t0)
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into an exception so cleanup runs (Ctrl-C already raises)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stage_locked(
+    store: Store,
+    source: str,
+    kind: str,
+    name: str,
+    workers: int | None,
+    verify: str,
+    reserve: int | None,
+    force: bool,
+    report: Callable[..., None],
+    t0: float,
+) -> StagedDataset:
+    store.check_published(name)  # DEST/<name> must be our own directory if it exists
+    record = store.published(name)
+    manifest = store.read_manifest(name) if record else None
+    if manifest is not None and manifest.get("root") != [record.root_ino, record.root_dev]:  # type: ignore[union-attr]
+        manifest = None
+    if record is not None and record.source != source and not force:
+        raise RefusedError(
+            f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
+            "or pass --force to replace it"
+        )
+    same = record is not None and manifest is not None and record.source == source and not force
+    report("scanning")
+    part = store.partial(name)
+    marker = os.path.join(store.partial_dir, f".{name}.source")
+    copied = 0
+    try:
+        if kind == "dir":
+            tree = walk(source)
+            entries = [list(e) for e in tree.entries]
+            if same and manifest["entries"] == entries:  # type: ignore[index]
+                return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+            resumable = not force and _read_marker(marker) == source
+            _write_marker(marker, source)
+            written: list[bool] = []
+
+            def write_manifest() -> None:  # runs while the workers copy
+                root = os.lstat(part)
+                data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
+                store.prepare_manifest(name, data)
+                written.append(True)
+
+            old = manifest if same else None
+            copied = _build_dir(
+                store, name, tree, old, workers, verify, reserve, resumable, report, write_manifest
+            )
+            if not written:
+                write_manifest()
+            data_bytes, files = tree.bytes, tree.files
+        else:
+            st = os.stat(source)
+            fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
+            if same and manifest.get("archive") == fingerprint:  # type: ignore[union-attr]
+                return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+            archive = tarsrc.scan(source)
+            require_fit(archive.page_bytes, len(archive.members), store.dest, reserve)
+            _write_marker(marker, source)
+            store.discard(part)
+            os.mkdir(part, 0o700)
+            report("copying", bytes_total=archive.bytes, files_total=archive.files)
+            done = [0, 0]
+
+            def tick(b: int, f: int) -> None:
+                done[0] += b
+                done[1] += f
+                report(
+                    "copying",
+                    bytes_done=done[0],
+                    bytes_total=archive.bytes,
+                    files_done=done[1],
+                    files_total=archive.files,
+                )
+
+            tarsrc.extract(archive, part, tick)
+            tree = walk(part)  # also catches links that escape only in combination
+            entries = [list(e) for e in tree.entries]
+            data_bytes, files = tree.bytes, tree.files
+            copied = archive.bytes
+            root = os.lstat(part)
+            data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
+            store.prepare_manifest(name, {**data, "archive": fingerprint})
+        report("publishing")
+        root = os.lstat(part)
+        store.publish(name)
+        store.commit_manifest(name)
+        now = time.time()
+        seconds = time.monotonic() - t0
+        new = Record(
+            name, source, kind, data_bytes, files, now, now, seconds, root.st_ino, root.st_dev
+        )
+        store.write_record(new)
+        _remove_marker(marker)
+        return _dataset(new, store, changed=True, copied_bytes=copied, seconds=seconds)
+    except BaseException as e:
+        # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
+        store.discard(part)
+        _remove_marker(marker)
+        if (
+            isinstance(e, copier.CopyFailed)
+            and e.failure.kind == "write"
+            and e.failure.errno in (errno.ENOSPC, errno.EDQUOT)
+        ):
+            raise ShmstageError(
+                f"no space left on {store.dest} while copying {e.failure.path}; the partial copy was removed "
+                "and other staged datasets are untouched: free space, lower --reserve, or grow the tmpfs "
+                "with `shmstage remount --size ...`"
+            ) from None
+        if isinstance(e, OSError):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ShmstageError(
+                    f"no space left on {store.dest}; the partial copy was removed and other staged "
+                    "datasets are untouched: free space or grow the tmpfs with `shmstage remount --size ...`"
+                ) from None
+            raise ShmstageError(
+                f"cannot stage into {store.dest}: {e.strerror}: {e.filename}"
+            ) from None
+        raise
+
+
+def _write_marker(path: str, source: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+
+
+def _read_marker(path: str) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def _remove_marker(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
+    """Make ``part`` ready to build into; returns files a killed earlier run already copied.
+
+    A file counts as copied when its size, mtime and mode match the source: the
+    copier sets the mtime only after the last byte is written."""
+    if not resumable or not os.path.isdir(part) or os.path.islink(part):
+        if os.path.lexists(part):
+            _rmtree(part)
+        os.mkdir(part, 0o700)
+        return set()
+    os.chmod(part, 0o700)
+    have = walk(part, check_links=False, hardlinks=False)
+    planned = {e[0]: e for e in tree.entries}
+    keep: set[str] = set()
+    # children before parents so a removed directory is already empty of what we keep
+    for e in reversed(have.entries[1:]):
+        rel, kind = e[0], e[1]
+        want = planned.get(rel)
+        path = os.path.join(part, rel)
+        if kind == "d" and want is not None and want[1] == "d":
+            os.chmod(path, 0o700)
+            continue
+        if kind == "f" and want is not None and want[1] == "f" and want[2:5] == e[2:5]:
+            keep.add(rel)
+            continue
+        if kind == "d":
+            _rmtree(path)
+        else:
+            os.unlink(path)
+    return keep
+
+
+def _build_dir(
+    store: Store,
+    name: str,
+    tree: Tree,
+    manifest: dict[str, Any] | None,
+    workers: int | None,
+    verify: str,
+    reserve: int | None,
+    resumable: bool,
+    report: Callable[..., None],
+    while_copying: Callable[[], None],
+) -> int:
+    """Build the new version of a directory source in partial/<name>; returns bytes copied."""
+    part = store.partial(name)
+    old_root = store.path(name)
+    old = {e[0]: e for e in manifest["entries"]} if manifest else {}
+    # Check the fit before writing a byte.  What a killed run left in partial/ is counted
+    # as still to copy: it errs on the safe side.
+    jobs_bytes: list[int] = []
+    new_inodes = 0
+    for e in tree.entries:
+        if e[1] == "f":
+            o = old.get(e[0])
+            if o is not None and list(o) == list(e):
+                continue
+            jobs_bytes.append(e[2])
+        new_inodes += 1
+    require_fit(page_bytes(jobs_bytes), new_inodes, store.dest, reserve)
+    keep = _prepare_partial(part, tree, resumable)
+
+    src_prefix = tree.root.rstrip("/") + "/"
+    part_prefix = part + "/"
+    jobs: list[copier.Job] = []
+    reuse: list[str] = []
+    links: list[list[Any]] = []
+    hard: list[list[Any]] = []
+    dirs: list[tuple[str, int, int, int]] = []
+    old_umask = os.umask(0)
+    try:
+        for e, atime in zip(tree.entries, tree.atimes):
+            rel, kind, size, mtime, mode, extra = e
+            if kind == "d":
+                dirs.append((rel, mode, mtime, atime))
+                if rel != ".":
+                    with suppress(FileExistsError):
+                        os.mkdir(os.path.join(part, rel), 0o700)
+            elif kind == "f":
+                if rel in keep:
+                    continue
+                o = old.get(rel)
+                if o is not None and list(o) == list(e):
+                    reuse.append(rel)
+                else:
+                    jobs.append(
+                        (
+                            src_prefix + rel,  # plain concatenation: 1M joins cost seconds
+                            part_prefix + rel,
+                            size,
+                            mtime,
+                            atime,
+                            mode,
+                            rel,
+                        )
+                    )
+            elif kind == "l":
+                links.append([rel, extra, mtime])
+            else:
+                hard.append([rel, extra])
+        for rel in reuse:  # unchanged since the published version: share its pages
+            os.link(os.path.join(old_root, rel), os.path.join(part, rel), follow_symlinks=False)
+        for rel, target, mtime in links:
+            path = os.path.join(part, rel)
+            os.symlink(target, path)
+            os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+        total = sum(j[2] for j in jobs)
+        tasks, chunked = copier.make_tasks(jobs)
+        for i in chunked:  # big files: created here, filled by several workers
+            fd = os.open(
+                jobs[i][1],
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                jobs[i][5],
+            )
+            try:
+                os.ftruncate(fd, jobs[i][2])
+            finally:
+                os.close(fd)
+    finally:
+        os.umask(old_umask)
+    nworkers = workers or copier.default_workers()
+    done = [0, 0]
+    report("copying", bytes_total=total, files_total=len(jobs))
+
+    def tick(b: int, f: int) -> None:
+        done[0] += b
+        done[1] += f
+        report(
+            "copying",
+            bytes_done=done[0],
+            bytes_total=total,
+            files_done=done[1],
+            files_total=len(jobs),
+        )
+
+    copier.run(jobs, tasks, nworkers, tick, while_copying)
+    for i in chunked:
+        os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)
+    for rel, first in hard:
+        os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
+    if verify == "checksum" and jobs:
+        report("verifying", bytes_total=total, files_total=len(jobs))
+        check_tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
+        bad = copier.run(jobs, check_tasks, nworkers)
+        if bad:
+            raise ShmstageError(
+                f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source changed "
+                "during the copy or the memory is faulty; re-run"
+            )
+    for rel, mode, mtime, atime in reversed(dirs):  # children first: they touch the parent's mtime
+        path = os.path.join(part, rel) if rel != "." else part
+        os.chmod(path, mode)
+        os.utime(path, ns=(atime, mtime), follow_symlinks=False)
+    return total
+
+
+# --- find / list -------------------------------------------------------------------------
+
+
+def find(
+    name_or_source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
+) -> StagedDataset | None:
+    """The complete published copy of a dataset, by name or by source path; None if not staged."""
+    key = os.fspath(name_or_source)
+    store = Store(dest)
+    if not os.path.lexists(store.book):
+        return None
+    store.open(create=False)
+    record = None
+    if "/" not in key:
+        try:
+            record = store.published(check_name(key))
+        except RefusedError:
+            record = None
+    if record is None and (os.sep in key or os.path.exists(key)):
+        source = os.path.realpath(key)
+        for n in store.names():
+            r = store.published(n)
+            if r is not None and r.source == source:
+                record = r
+                break
+    if record is None:
+        return None
+    return _dataset(store.touch(record), store)
+
+
+def list_staged(dest: str | os.PathLike[str] | None = None) -> list[StagedDataset]:
+    """Every complete published dataset under DEST, by name."""
+    store = Store(dest)
+    if not os.path.lexists(store.book):
+        return []
+    store.open(create=False)
+    out = []
+    for n in store.names():
+        r = store.published(n)
+        if r is not None:
+            out.append(_dataset(r, store, seconds=r.seconds))
+    return out
+
+
+# --- verify -------------------------------------------------------------------------------
+
+
+def verify(
+    name: str,
+    dest: str | os.PathLike[str] | None = None,
+    checksum: bool = False,
+    *,
+    workers: int | None = None,
+) -> VerifyReport:
+    """Compare DEST/<name> with its manifest (and, with ``checksum``, every byte with the source)."""
+    store = Store(dest)
+    record = (
+        store.open(create=False).published(check_name(name))
+        if os.path.lexists(store.book)
+        else None
+    )
+    manifest = store.read_manifest(name) if record else None
+    if (
+        record is None
+        or manifest is None
+        or manifest.get("root") != [record.root_ino, record.root_dev]
+    ):
+        raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
+    path = store.path(name)
+    expected = {e[0]: _norm(e) for e in manifest["entries"]}
+    actual = {e[0]: _norm(list(e)) for e in walk(path, check_links=False, hardlinks=False).entries}
+    diffs: list[Difference] = []
+    for rel, want in expected.items():
+        have = actual.get(rel)
+        if have is None:
+            diffs.append(Difference(rel, "missing"))
+        elif have != want:
+            diffs.append(Difference(rel, "changed", _what_changed(want, have)))
+    for rel in actual:
+        if rel not in expected:
+            diffs.append(Difference(rel, "extra"))
+    files = sum(1 for e in expected.values() if e[1] == "f")
+    if checksum:
+        damaged = {d.path for d in diffs}
+        if record.kind == "tar":
+            if not os.path.isfile(record.source):
+                raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            bad = tarsrc.compare(record.source, path)
+        else:
+            if not os.path.isdir(record.source):
+                raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            jobs = [
+                (
+                    os.path.join(record.source, rel),
+                    os.path.join(path, rel),
+                    e[2],
+                    e[3],
+                    0,
+                    e[4],
+                    rel,
+                )
+                for rel, e in expected.items()
+                if e[1] == "f" and rel not in damaged
+            ]
+            tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
+            bad = copier.run(jobs, tasks, workers or copier.default_workers())
+        diffs.extend(
+            Difference(rel, "content", "bytes differ from the source")
+            for rel in sorted(bad)
+            if rel not in damaged
+        )
+    diffs.sort(key=lambda d: d.path)
+    return VerifyReport(name, path, record.source, checksum, files, not diffs, diffs)
+
+
+def _norm(e: list[Any]) -> list[Any]:
+    rel, kind, size, mtime, mode, extra = e
+    if kind == "h":
+        return [rel, "f", size, mtime, mode, None]
+    if kind == "d":
+        return [rel, "d", 0, 0, mode, None]  # a directory's mtime is not data
+    return [rel, kind, size, mtime, mode, extra]
+
+
+def _what_changed(want: list[Any], have: list[Any]) -> str:
+    if want[1] != have[1]:
+        kinds = {"f": "file", "d": "directory", "l": "symlink"}
+        return f"{kinds.get(want[1], want[1])} became a {kinds.get(have[1], have[1])}"
+    parts = []
+    if want[2] != have[2]:
+        parts.append(f"size {want[2]} -> {have[2]}")
+    if want[3] != have[3]:
+        parts.append("mtime")
+    if want[4] != have[4]:
+        parts.append(f"mode {want[4]:o} -> {have[4]:o}")
+    if want[5] != have[5]:
+        parts.append(f"target {want[5]} -> {have[5]}")
+    return ", ".join(parts)
+
+
+# --- evict --------------------------------------------------------------------------------
+
+
+def evict(
+    name: str | None = None,
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    all: bool = False,
+    older_than: float | None = None,
+    dry_run: bool = False,
+) -> list[str]:
+    """Remove staged datasets (one by name, all, or those unused for ``older_than`` seconds)."""
+    chosen = sum(x for x in (name is not None, bool(all), older_than is not None))
+    if chosen != 1:
+        raise RefusedError("evict needs exactly one of NAME, --all or --older-than")
+    store = Store(dest)
+    if not os.path.lexists(store.book):
+        if name is not None:
+            raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
+        return []
+    store.open(create=False)
+    if name is not None:
+        check_name(name)
+        if not (
+            store.read_record(name)
+            or os.path.lexists(store.path(name))
+            or os.path.lexists(store.partial(name))
+        ):
+            raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
+        targets = [name]
+    else:
+        now = time.time()
+        targets = []
+        for n in store.names():
+            r = store.read_record(n)
+            if r is None:
+                continue
+            if all or now - max(r.last_used, r.staged_at) >= (older_than or 0):
+                targets.append(n)
+    evicted = []
+    for n in targets:
+        if dry_run:
+            evicted.append(n)
+            continue
+        try:
+            with store.lock(n, wait=False):
+                store.check_published(n)
+                store.discard(store.path(n))
+                store.discard(store.partial(n))
+                _remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
+                store.forget(n)
+        except RefusedError:
+            if name is not None:
+                raise
+            continue  # being staged right now: in use, not ours to remove
+        evicted.append(n)
+    if all and not dry_run:
+        store.clear_trash()
+    return evicted
+
+
+def summary(ds: StagedDataset) -> str:
+    """One line for stderr after ``stage``."""
+    rate = ds.copied_bytes / ds.seconds if ds.seconds > 0 else 0
+    if not ds.changed:
+        return f"{ds.name} is up to date ({ds.files} files, {format_size(ds.bytes)}) in {ds.seconds:.2f} s"
+    return (
+        f"staged {ds.name}: {ds.files} files, {format_size(ds.bytes)} "
+        f"({format_size(ds.copied_bytes)} copied) in {ds.seconds:.2f} s ({format_size(rate)}/s)"
+    )

@@ -1,0 +1,196 @@
+"""What to copy: a fast walk of the source, its fingerprint, and the capacity check.
+
+An entry is a plain tuple ``(path, kind, size, mtime_ns, mode, extra)`` so that
+a 1M-file manifest stays cheap to build, store (JSON) and compare:
+kind ``d`` directory, ``f`` file, ``h`` hard link to an earlier file (``extra``
+is that file's path), ``l`` symlink (``extra`` is its target).  Paths are
+relative with ``/``; the root directory is ``"."``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from shmstage.capacity import check_fit
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
+
+Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
+
+PAGE = 4096
+# Setuid/setgid bits are dropped from staged files: the copy belongs to whoever
+# staged it (often root), so keeping them would hand out privileges.
+FILE_MODE_MASK = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A walked source: entries in parent-before-child order, plus access times."""
+
+    root: str
+    entries: list[Entry]
+    atimes: list[int]
+    bytes: int  # apparent size of the data (hard links counted once)
+    files: int  # regular file paths (hard links included)
+
+
+def _kind_name(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "named pipe"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device file"
+    return "special file"
+
+
+def _inside(real_root: str, path: str) -> bool:
+    return path == real_root or path.startswith(real_root.rstrip("/") + "/")
+
+
+def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
+    """The target to store for symlink ``rel`` (absolute in-tree targets become
+    relative), or None when it resolves outside the tree."""
+    abs_link = os.path.join(root, rel)
+    # realpath resolves through other links like the kernel would, so
+    # `a -> .` plus `b -> a/..` is caught; loops stay inside and are kept as links.
+    resolved = os.path.realpath(abs_link)
+    if not _inside(real_root, resolved):
+        return None
+    if os.path.isabs(target):
+        return os.path.relpath(resolved, os.path.realpath(os.path.dirname(abs_link)))
+    return target
+
+
+def _scan_dir(root: str, rel_dir: str) -> list[tuple[str, os.stat_result]]:
+    """One directory's entries with their lstat, sorted by name (runs in a thread)."""
+    abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+    try:
+        with os.scandir(abs_dir) as it:
+            items = sorted(it, key=lambda e: e.name)
+    except FileNotFoundError:
+        raise ShmstageError(
+            f"source directory vanished while scanning: {abs_dir}; re-run when the source is stable"
+        ) from None
+    except OSError as e:
+        raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
+    out = []
+    for item in items:
+        try:
+            out.append((item.name, item.stat(follow_symlinks=False)))
+        except FileNotFoundError:
+            raise ShmstageError(
+                f"source file vanished while scanning: {item.path}; re-run when the source is stable"
+            ) from None
+        except OSError as e:
+            raise ShmstageError(f"cannot stat source file {item.path}: {e.strerror}") from None
+    return out
+
+
+def _scan_all(root: str, threads: int) -> dict[str, list[tuple[str, os.stat_result]]]:
+    """Every directory's listing, scanned by a few threads: lstat releases the GIL, and on
+    NFS or a busy disk the latency of many small requests overlaps."""
+    listings: dict[str, list[tuple[str, os.stat_result]]] = {}
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shmstage-scan") as pool:
+        running = {pool.submit(_scan_dir, root, ""): ""}
+        try:
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    rel_dir = running.pop(fut)
+                    listing = fut.result()
+                    listings[rel_dir] = listing
+                    for name, st in listing:
+                        if stat.S_ISDIR(st.st_mode):
+                            rel = f"{rel_dir}/{name}" if rel_dir else name
+                            running[pool.submit(_scan_dir, root, rel)] = rel
+        finally:
+            for fut in running:
+                fut.cancel()
+    return listings
+
+
+def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 8) -> Tree:
+    """lstat every entry under ``root`` (never following symlinks)."""
+    real_root = os.path.realpath(root)
+    try:
+        st = os.lstat(root)
+    except OSError as e:
+        raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
+    listings = _scan_all(root, threads)
+    entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, stat.S_IMODE(st.st_mode), None)]
+    atimes = [st.st_atime_ns]
+    seen: dict[tuple[int, int], str] = {}
+    total = files = 0
+    pending = [""]
+    while pending:  # depth-first by name: a deterministic, parent-before-child order
+        rel_dir = pending.pop()
+        subdirs = []
+        for name, st in listings[rel_dir]:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            mode = st.st_mode
+            if stat.S_ISREG(mode):
+                files += 1
+                key = (st.st_dev, st.st_ino)
+                if hardlinks and st.st_nlink > 1 and key in seen:
+                    entries.append(
+                        (rel, "h", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, seen[key])
+                    )
+                else:
+                    if hardlinks and st.st_nlink > 1:
+                        seen[key] = rel
+                    total += st.st_size
+                    entries.append(
+                        (rel, "f", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, None)
+                    )
+            elif stat.S_ISDIR(mode):
+                entries.append((rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(mode), None))
+                subdirs.append(rel)
+            elif stat.S_ISLNK(mode):
+                path = os.path.join(root, rel)
+                try:
+                    target = os.readlink(path)
+                except OSError as e:
+                    raise ShmstageError(f"cannot read symlink {path}: {e.strerror}") from None
+                if check_links:
+                    stored = link_target(root, real_root, rel, target)
+                    if stored is None:
+                        raise RefusedError(
+                            f"source has a symlink that points outside it: {path} -> {target}; "
+                            "shmstage copies only what is inside the tree: stage the target too, "
+                            "or replace the link with the data"
+                        )
+                    target = stored
+                entries.append((rel, "l", 0, st.st_mtime_ns, 0o777, target))
+            else:
+                raise RefusedError(
+                    f"source has a {_kind_name(mode)} at {os.path.join(root, rel)}: only files, "
+                    "directories and symlinks can be staged"
+                )
+            atimes.append(st.st_atime_ns)
+        pending.extend(reversed(subdirs))
+    return Tree(root, entries, atimes, total, files)
+
+
+def page_bytes(sizes: Iterable[int]) -> int:
+    """What files of these sizes take on tmpfs (whole pages)."""
+    return sum(-(-s // PAGE) * PAGE for s in sizes)
+
+
+def require_fit(needed: int, entries: int, dest: str, reserve: int | None) -> None:
+    """Raise CapacityError (nothing written yet) unless ``needed`` bytes + reserve fit under ``dest``."""
+    fit = check_fit(needed, dest, reserve)
+    if not fit.fits:
+        raise CapacityError(f"dataset does not fit: {fit.reason}")
+    try:
+        sv = os.statvfs(dest)
+    except OSError:
+        return
+    if sv.f_files and entries > sv.f_favail:
+        raise CapacityError(
+            f"dataset does not fit: it has {entries} entries but {dest} has only {sv.f_favail} "
+            "free inodes; remount it with more (nr_inodes=) or stage elsewhere with --dest"
+        )

@@ -1,0 +1,463 @@
+"""The layout under DEST: published datasets, and the bookkeeping beside them.
+
+Everything that is not dataset data lives in ``DEST/.shmstage/`` (see the
+package docstring for the map).  This module owns the safety checks for a
+DEST inside a world-writable sticky directory such as /dev/shm, the
+per-dataset locks, the JSON records, atomic publish and removal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+
+DEFAULT_DEST = "/dev/shm/shmstage"
+BOOK = ".shmstage"
+FORMAT = 1
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,199}$")
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def resolve_dest(dest: str | os.PathLike[str] | None) -> str:
+    """``dest``, else ``$SHMSTAGE_DEST``, else /dev/shm/shmstage, as an absolute path."""
+    chosen = (
+        os.fspath(dest) if dest is not None else os.environ.get("SHMSTAGE_DEST") or DEFAULT_DEST
+    )
+    return os.path.abspath(os.path.expanduser(chosen))
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise RefusedError(
+            f"invalid dataset name {name!r}: use letters, digits, '.', '_', '-' or '+' "
+            "(at most 200, not starting with '.')"
+        )
+    return name
+
+
+def name_for(source: str) -> str:
+    """The default name: the source's base name without an archive suffix, made safe."""
+    base = os.path.basename(source.rstrip("/")) or "root"
+    for suffix in (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tar"):
+        if base.endswith(suffix) and len(base) > len(suffix):
+            base = base[: -len(suffix)]
+            break
+    base = re.sub(r"[^A-Za-z0-9._+-]", "_", base).lstrip(".") or "dataset"
+    return base[:200]
+
+
+@dataclass(frozen=True)
+class Record:
+    """The summary kept in ``meta/<name>.json`` for one published dataset."""
+
+    name: str
+    source: str
+    kind: str  # "dir" or "tar"
+    bytes: int
+    files: int
+    staged_at: float
+    last_used: float
+    seconds: float
+    root_ino: int  # inode of DEST/<name> when published: ties the record to that exact tree
+    root_dev: int
+
+
+class Store:
+    """One DEST directory.  ``Store(dest)`` only computes paths; ``open()`` checks them."""
+
+    def __init__(self, dest: str | os.PathLike[str] | None = None) -> None:
+        self.dest = resolve_dest(dest)
+        self.book = os.path.join(self.dest, BOOK)
+        self.meta_dir = os.path.join(self.book, "meta")
+        self.manifest_dir = os.path.join(self.book, "manifests")
+        self.lock_dir = os.path.join(self.book, "locks")
+        self.partial_dir = os.path.join(self.book, "partial")
+        self.trash_dir = os.path.join(self.book, "trash")
+
+    # --- paths ----------------------------------------------------------------
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dest, name)
+
+    def partial(self, name: str) -> str:
+        return os.path.join(self.partial_dir, name)
+
+    def meta_path(self, name: str) -> str:
+        return os.path.join(self.meta_dir, name + ".json")
+
+    def manifest_path(self, name: str) -> str:
+        return os.path.join(self.manifest_dir, name + ".json")
+
+    # --- safety ---------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return os.path.lexists(self.book)
+
+    def open(self, *, create: bool = True) -> Store:
+        """Check DEST and the bookkeeping directories (creating them when ``create``)."""
+        if create:
+            _makedirs_checked(self.dest)
+        _check_dir(self.dest, "destination", shared_ok=True)
+        if not create and not os.path.lexists(self.book):
+            return self
+        for path, mode in (
+            (self.book, 0o755),
+            (self.meta_dir, 0o755),
+            (self.manifest_dir, 0o755),
+            (self.lock_dir, 0o755),
+            (self.partial_dir, 0o700),
+            (self.trash_dir, 0o700),
+        ):
+            if create:
+                _mkdir_checked(path, mode)
+            elif os.path.lexists(path):
+                _check_dir(path, "bookkeeping directory")
+        return self
+
+    def check_published(self, name: str) -> os.stat_result | None:
+        """lstat of DEST/<name>, refusing anything but our own real directory."""
+        try:
+            st = os.lstat(self.path(name))
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise RefusedError(
+                f"{self.path(name)} exists and is not a staged dataset directory; "
+                "remove it or stage under another --name"
+            )
+        _check_owner(self.path(name), st)
+        return st
+
+    # --- locks ----------------------------------------------------------------
+
+    @contextmanager
+    def lock(
+        self, name: str, *, wait: bool = True, on_wait: Callable[[int | None], None] | None = None
+    ) -> Iterator[None]:
+        """Hold the per-dataset lock (flock; released by the kernel if we die)."""
+        path = os.path.join(self.lock_dir, name + ".lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _os_error(e, f"cannot open lock file {path}") from None
+        try:
+            _check_owner(path, os.fstat(fd))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                if not wait:
+                    raise Busy(
+                        f"{name} is being staged by another shmstage (pid {holder or '?'}); try again later"
+                    ) from None
+                if on_wait is not None:
+                    on_wait(holder)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)
+
+    # --- records --------------------------------------------------------------
+
+    def read_record(self, name: str) -> Record | None:
+        data = _read_json(self.meta_path(name))
+        if not data or data.get("format") != FORMAT:
+            return None
+        try:
+            return Record(**{k: data[k] for k in Record.__dataclass_fields__})
+        except (KeyError, TypeError):
+            return None
+
+    def write_record(self, record: Record) -> None:
+        data = {"format": FORMAT, **record.__dict__}
+        _write_json(self.meta_path(record.name), data)
+
+    def read_manifest(self, name: str) -> dict[str, Any] | None:
+        data = _read_json(self.manifest_path(name))
+        if not data or data.get("format") != FORMAT:
+            return None
+        return data
+
+    def write_manifest(self, name: str, data: dict[str, Any]) -> None:
+        _write_json(self.manifest_path(name), {"format": FORMAT, **data})
+
+    def prepare_manifest(self, name: str, data: dict[str, Any]) -> str:
+        """Write the next version's manifest beside the current one; :meth:`commit_manifest` swaps it in."""
+        path = os.path.join(self.manifest_dir, f".{name}.json.new")
+        _write_json(path, {"format": FORMAT, **data})
+        return path
+
+    def commit_manifest(self, name: str) -> None:
+        os.rename(os.path.join(self.manifest_dir, f".{name}.json.new"), self.manifest_path(name))
+
+    def names(self) -> list[str]:
+        try:
+            listing = os.listdir(self.meta_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(
+            n[: -len(".json")] for n in listing if n.endswith(".json") and not n.startswith(".")
+        )
+
+    def published(self, name: str) -> Record | None:
+        """The record of ``name`` if DEST/<name> is exactly the tree it describes."""
+        record = self.read_record(name)
+        if record is None:
+            return None
+        try:
+            st = os.lstat(self.path(name))
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or (st.st_ino, st.st_dev) != (
+            record.root_ino,
+            record.root_dev,
+        ):
+            return None
+        return record
+
+    def touch(self, record: Record) -> Record:
+        """Set ``last_used`` to now (best effort: a reader may not own DEST)."""
+        used = Record(**{**record.__dict__, "last_used": time.time()})
+        try:
+            self.write_record(used)
+        except OSError:
+            return record
+        return used
+
+    # --- publish and remove ---------------------------------------------------
+
+    def publish(self, name: str) -> None:
+        """Move partial/<name> to DEST/<name> in one step; an old version goes to trash."""
+        new, target = self.partial(name), self.path(name)
+        if not os.path.lexists(target):
+            if _renameat2(new, target, _RENAME_NOREPLACE):
+                return
+            os.rename(new, target)
+            return
+        if _renameat2(new, target, _RENAME_EXCHANGE):
+            self.discard(new)  # the old version now sits where the new one was built
+            return
+        # No RENAME_EXCHANGE (old kernel, some file systems): readers see no dataset
+        # for an instant, never a half tree.
+        old = self._trash_path(name)
+        os.rename(target, old)
+        os.rename(new, target)
+        _rmtree(old)
+
+    def discard(self, path: str) -> None:
+        """Remove a tree we own: rename it into trash first so it vanishes at once."""
+        if not os.path.lexists(path):
+            return
+        old = self._trash_path(os.path.basename(path))
+        try:
+            os.rename(path, old)
+        except OSError:
+            old = path
+        _rmtree(old)
+
+    def clear_trash(self) -> None:
+        try:
+            for entry in os.listdir(self.trash_dir):
+                _rmtree(os.path.join(self.trash_dir, entry))
+        except FileNotFoundError:
+            pass
+
+    def forget(self, name: str) -> None:
+        for path in (self.meta_path(name), self.manifest_path(name)):
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _trash_path(self, name: str) -> str:
+        return os.path.join(self.trash_dir, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
+
+
+class Busy(RefusedError):
+    """Another process holds the dataset's lock."""
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+def _os_error(e: OSError, what: str) -> ShmstageError:
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"{what}: {e.strerror}; pick a --dest you can write to")
+    return ShmstageError(f"{what}: {e.strerror}")
+
+
+def _check_owner(path: str, st: os.stat_result) -> None:
+    uid = os.geteuid()
+    if st.st_uid not in (0, uid):
+        raise RefusedError(
+            f"{path} is owned by uid {st.st_uid}, not by you or root; refusing to use it "
+            "(pick another --dest, e.g. /dev/shm/shmstage-$USER)"
+        )
+
+
+def _check_dir(path: str, what: str, *, shared_ok: bool = False) -> os.stat_result:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ShmstageError(f"{what} {path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise RefusedError(
+            f"{what} {path} is a symlink; refusing to follow it (it may have been planted): "
+            "remove it or pick another --dest"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise RefusedError(f"{what} {path} is not a directory")
+    _check_owner(path, st)
+    # Others may create entries in a sticky DEST (e.g. --dest /dev/shm) but cannot move ours;
+    # every entry we use there is checked on its own.  Bookkeeping must be ours alone.
+    writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable_by_others and not (shared_ok and st.st_mode & stat.S_ISVTX):
+        raise RefusedError(
+            f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+            "refusing to use it: chmod go-w it or pick another --dest"
+        )
+    return st
+
+
+def _mkdir_checked(path: str, mode: int) -> None:
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise _os_error(e, f"cannot create {path}") from None
+    else:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)  # exact mode whatever the umask
+        finally:
+            os.close(fd)
+    _check_dir(path, "bookkeeping directory")
+
+
+def _makedirs_checked(path: str) -> None:
+    if os.path.lexists(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.lexists(parent):
+        _makedirs_checked(parent)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass  # checked by the caller: a planted entry is refused there
+    except OSError as e:
+        raise _os_error(e, f"cannot create {path}") from None
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write-then-rename so a reader never sees half a record."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+        with os.fdopen(fd, "w") as f:
+            f.write(
+                json.dumps(data, separators=(",", ":"))
+            )  # dumps: the C encoder; dump is pure Python
+        os.rename(tmp, path)
+    except OSError as e:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise _os_error(e, f"cannot write {path}") from None
+
+
+def _rmtree(path: str) -> None:
+    """Remove a tree we own, including read-only directories (staged trees keep source modes)."""
+
+    def onerror(func: Any, p: str, exc_info: Any) -> None:
+        err = exc_info[1]
+        if isinstance(err, FileNotFoundError):
+            return
+        if isinstance(err, PermissionError):
+            parent = os.path.dirname(p)
+            try:
+                os.chmod(parent, 0o700)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    os.chmod(p, 0o700)
+                func(p)
+                return
+            except OSError:
+                pass
+        raise err
+
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+        return
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda f, p, e: onerror(f, p, (type(e), e, None)))
+    else:
+        shutil.rmtree(path, onerror=onerror)
+
+
+_libc: Any = None
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """renameat2(2); False where the kernel or file system lacks it (caller falls back)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.renameat2.argtypes = [
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_uint,
+            ]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    rc = _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)

@@ -1,0 +1,180 @@
+"""The Ansible role: lint-clean, documented variable by variable, and idempotent in a real run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ANSIBLE = REPO / "ansible"
+ROLE = ANSIBLE / "roles" / "shmstage"
+BIN = Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install ansible ansible-lint)")
+    return path
+
+
+def ansible_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        ANSIBLE_HOME=str(tmp_path / "ansible-home"),
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "ansible-home" / "tmp"),
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_FORCE_COLOR="0",
+        ANSIBLE_ROLES_PATH=str(ANSIBLE / "roles"),
+        ANSIBLE_PYTHON_INTERPRETER=sys.executable,
+    )
+    return env
+
+
+def defaults() -> dict:
+    return yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+
+
+def test_every_default_is_typed_in_argument_specs_with_the_same_default():
+    """defaults/main.yml and meta/argument_specs.yml list the same variables and defaults."""
+    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    assert set(options) == set(defaults())
+    for name, value in defaults().items():
+        assert name.startswith("shmstage_")
+        assert options[name]["description"], name
+        assert options[name].get("default") == value, name
+
+
+def test_readme_mirrors_defaults_block_by_block():
+    """The README's variable tables list every default in the same blocks and order."""
+    text = (ROLE / "defaults" / "main.yml").read_text()
+    blocks = re.findall(r"^# --- (.+?) -+$", text, flags=re.M)
+    readme = (ROLE / "README.md").read_text()
+    headings = re.findall(r"^### (.+)$", readme, flags=re.M)
+    assert [b.strip() for b in blocks] == headings
+    documented = re.findall(r"^\| `(shmstage_\w+)` \|", readme, flags=re.M)
+    assert documented == list(defaults())
+
+
+def test_role_is_ansible_lint_clean():
+    """ansible-lint (production profile, offline) passes on the role and the example playbook."""
+    lint = tool("ansible-lint")
+    env = ansible_env(Path("/tmp"))
+    env.pop("ANSIBLE_HOME")
+    env.pop("ANSIBLE_LOCAL_TEMP")
+    result = subprocess.run(
+        [lint, "--nocolor"], cwd=ANSIBLE, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Profile 'production' was required, and it passed" in result.stdout + result.stderr
+
+
+def test_example_playbook_passes_syntax_check(tmp_path):
+    """`ansible-playbook --syntax-check` accepts the example playbook and inventory."""
+    result = subprocess.run(
+        [tool("ansible-playbook"), "--syntax-check", "-i", "inventory.ini", "playbook.yml"],
+        cwd=ANSIBLE,
+        env=ansible_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "playbook: playbook.yml" in result.stdout
+
+
+def recap(output: str) -> dict[str, int]:
+    m = re.search(r"^localhost\s*:\s*(.+)$", output, flags=re.M)
+    assert m, output
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+
+
+def source_copy(dest: Path) -> Path:
+    """The package sources (no .venv, build or caches) so pip builds outside the shared tree."""
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, dest / name)
+    shutil.copytree(
+        REPO / "shmstage", dest / "shmstage", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return dest
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path):
+    """Run the role twice against localhost: tmpfs resized, fstab line, config, dataset; then changed=0 (and in --check)."""
+    shm = tmpfs("32M")
+    fstab = tmp_path / "fstab"
+    fstab.write_text("# test fstab\nproc /proc proc defaults 0 0\n")
+    data = tmp_path / "src" / "images"
+    data.mkdir(parents=True)
+    for i in range(20):
+        (data / f"{i:03}.bin").write_bytes(os.urandom(16 << 10) * 4)
+    config = tmp_path / "etc" / "shmstage.yaml"
+    venv = tmp_path / "venv"
+    playbook = tmp_path / "converge.yml"
+    role_vars = {
+        "shmstage_venv": str(venv),
+        "shmstage_package": str(source_copy(tmp_path / "pkg")),
+        "shmstage_bin_link": "",
+        "shmstage_shm_path": str(shm),
+        "shmstage_shm_size": "48M",
+        "shmstage_fstab": str(fstab),
+        "shmstage_config_path": str(config),
+        "shmstage_datasets": [{"source": str(data), "name": "images"}],
+        "shmstage_loader_num_workers": 2,
+    }
+    play = [{"name": "Converge", "hosts": "localhost", "gather_facts": False,
+             "roles": [{"role": "shmstage", "vars": role_vars}]}]  # fmt: skip
+    playbook.write_text(yaml.safe_dump(play))
+    cmd = [tool("ansible-playbook"), "-c", "local", "-i", "localhost,", str(playbook)]
+
+    def converge(*extra: str) -> str:
+        result = subprocess.run(
+            [*cmd, *extra], env=ansible_env(tmp_path), capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        return result.stdout
+
+    first = recap(converge())
+    assert first["failed"] == 0
+    assert first["changed"] >= 4  # venv, fstab, remount handler, config, prepare
+    second_out = converge()
+    second = recap(second_out)
+    assert second["changed"] == 0, second_out[-4000:]
+    assert second["failed"] == 0
+    # --check on a converged node: prepare runs with --dry-run and finds nothing to do.
+    check_out = converge("--check")
+    assert recap(check_out)["changed"] == 0, check_out[-4000:]
+
+    # The tmpfs now has the size the role asked for, persisted in the (temporary) fstab.
+    st = os.statvfs(shm)
+    assert st.f_blocks * st.f_frsize == 48 << 20
+    assert f"tmpfs {shm} tmpfs rw,nosuid,nodev,size=48M 0 0" in fstab.read_text().splitlines()
+    assert fstab.read_text().startswith("# test fstab\nproc /proc proc defaults 0 0\n")
+    # The node config is valid and says what the role variables say.
+    from shmstage.config import load_config
+
+    cfg = load_config(config)
+    assert [(d.source, d.name) for d in cfg.datasets] == [(str(data), "images")]
+    assert cfg.shm.path == str(shm)
+    assert cfg.loader.num_workers == 2
+    # The dataset is staged, byte for byte, on the tmpfs.
+    from shmstage.stage import find
+
+    staged = find("images", dest=shm / "shmstage")
+    assert staged is not None and staged.source == str(data)
+    assert sorted(os.listdir(staged.path)) == sorted(os.listdir(data))
+    for f in data.iterdir():
+        assert (Path(staged.path) / f.name).read_bytes() == f.read_bytes()
+    assert (venv / "bin" / "shmstage").exists()

@@ -1,0 +1,285 @@
+"""The YAML node config: what it accepts, and one clear message for every kind of bad input."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from shmstage.config import (
+    ConfigError,
+    DatasetConfig,
+    LoaderConfig,
+    PillowSimdConfig,
+    ShmConfig,
+    load_config,
+    loader_env,
+    parse_config,
+)
+
+FULL = """\
+version: 1
+shm:
+  path: /dev/shm
+  size: 75%
+  persist: true
+  fstab: /etc/fstab
+dest: /dev/shm/shmstage
+reserve: 4G
+datasets:
+  - source: /nfs/imagenet/train
+    name: imagenet-train
+    verify: checksum
+  - source: /nfs/coco/
+  - /nfs/laion
+pillow_simd:
+  enabled: true
+  python: /opt/venv/bin/python
+  version: 9.5.0.post1
+loader:
+  num_workers: 8
+  pin_memory: true
+  prefetch_factor: 4
+"""
+
+
+def parse(text: str):
+    return parse_config(textwrap.dedent(text), "node.yaml")
+
+
+def test_full_example_parses_into_typed_sections():
+    """Every section of the documented schema lands in its typed field."""
+    cfg = parse(FULL)
+    assert cfg.version == 1
+    assert cfg.shm == ShmConfig(path="/dev/shm", size="75%", persist=True, fstab="/etc/fstab")
+    assert cfg.dest == "/dev/shm/shmstage"
+    assert cfg.reserve == 4 << 30
+    assert cfg.datasets == (
+        DatasetConfig("/nfs/imagenet/train", "imagenet-train", "checksum"),
+        DatasetConfig("/nfs/coco", "coco", "size"),
+        DatasetConfig("/nfs/laion", "laion", "size"),
+    )
+    assert cfg.pillow_simd == PillowSimdConfig(True, "/opt/venv/bin/python", "9.5.0.post1")
+    assert cfg.loader == LoaderConfig(num_workers=8, pin_memory=True, prefetch_factor=4)
+
+
+def test_defaults_for_a_minimal_file():
+    """A file with only datasets leaves /dev/shm alone and stages under /dev/shm/shmstage."""
+    cfg = parse("datasets: [/data/a]\n")
+    assert cfg.shm == ShmConfig(path="/dev/shm", size=None, persist=False, fstab="/etc/fstab")
+    assert cfg.dest == "/dev/shm/shmstage"
+    assert cfg.reserve is None
+    assert cfg.pillow_simd.enabled is False
+    assert cfg.loader == LoaderConfig()
+
+
+def test_dest_follows_shm_path_unless_given():
+    """Without `dest`, copies go to <shm.path>/shmstage so they land on the tmpfs being sized."""
+    assert parse("shm: {path: /mnt/ram}\n").dest == "/mnt/ram/shmstage"
+    assert parse("shm: {path: /mnt/ram}\ndest: /scratch/x\n").dest == "/scratch/x"
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        ("64G", 64 << 30),
+        ("512MiB", 512 << 20),
+        (1048576, 1048576),
+        ("50%", "50%"),
+        ("auto", "auto"),
+    ],
+)
+def test_shm_size_forms(size, expected):
+    """shm.size takes bytes, a size with a unit, N% and auto."""
+    assert parse(f"shm: {{size: {size!r}}}\n".replace("'", '"')).shm.size == expected
+
+
+# (yaml, exact one-line message without the "node.yaml:" prefix)
+BAD = [
+    (
+        "bogus: 1\n",
+        "1: bogus: unknown key; expected one of: version, shm, dest, reserve, datasets, pillow_simd, loader",
+    ),
+    (
+        "shm:\n  path: /dev/shm\n  sizee: 4G\n",
+        "3: shm.sizee: unknown key; expected one of: path, size, persist, fstab",
+    ),
+    (
+        "datasets:\n  - source: /a\n    verfy: size\n",
+        "3: datasets[0].verfy: unknown key; expected one of: source, name, verify",
+    ),
+    (
+        "loader: {workers: 2}\n",
+        "1: loader.workers: unknown key; expected one of: num_workers, pin_memory, prefetch_factor",
+    ),
+    (
+        "pillow_simd: {enable: true}\n",
+        "1: pillow_simd.enable: unknown key; expected one of: enabled, python, version",
+    ),
+    (
+        "shm: [1, 2]\n",
+        "1: shm: expected a mapping with keys path, size, persist, fstab; got a list",
+    ),
+    ("shm: 64G\n", "1: shm: expected a mapping with keys path, size, persist, fstab; got '64G'"),
+    ("shm: {persist: maybe}\n", "1: shm.persist: expected true or false, got 'maybe'"),
+    ("shm: {path: dev/shm}\n", "1: shm.path: 'dev/shm' is not an absolute path"),
+    ("shm: {path: 5}\n", "1: shm.path: expected text, got a number (5)"),
+    (
+        "shm: {size: 12Q}\n",
+        "1: shm.size: invalid size '12Q': unknown unit 'Q'; use K, M, G, T, KiB, GiB, KB, GB or N%",
+    ),
+    ("shm: {size: 150%}\n", "1: shm.size: invalid size '150%': a percentage must be in (0, 100]"),
+    ("shm: {size: 0}\n", "1: shm.size: a tmpfs size must be more than 0"),
+    (
+        "shm: {size: true}\n",
+        '1: shm.size: expected bytes or a size like 64G, N% or "auto", got a boolean (true)',
+    ),
+    (
+        "reserve: 10%\n",
+        "1: reserve: a percentage is not allowed here; use bytes or a size like 64G",
+    ),
+    ("reserve: auto\n", '1: reserve: "auto" is not allowed here; use bytes or a size like 64G'),
+    (
+        "reserve: -1G\n",
+        "1: reserve: invalid size '-1G' (sizes must not be negative): use bytes or a number with K, M, G, T (powers of 1024; KiB/GiB too, KB/GB are powers of 1000) or N%",
+    ),
+    ("dest: relative/dir\n", "1: dest: 'relative/dir' is not an absolute path"),
+    ("version: 2\n", "1: version: unsupported config version 2; this shmstage reads version 1"),
+    ("datasets: /data/a\n", "1: datasets: expected a list of datasets, got '/data/a'"),
+    (
+        "datasets:\n  - source: /a\n    verify: sha256\n",
+        "3: datasets[0].verify: 'sha256' is not a verify mode; use size or checksum",
+    ),
+    (
+        "datasets:\n  - source: /a\n  - name: b\n",
+        "3: datasets[1].source: missing; every dataset needs a source path",
+    ),
+    (
+        "datasets:\n  - source: /a/x\n  - source: /b/x\n",
+        "3: datasets[1].name: duplicate dataset name 'x' (also datasets[0]); give one a distinct `name:`",
+    ),
+    (
+        "datasets:\n  - {source: /a, name: 'has space'}\n",
+        "2: datasets[0].name: 'has space' is not a valid name; use letters, digits, '.', '_', '+' and '-' (at most 200, not starting with '.')",
+    ),
+    (
+        "datasets:\n  - [/a]\n",
+        "2: datasets[0]: expected a mapping with keys source, name, verify; got a list",
+    ),
+    ("datasets:\n  - source: [/a]\n", "2: datasets[0].source: expected a single value, got a list"),
+    ("loader: {num_workers: -1}\n", "1: loader.num_workers: must be at least 0, got -1"),
+    (
+        "loader: {num_workers: 2.5}\n",
+        "1: loader.num_workers: expected a whole number, got a number (2.5)",
+    ),
+    ("loader: {prefetch_factor: 0}\n", "1: loader.prefetch_factor: must be at least 1, got 0"),
+    ("loader: {pin_memory: 1}\n", "1: loader.pin_memory: expected true or false, got a number (1)"),
+    (
+        "pillow_simd: {python: python3}\n",
+        "1: pillow_simd.python: 'python3' is not an absolute path",
+    ),
+    ("shm: {}\nshm: {}\n", "2: shm: duplicate key"),
+    (
+        "- a\n- b\n",
+        "1: expected a mapping with keys version, shm, dest, reserve, datasets, pillow_simd, loader; got a list",
+    ),
+    ("shm: {size: 4G\n", "2: not valid YAML: expected ',' or '}', but got '<stream end>'"),
+    ("", "the file is empty; see docs/config.md for the schema"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_input_gets_its_own_message_with_key_path_and_line(text, message):
+    """Each kind of bad input is rejected with `file:line: key.path: reason`."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "node.yaml")
+    expected = f"node.yaml:{message}" if message[0].isdigit() else f"node.yaml: {message}"
+    assert str(info.value) == expected
+    assert info.value.exit_code == 2
+
+
+def test_every_problem_is_reported_at_once():
+    """A file with several problems lists them all (one line each) so they can be fixed in one go."""
+    text = "shm: {size: 12Q}\ndatasets:\n  - source: /a\n    verify: md5\nextra: 1\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "node.yaml")
+    assert str(info.value).splitlines() == [
+        "invalid config node.yaml (3 problems; nothing was run):",
+        "  node.yaml:1: shm.size: invalid size '12Q': unknown unit 'Q'; use K, M, G, T, KiB, GiB, KB, GB or N%",
+        "  node.yaml:4: datasets[0].verify: 'md5' is not a verify mode; use size or checksum",
+        "  node.yaml:5: extra: unknown key; expected one of: version, shm, dest, reserve, datasets, pillow_simd, loader",
+    ]
+    assert [p.key for p in info.value.problems] == ["shm.size", "datasets[0].verify", "extra"]
+
+
+def test_unsafe_yaml_tags_are_refused():
+    """Python object tags are not constructed (safe loading only)."""
+    with pytest.raises(ConfigError, match=r"node.yaml:1: dest: cannot read this value"):
+        parse_config("dest: !!python/name:os.system ''\n", "node.yaml")
+
+
+def test_missing_default_config_names_the_option(monkeypatch, tmp_path):
+    """No file at the default path: the error says to write one or pass --config."""
+    monkeypatch.delenv("SHMSTAGE_CONFIG", raising=False)
+    monkeypatch.setattr("shmstage.config.DEFAULT_PATH", str(tmp_path / "shmstage.yaml"))
+    with pytest.raises(ConfigError) as info:
+        load_config()
+    assert str(info.value) == (
+        f"no node config at {tmp_path / 'shmstage.yaml'}; write one (see docs/config.md) or pass --config PATH"
+    )
+
+
+def test_env_var_picks_the_file_and_a_missing_one_is_an_error(monkeypatch, tmp_path):
+    """$SHMSTAGE_CONFIG is read when no path is given; a missing named file is an error."""
+    good = tmp_path / "node.yaml"
+    good.write_text("dest: /x/y\n")
+    monkeypatch.setenv("SHMSTAGE_CONFIG", str(good))
+    assert load_config().dest == "/x/y"
+    monkeypatch.setenv("SHMSTAGE_CONFIG", str(tmp_path / "nope.yaml"))
+    with pytest.raises(
+        ConfigError, match=r"nope.yaml does not exist; check --config / \$SHMSTAGE_CONFIG"
+    ):
+        load_config()
+
+
+def test_loader_env_maps_the_loader_section(tmp_path):
+    """loader_env gives the SHMSTAGE_* variables `shmstage run` exports, only for keys that are set."""
+    f = tmp_path / "node.yaml"
+    f.write_text("loader: {num_workers: 6, pin_memory: false, prefetch_factor: 3}\n")
+    assert loader_env(f) == {
+        "SHMSTAGE_NUM_WORKERS": "6",
+        "SHMSTAGE_PIN_MEMORY": "0",
+        "SHMSTAGE_PREFETCH_FACTOR": "3",
+    }
+    f.write_text("loader: {num_workers: auto}\n")
+    assert loader_env(f) == {"SHMSTAGE_NUM_WORKERS": "auto"}
+
+
+def test_loader_env_is_empty_without_a_config(monkeypatch, tmp_path):
+    """No config file at the default path is not an error for `shmstage run`: no variables."""
+    monkeypatch.delenv("SHMSTAGE_CONFIG", raising=False)
+    monkeypatch.setattr("shmstage.config.DEFAULT_PATH", str(tmp_path / "absent.yaml"))
+    assert loader_env() == {}
+
+
+def test_loader_env_rejects_an_invalid_config(tmp_path):
+    """An invalid config is not silently ignored by `shmstage run`."""
+    f = tmp_path / "node.yaml"
+    f.write_text("loader: {num_workers: many}\n")
+    with pytest.raises(
+        ConfigError, match="loader.num_workers: expected a whole number, got 'many'"
+    ):
+        loader_env(f)
+
+
+def test_cli_reports_config_errors_before_running_anything(runner, cli, tmp_path):
+    """`prepare` with a bad config exits 2 with the error line and runs no step."""
+    f = tmp_path / "node.yaml"
+    f.write_text("shm:\n  size: lots\n")
+    result = runner.invoke(cli, ["prepare", "--config", str(f), "--json"])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        f"Error: {f}:2: shm.size: invalid size 'lots': use bytes or a number with K, M, G, T "
+        "(powers of 1024; KiB/GiB too, KB/GB are powers of 1000) or N%\n"
+    )

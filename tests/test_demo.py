@@ -1,0 +1,144 @@
+"""`shmstage demo`: the dataset generator, the page-cache helpers, and the whole flow end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from shmstage.demo import _busy_note, _prepare_dataset, cached_share, evict_from_page_cache
+from shmstage.demo.dataset import ImageFolder, ImagenetTrain, generate
+from shmstage.errors import ShmstageError
+
+pytest.importorskip("torch")
+pytest.importorskip("PIL")
+
+ROWS = ("node", "Pillow", "dataset", "staging", "original run", "staged run", "speed-up")
+ROWS += ("loader settings", "next", "cleanup")
+
+
+def test_generate_is_deterministic_with_photo_like_sizes(tmp_path: Path) -> None:
+    """The same seed gives byte-identical JPEGs in class folders, sized like photos (50-150 KB typical)."""
+    a = generate(tmp_path / "a", images=30, classes=3, seed=7)
+    b = generate(tmp_path / "b", images=30, classes=3, seed=7)
+    files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.jpg"))
+    assert [str(p) for p in files_a[:2]] == ["class_000/img_000000.jpg", "class_000/img_000003.jpg"]
+    assert len(files_a) == 30 and a.bytes == b.bytes and a.classes == 3
+    for rel in files_a:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+    sizes = sorted((tmp_path / "a" / rel).stat().st_size for rel in files_a)
+    assert 50_000 <= sizes[len(sizes) // 2] <= 150_000
+    assert generate(tmp_path / "c", images=30, classes=3, seed=8).bytes != a.bytes
+
+
+def test_image_folder_reads_classes_with_imagenet_transform(tmp_path: Path) -> None:
+    """ImageFolder labels images by sorted class folder and yields normalized 3x224x224 float32."""
+    generate(tmp_path / "d", images=6, classes=2)
+    ds = ImageFolder(tmp_path / "d", ImagenetTrain(224))
+    assert ds.classes == ["class_000", "class_001"] and len(ds) == 6
+    x, y = ds[len(ds) - 1]
+    assert x.shape == (3, 224, 224) and str(x.dtype) == "float32" and y == 1
+    assert -3 < float(x.min()) < float(x.max()) < 3
+
+
+def test_image_folder_without_images_is_a_clear_error(tmp_path: Path) -> None:
+    """A folder with no class subfolders of images raises a one-line ShmstageError."""
+    (tmp_path / "x" / "cats").mkdir(parents=True)
+    (tmp_path / "x" / "cats" / "notes.txt").write_text("hi")
+    with pytest.raises(ShmstageError, match=r"no images found; expected class subfolders"):
+        ImageFolder(tmp_path / "x")
+
+
+def test_evict_from_page_cache_drops_only_cached_pages(tmp_path: Path) -> None:
+    """After evict_from_page_cache a just-read file is (almost) out of the page cache, as --cold needs."""
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(4 << 20))
+    path.read_bytes()
+    before = cached_share([str(path)])
+    if before is None or before < 0.9:
+        pytest.skip(f"page cache residency not observable here ({before})")
+    evict_from_page_cache([str(path)])
+    after = cached_share([str(path)])
+    assert after is not None and after < 0.5
+
+
+def test_busy_note_only_when_others_compete() -> None:
+    """The demo's own two busy CPUs are not 'busy'; a load far above the CPU count is."""
+    assert _busy_note(2.5, 2) is None
+    note = _busy_note(7.2, 2)
+    assert note is not None and note.startswith("the node was busy (load average 7.2 on 2 CPUs)")
+
+
+@pytest.fixture
+def demo_dest(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """Where the demo stages: a real small tmpfs as root, else a temp directory (never the real /dev/shm)."""
+    try:
+        return request.getfixturevalue("tmpfs")("256M", name="shm")
+    except pytest.skip.Exception:
+        path = tmp_path / "dest"
+        path.mkdir()
+        return path
+
+
+def _demo(shmstage_bin: list[str], dest: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, SHMSTAGE_DEST=str(dest / "shmstage"))
+    argv = [*shmstage_bin, "demo", "--images", "64", "--steps", "2", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_demo_table_with_keep(shmstage_bin, demo_dest: Path, tmp_path: Path) -> None:
+    """The demo prints one table with every row, and --keep leaves the dataset and the staged copy."""
+    work = tmp_path / "work"
+    proc = _demo(shmstage_bin, demo_dest, "--workdir", str(work), "--keep")
+    assert proc.returncode == 0, proc.stderr
+    labels = [line.split("  ")[0] for line in proc.stdout.splitlines() if line[:1].isalpha()]
+    for row in ROWS:
+        assert row in labels, f"row {row!r} missing:\n{proc.stdout}"
+    assert "$ shmstage run -- python -m shmstage.demo.train --data " in proc.stdout
+    assert "$ shmstage run --stage " in proc.stdout and "--data {staged}" in proc.stdout
+    assert "demo: training on the staged data: shmstage run --stage" in proc.stderr
+    assert len(list((work / "dataset").rglob("*.jpg"))) == 64
+    staged = [p for p in (demo_dest / "shmstage").iterdir() if p.name.startswith("shmstage-demo-")]
+    assert len(staged) == 1 and len(list(staged[0].rglob("*.jpg"))) == 64
+
+
+def test_demo_json_and_cleanup(shmstage_bin, demo_dest: Path) -> None:
+    """--json reports both measured runs; without --workdir the demo works in a new directory
+    under /var/tmp (disk, not tmpfs) and removes it and the staged copy when done."""
+    proc = _demo(shmstage_bin, demo_dest, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["kept"] is False and report["dataset"]["images"] == 64
+    for run in ("original", "staged"):
+        result = report[run]["result"]
+        assert result["images"] == 2 * 32 and result["images_per_s"] > 0
+        assert 0 <= result["stall_share"] <= 1
+    assert report["original"]["command"].startswith("shmstage run -- python -m shmstage.demo.train")
+    assert report["staged"]["command"].startswith("shmstage run --stage ")
+    assert Path(report["staging"]["dest"]).is_relative_to(demo_dest)
+    assert report["workdir"].startswith("/var/tmp/shmstage-demo-")
+    assert not Path(report["workdir"]).exists()
+    assert not Path(report["staging"]["dest"]).exists()
+
+
+def test_prepare_dataset_reuses_a_kept_dataset(tmp_path: Path) -> None:
+    """A second demo in the same --workdir reuses the generated dataset instead of rewriting it."""
+    logs: list[str] = []
+    first = _prepare_dataset(str(tmp_path), 8, logs.append)
+    mtime = (tmp_path / "dataset" / "class_000" / "img_000000.jpg").stat().st_mtime_ns
+    second = _prepare_dataset(str(tmp_path), 8, logs.append)
+    assert second == first
+    assert logs[-1] == f"demo: reusing the dataset in {tmp_path / 'dataset'}"
+    assert (tmp_path / "dataset" / "class_000" / "img_000000.jpg").stat().st_mtime_ns == mtime
+    third = _prepare_dataset(str(tmp_path), 10, logs.append)  # different size: regenerated
+    assert third.images == 10 and logs[-1].startswith("demo: generating 10 synthetic JPEGs")
+
+
+def test_demo_too_few_images_is_a_usage_error(runner, cli) -> None:
+    """--images below one batch is refused by Click (exit 2) before anything is generated."""
+    result = runner.invoke(cli, ["demo", "--images", "8"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--images': 8 is not in the range x>=32." in result.stderr

@@ -1,0 +1,478 @@
+"""shmstage.loader: DataLoader sizing, CudaPrefetcher on CPU, BackgroundLoader lifecycle."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import Dataset, TensorDataset  # noqa: E402
+
+from shmstage import loader, system  # noqa: E402
+from shmstage.errors import ShmstageError  # noqa: E402
+from shmstage.loader import (  # noqa: E402
+    BackgroundLoader,
+    CudaPrefetcher,
+    default_num_workers,
+    loader_kwargs,
+    make_loader,
+)
+
+LOADER_ENV = (
+    "SHMSTAGE_NUM_WORKERS",
+    "SHMSTAGE_PIN_MEMORY",
+    "SHMSTAGE_PREFETCH_FACTOR",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in LOADER_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+
+def fake_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, affinity: int, quota: str | None
+) -> None:
+    """Affinity of ``affinity`` CPUs and a cgroup v2 ``cpu.max`` of ``quota`` in a fake tree."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/job\n")
+    cg = tmp_path / "cgroup"
+    (cg / "job").mkdir(parents=True)
+    (cg / "cgroup.controllers").write_text("cpu memory\n")
+    if quota is not None:
+        (cg / "job" / "cpu.max").write_text(quota + "\n")
+    real = system.usable_cpus
+    monkeypatch.setattr(
+        loader.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
+    )
+    monkeypatch.setattr(
+        system.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
+    )
+    monkeypatch.setattr(system, "usable_cpus", lambda: real(proc=str(proc), cgroup_root=str(cg)))
+
+
+# --- worker count -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "ranks", "expected"),
+    [
+        (16, None, None, 15),  # one CPU stays with the main process
+        (16, None, "4", 3),  # 16 CPUs / 4 ranks - 1
+        (16, "400000 100000", None, 3),  # cgroup quota of 4 CPUs caps the affinity set
+        (16, "250000 100000", None, 2),  # 2.5 CPUs of quota -> 3 usable
+        (16, "400000 100000", "2", 1),
+        (2, None, "8", 1),  # never fewer than one worker
+        (16, "max 100000", "2", 7),  # "max" = no quota
+    ],
+)
+def test_default_workers_follow_affinity_quota_and_local_world_size(
+    monkeypatch, tmp_path, affinity, quota, ranks, expected
+):
+    """num_workers = usable CPUs (affinity capped by cgroup quota) // LOCAL_WORLD_SIZE - 1, >= 1."""
+    fake_node(monkeypatch, tmp_path, affinity, quota)
+    if ranks is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    assert default_num_workers() == expected
+    assert loader_kwargs()["num_workers"] == expected
+
+
+def test_bad_local_world_size_is_a_clear_error(monkeypatch):
+    """A LOCAL_WORLD_SIZE that is not a positive integer is refused with its value."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
+    with pytest.raises(ShmstageError, match=r"^LOCAL_WORLD_SIZE='zero' is not a positive integer$"):
+        loader_kwargs()
+
+
+def test_defaults_with_workers(monkeypatch, tmp_path):
+    """With workers: persistent workers, a prefetch factor in 2..4, per-worker seeding."""
+    fake_node(monkeypatch, tmp_path, 8, None)
+    kw = loader_kwargs()
+    assert kw["num_workers"] == 7
+    assert kw["persistent_workers"] is True
+    assert 2 <= kw["prefetch_factor"] <= 4
+    assert kw["worker_init_fn"] is loader.seed_worker
+
+
+def test_pin_memory_follows_the_accelerator(monkeypatch):
+    """pin_memory is on exactly when CUDA is available (and off on this CPU-only node)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loader_kwargs(num_workers=0)["pin_memory"] is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loader, "_accelerator_present", lambda: False)
+    assert loader_kwargs(num_workers=0)["pin_memory"] is False
+
+
+def test_env_overrides(monkeypatch):
+    """SHMSTAGE_NUM_WORKERS / PIN_MEMORY / PREFETCH_FACTOR (set by `shmstage run`) apply."""
+    monkeypatch.setenv("SHMSTAGE_NUM_WORKERS", "3")
+    monkeypatch.setenv("SHMSTAGE_PIN_MEMORY", "1")
+    monkeypatch.setenv("SHMSTAGE_PREFETCH_FACTOR", "2")
+    kw = loader_kwargs()
+    assert (kw["num_workers"], kw["pin_memory"], kw["prefetch_factor"]) == (3, True, 2)
+    monkeypatch.setenv("SHMSTAGE_PIN_MEMORY", "off")
+    assert loader_kwargs()["pin_memory"] is False
+
+
+def test_auto_in_env_means_default(monkeypatch, tmp_path):
+    """SHMSTAGE_NUM_WORKERS=auto (the node config's value) falls back to the computed default."""
+    fake_node(monkeypatch, tmp_path, 6, None)
+    monkeypatch.setenv("SHMSTAGE_NUM_WORKERS", "auto")
+    assert loader_kwargs()["num_workers"] == 5
+
+
+def test_arguments_win_over_env(monkeypatch):
+    """Explicit arguments beat the environment; with num_workers=0 worker-only options are dropped."""
+    monkeypatch.setenv("SHMSTAGE_NUM_WORKERS", "3")
+    monkeypatch.setenv("SHMSTAGE_PIN_MEMORY", "1")
+    monkeypatch.setenv("SHMSTAGE_PREFETCH_FACTOR", "2")
+    kw = loader_kwargs(num_workers=0, pin_memory=False, shuffle=True)
+    assert kw == {"num_workers": 0, "pin_memory": False, "shuffle": True}
+    assert loader_kwargs(num_workers=1, prefetch_factor=3)["prefetch_factor"] == 3
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [
+        (
+            "SHMSTAGE_NUM_WORKERS",
+            "many",
+            "SHMSTAGE_NUM_WORKERS='many' is not a valid value: use an integer >= 0 or 'auto'",
+        ),
+        (
+            "SHMSTAGE_NUM_WORKERS",
+            "-1",
+            "SHMSTAGE_NUM_WORKERS='-1' is not a valid value: use an integer >= 0 or 'auto'",
+        ),
+        (
+            "SHMSTAGE_PREFETCH_FACTOR",
+            "0",
+            "SHMSTAGE_PREFETCH_FACTOR='0' is not a valid value: use an integer >= 1",
+        ),
+        (
+            "SHMSTAGE_PIN_MEMORY",
+            "maybe",
+            "SHMSTAGE_PIN_MEMORY='maybe' is not a valid value: use 1 or 0 (or auto)",
+        ),
+    ],
+)
+def test_bad_env_values_are_clear_errors(monkeypatch, var, value, message):
+    """A malformed loader variable raises ShmstageError naming the variable, value and fix."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ShmstageError) as e:
+        loader_kwargs(num_workers=1)
+    assert str(e.value) == message
+
+
+def test_prefetch_factor_without_workers_is_refused():
+    """Asking for prefetch_factor with num_workers=0 is a clear error, not DataLoader's ValueError."""
+    with pytest.raises(ShmstageError, match="prefetch_factor needs num_workers > 0"):
+        loader_kwargs(num_workers=0, prefetch_factor=2)
+
+
+class RandomDataset(Dataset):
+    """Returns numpy's and random's next draw: equal across workers unless they are seeded apart."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor(
+            [info.id if info else -1, np.random.randint(1 << 30), random.randrange(1 << 30)]
+        )
+
+
+@pytest.mark.timeout(120)
+def test_real_loader_with_workers_on_cpu():
+    """make_loader builds a working multi-worker loader on CPU: every sample once, twice over."""
+    data = TensorDataset(torch.arange(20).float())
+    dl = make_loader(data, 4, num_workers=2)
+    assert dl.num_workers == 2 and dl.persistent_workers
+    for _ in range(2):
+        seen = sorted(int(v) for (batch,) in dl for v in batch)
+        assert seen == list(range(20))
+
+
+@pytest.mark.timeout(120)
+def test_workers_draw_different_random_numbers():
+    """seed_worker gives each worker its own numpy/random stream (no duplicated augmentations)."""
+    dl = make_loader(RandomDataset(), 1, num_workers=2)
+    first = {}
+    for (row,) in dl:
+        first.setdefault(int(row[0]), (int(row[1]), int(row[2])))
+    assert set(first) == {0, 1}
+    assert first[0][0] != first[1][0] and first[0][1] != first[1][1]
+
+
+def test_real_loader_without_workers():
+    """num_workers=0 gives a valid single-process loader."""
+    dl = make_loader(TensorDataset(torch.arange(6)), 2, num_workers=0)
+    assert [b[0].tolist() for b in dl] == [[0, 1], [2, 3], [4, 5]]
+
+
+# --- CudaPrefetcher ---------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    image: torch.Tensor
+    meta: dict
+
+
+def nested_batches() -> list:
+    return [
+        (
+            torch.full((2, 3), float(i)),
+            {"label": torch.tensor([i, i + 1]), "name": f"b{i}", "extra": [torch.ones(1) * i, 7]},
+            Pair(torch.arange(3) + i, {"id": i}),
+            None,
+        )
+        for i in range(3)
+    ]
+
+
+def assert_same_structure(got, want, device: str) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.device.type == device
+        if device != "meta":
+            assert torch.equal(got.cpu(), want)
+        assert got.shape == want.shape and got.dtype == want.dtype
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            assert_same_structure(got[k], want[k], device)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_structure(g, w, device)
+    else:
+        assert got == want
+
+
+def test_prefetcher_on_cpu_passes_batches_through():
+    """Without CUDA the prefetcher yields the loader's batches unchanged, nested types intact."""
+    batches = nested_batches()
+    got = list(CudaPrefetcher(batches))
+    assert len(got) == 3
+    for g, w in zip(got, batches):
+        assert_same_structure(g, w, "cpu")
+        assert g[0] is w[0]  # not copied
+
+
+def test_prefetcher_moves_nested_tensors_to_another_device():
+    """For a non-CUDA device every tensor in tuples/lists/dicts/namedtuples is moved; the rest kept."""
+    batches = nested_batches()
+    got = list(CudaPrefetcher(batches, device="meta"))
+    for g, w in zip(got, batches):
+        assert_same_structure(g, w, "meta")
+        assert isinstance(g[2], Pair) and g[2].meta == {"id": g[2].meta["id"]}
+
+
+def test_map_tensors_keeps_mapping_types():
+    """OrderedDict, defaultdict and namedtuple containers keep their type when tensors are moved."""
+    dd = collections.defaultdict(list, {"x": torch.ones(1)})
+    od = collections.OrderedDict(b=torch.zeros(1), a=torch.ones(1))
+    out = loader._map_tensors([dd, od, Pair(torch.ones(1), {})], lambda t: t * 2)
+    assert type(out[0]) is collections.defaultdict and out[0].default_factory is list
+    assert type(out[1]) is collections.OrderedDict and list(out[1]) == ["b", "a"]
+    assert torch.equal(out[1]["a"], torch.full((1,), 2.0))
+    assert type(out[2]) is Pair and torch.equal(out[2].image, torch.full((1,), 2.0))
+
+
+def test_prefetcher_empty_loader_and_len():
+    """An empty loader yields nothing; len() is the loader's length."""
+    assert list(CudaPrefetcher([])) == []
+    assert list(CudaPrefetcher([], device="meta")) == []
+    dl = make_loader(TensorDataset(torch.arange(10)), 4, num_workers=0)
+    assert len(CudaPrefetcher(dl)) == len(dl) == 3
+
+
+def test_prefetcher_iterates_again():
+    """Each iter() is a new epoch over the loader."""
+    p = CudaPrefetcher([torch.ones(1), torch.zeros(1)], device="meta")
+    assert len(list(p)) == 2 and len(list(p)) == 2
+
+
+# --- BackgroundLoader -------------------------------------------------------
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_background_keeps_order_and_none_items():
+    """Items, None included, arrive in order; None is not mistaken for the end."""
+    items = [1, None, "x", None, 0]
+    assert list(BackgroundLoader(items)) == items
+
+
+@pytest.mark.timeout(10)
+def test_background_reraises_producer_exception_with_traceback():
+    """A producer exception reaches the consumer with its type and the producer's frames; no hang."""
+
+    def failing_source():
+        yield 1
+        yield None
+        raise KeyError("broken sample 3")
+
+    it = iter(BackgroundLoader(failing_source()))
+    assert next(it) == 1 and next(it) is None
+    with pytest.raises(KeyError, match="broken sample 3") as e:
+        next(it)
+    assert "failing_source" in [f.name for f in traceback.extract_tb(e.value.__traceback__)]
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.timeout(10)
+def test_background_reraises_error_from_iter():
+    """An iterable whose iter() raises is reported in the consumer too."""
+
+    class Broken:
+        def __iter__(self):
+            raise OSError("cannot open shard")
+
+    with pytest.raises(OSError, match="cannot open shard"):
+        list(BackgroundLoader(Broken()))
+
+
+@pytest.mark.timeout(10)
+def test_next_after_end_raises_stopiteration_at_once():
+    """After the end, next() raises StopIteration immediately, every time."""
+    it = iter(BackgroundLoader([1]))
+    assert list(it) == [1]
+    for _ in range(3):
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def endless(flag: threading.Event, produced: list[int]):
+    try:
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+    finally:
+        flag.set()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("how", ["close", "with", "gc", "loader-close", "new-epoch"])
+def test_early_stop_runs_the_generator_finally(how):
+    """close(), leaving `with`, dropping the iterator, loader.close() or a new epoch stop the thread and run `finally`."""
+    flag, produced = threading.Event(), []
+    bg = BackgroundLoader(endless(flag, produced), max_prefetch=2)
+    before = threading.active_count()
+    it = iter(bg)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    if how == "close":
+        it.close()
+    elif how == "with":
+        with it:
+            next(it)
+    elif how == "gc":
+        del it
+        gc.collect()
+    elif how == "loader-close":
+        bg.close()
+    else:
+        bg.iterable = iter([])
+        assert list(bg) == []
+    assert flag.wait(5)
+    assert wait_until(lambda: threading.active_count() == before)
+
+
+@pytest.mark.timeout(10)
+def test_queue_is_bounded():
+    """The producer runs at most max_prefetch items ahead (+1 waiting in put)."""
+    flag, produced = threading.Event(), []
+    it = iter(BackgroundLoader(endless(flag, produced), max_prefetch=3))
+    assert wait_until(lambda: len(produced) == 4)
+    time.sleep(0.2)
+    assert len(produced) == 4
+    it.close()
+    assert flag.is_set()
+
+
+@pytest.mark.timeout(60)
+def test_no_thread_leak_across_100_epochs():
+    """100 epochs, full and abandoned, leave the thread count where it started."""
+    before = threading.active_count()
+    bg = BackgroundLoader(range(20), max_prefetch=4)
+    for epoch in range(100):
+        if epoch % 2:
+            assert list(bg) == list(range(20))
+        else:
+            for x in bg:
+                if x == 3:
+                    break
+    bg.close()
+    assert threading.active_count() == before
+
+
+def test_len_and_bad_max_prefetch():
+    """len() is the source's; max_prefetch < 1 is refused."""
+    assert len(BackgroundLoader([1, 2, 3])) == 3
+    with pytest.raises(ShmstageError, match="max_prefetch=0"):
+        BackgroundLoader([], max_prefetch=0)
+
+
+def test_background_over_a_real_loader():
+    """BackgroundLoader composes with make_loader and CudaPrefetcher."""
+    dl = make_loader(TensorDataset(torch.arange(8)), 2, num_workers=0)
+    got = [b[0].tolist() for b in CudaPrefetcher(BackgroundLoader(dl))]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+# --- staged_path ------------------------------------------------------------
+
+
+def test_staged_path_finds_the_staged_copy(tmp_path):
+    """staged_path(source or name) is the published copy once the dataset is staged."""
+    from shmstage import stage as engine
+
+    src = tmp_path / "imagenet"
+    (src / "train").mkdir(parents=True)
+    (src / "train" / "0.jpg").write_bytes(b"x" * 100)
+    dest = tmp_path / "shm"
+    ds = engine.stage(str(src), dest=str(dest))
+    assert loader.staged_path(src, dest=dest) == Path(ds.path) == dest / "imagenet"
+    assert loader.staged_path("imagenet", dest=dest) == dest / "imagenet"
+
+
+def test_staged_path_falls_back_to_the_source_with_a_warning(tmp_path):
+    """Not staged: staged_path returns the source and warns (ShmstageWarning) how to stage it."""
+    src = tmp_path / "imagenet"
+    src.mkdir()
+    with pytest.warns(loader.ShmstageWarning, match=r"is not staged on this node.*shmstage stage"):
+        assert loader.staged_path(str(src), dest=tmp_path / "shm") == src
+
+
+def test_prefetcher_asked_for_cuda_without_cuda():
+    """device='cuda' on a machine without CUDA is a clear error, not a torch assertion."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ShmstageError, match="^device cuda was asked for but CUDA is not available"):
+        CudaPrefetcher([], device="cuda")

@@ -1,0 +1,77 @@
+"""CudaPrefetcher on a real GPU: record_stream safety, overlap, values. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shmstage.loader import CudaPrefetcher, make_loader  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+N = 16 * 1024 * 1024  # floats per batch (64 MiB): one allocator block each
+SPIN = 2_000_000_000  # cycles for torch.cuda._sleep: ~1 s on current GPUs
+
+
+def pinned_batches(count: int) -> list[torch.Tensor]:
+    return [torch.full((N,), float(i + 1)).pin_memory() for i in range(count)]
+
+
+def test_record_stream_poison():
+    """Batch k's memory is not reused for batch k+2's copy while queued kernels still read k."""
+    p = CudaPrefetcher(pinned_batches(4), device="cuda")
+    it = iter(p)
+    b0 = next(it)  # batch 1 is being copied on the side stream now
+    torch.cuda._sleep(SPIN)  # a long kernel on the consumer stream...
+    checksum = b0.sum()  # ...then one that reads batch 0
+    del b0  # freed while both kernels are still queued
+    next(it)  # enqueues batch 2's copy: without record_stream it may land in batch 0's block
+    torch.cuda.synchronize()
+    assert checksum.item() == float(N)  # all ones: batch 0 was not overwritten
+
+
+def test_copy_overlaps_compute():
+    """The next batch's copy completes while the consumer stream is still busy with this one."""
+    p = CudaPrefetcher(pinned_batches(3), device="cuda")
+    it = iter(p)
+    next(it)  # batch 1's copy is enqueued on the side stream
+    consumer = torch.cuda.current_stream()
+    torch.cuda._sleep(SPIN)
+    copied = torch.cuda.Event()
+    copied.record(p._stream)
+    deadline = time.monotonic() + 30
+    while not copied.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert copied.query() and not consumer.query()  # copy done, compute still running
+    torch.cuda.synchronize()
+
+
+def test_values_structure_and_one_stream():
+    """Nested batches arrive on the GPU with identical values; the side stream is made once."""
+    batches = [
+        {"x": torch.randn(4, 3).pin_memory(), "y": (torch.arange(4), "tag"), "n": i}
+        for i in range(5)
+    ]
+    p = CudaPrefetcher(batches, device="cuda")
+    stream = p._stream
+    for _ in range(2):
+        got = list(p)
+        assert p._stream is stream
+        assert len(got) == 5
+        for g, w in zip(got, batches):
+            assert g["x"].is_cuda and torch.equal(g["x"].cpu(), w["x"])
+            assert (
+                torch.equal(g["y"][0].cpu(), w["y"][0]) and g["y"][1] == "tag" and g["n"] == w["n"]
+            )
+
+
+def test_make_loader_pins_on_gpu():
+    """With CUDA present make_loader pins host memory and its batches feed the prefetcher."""
+    data = torch.utils.data.TensorDataset(torch.arange(64).float())
+    dl = make_loader(data, 8, num_workers=1)
+    assert dl.pin_memory
+    total = sum(float(b[0].sum()) for b in CudaPrefetcher(dl))
+    assert total == float(sum(range(64)))

@@ -1,0 +1,403 @@
+"""`shmstage run`: placeholders, environment, exit status, signals and no orphans, for real."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shmstage import launch
+from shmstage.launch import PlaceholderError, StageRequest, check_placeholders, substitute
+
+# --- placeholders (unit) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("/nfs/imagenet", StageRequest("/nfs/imagenet")),
+        ("/nfs/imagenet=inet", StageRequest("/nfs/imagenet", "inet")),
+        ("/data/a=b/c", StageRequest("/data/a=b/c")),  # '=' inside the path
+        ("s3=x/y=train", StageRequest("s3=x/y", "train")),
+    ],
+)
+def test_stage_request_parse(text, expected):
+    """--stage SRC[=NAME] splits at the last '=' unless what follows is a path."""
+    assert StageRequest.parse(text) == expected
+
+
+def test_substitute_fills_staged_and_names():
+    """{staged} and {staged:NAME} become paths, also inside a larger argument."""
+    one = [("toy", "/dev/shm/shmstage/toy")]
+    assert substitute(["--data", "{staged}", "--x={staged}/train"], one) == [
+        "--data",
+        "/dev/shm/shmstage/toy",
+        "--x=/dev/shm/shmstage/toy/train",
+    ]
+    two = [("a", "/s/a"), ("b", "/s/b")]
+    assert substitute(["{staged:b}:{staged:a}"], two) == ["/s/b:/s/a"]
+
+
+def test_substitute_leaves_other_braces_alone():
+    """Escapes give literal placeholders; JSON, shell groups and ${VAR} pass unchanged."""
+    args = [
+        "{{staged}}",
+        "{{epoch}}-{{loss:.2f}}",
+        '{"a": {"b": 1}}',
+        "f() { x; }",
+        "${HOME}",
+        "{}",
+    ]
+    assert substitute(args, []) == [
+        "{staged}",
+        "{epoch}-{loss:.2f}",
+        '{"a": {"b": 1}}',
+        "f() { x; }",
+        "${HOME}",
+        "{}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "names", "message"),
+    [
+        (
+            ["ckpt_{epoch}.pt"],
+            ["toy"],
+            "unknown placeholder {epoch} in 'ckpt_{epoch}.pt': use {staged} or {staged:NAME}, "
+            "or write {{epoch}} for a literal {epoch}",
+        ),
+        (["{staged}"], [], "{staged} needs exactly one --stage: add --stage SRC"),
+        (["{staged}"], ["a", "b"], "{staged} needs exactly one --stage (got 2): use {staged:NAME}"),
+        (["{staged:c}"], ["a", "b"], "{staged:c}: no --stage is named 'c' (names: a, b)"),
+        (["{staged:}"], ["a"], "empty name in {staged:} in '{staged:}': write {staged:NAME}"),
+    ],
+)
+def test_bad_placeholders_are_refused(args, names, message):
+    """Each unfillable placeholder is refused with a message saying what to write instead."""
+    with pytest.raises(PlaceholderError) as e:
+        check_placeholders(args, names)
+    assert str(e.value) == message
+    assert e.value.exit_code == 2
+
+
+def test_unknown_names_are_checked_after_staging():
+    """A {staged:NAME} cannot be judged before staging when a name is not yet known."""
+    check_placeholders(["{staged:whatever}"], [None])
+    with pytest.raises(PlaceholderError, match="no --stage is named 'whatever'"):
+        substitute(["{staged:whatever}"], [("toy", "/x")])
+
+
+def test_env_name():
+    """SHMSTAGE_DATA_<NAME>: upper case, other characters as '_'."""
+    assert launch.env_name("imagenet-1k.v2") == "SHMSTAGE_DATA_IMAGENET_1K_V2"
+
+
+def test_loader_settings_precedence(monkeypatch, tmp_path):
+    """Flags beat the caller's environment, which beats the node config's loader section."""
+    cfg = tmp_path / "shmstage.yaml"
+    cfg.write_text(
+        "version: 1\nloader:\n  num_workers: 5\n  pin_memory: false\n  prefetch_factor: 3\n"
+    )
+    env = {"SHMSTAGE_PREFETCH_FACTOR": "2"}
+    got = launch.loader_settings(workers=None, pin=True, environ=env, config_path=str(cfg))
+    assert got == {"SHMSTAGE_NUM_WORKERS": "5", "SHMSTAGE_PIN_MEMORY": "1"}
+
+
+# --- the CLI refuses before starting anything -------------------------------
+
+
+def test_missing_command(runner, cli, tmp_path):
+    """A command that does not exist: `Error: command not found: X`, exit 127."""
+    result = runner.invoke(cli, ["run", "--", "no-such-command-xyz", "arg"])
+    assert result.exit_code == 127
+    assert result.stderr == "Error: command not found: no-such-command-xyz\n"
+
+
+def test_command_that_cannot_execute(runner, cli, tmp_path):
+    """An executable file that is not a program: exit 126; a #! to nowhere: exit 127."""
+    junk = tmp_path / "junk"
+    junk.write_text("not a program\n")
+    junk.chmod(0o755)
+    result = runner.invoke(cli, ["run", "--", str(junk)])
+    assert result.exit_code == 126
+    assert result.stderr == f"Error: cannot run {junk}: Exec format error\n"
+    junk.write_text("#!/no/such/interpreter\n")
+    result = runner.invoke(cli, ["run", "--", str(junk)])
+    assert result.exit_code == 127
+    assert result.stderr == f"Error: cannot run {junk}: bad interpreter\n"
+
+
+def test_bad_placeholder_starts_nothing(runner, cli, tmp_path):
+    """An unknown placeholder is refused (exit 2) and the command never runs."""
+    marker = tmp_path / "ran"
+    result = runner.invoke(cli, ["run", "--", "touch", str(marker), "{data}"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: unknown placeholder {data} in '{data}'")
+    assert not marker.exists()
+
+
+def test_bad_node_config_starts_nothing(runner, cli, tmp_path):
+    """An invalid node config (loader defaults) is refused (exit 2) before the job starts."""
+    cfg = tmp_path / "shmstage.yaml"
+    cfg.write_text("version: 1\nloader:\n  num_workers: lots\n")
+    marker = tmp_path / "ran"
+    result = runner.invoke(cli, ["run", "--config", str(cfg), "--", "touch", str(marker)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: ")
+    assert not marker.exists()
+
+
+def test_missing_command_stages_nothing(runner, cli, tmp_path):
+    """With a missing command, the --stage source is not copied either."""
+    src = make_dataset(tmp_path / "src")
+    dest = tmp_path / "dest"
+    result = runner.invoke(
+        cli, ["run", "--stage", str(src), "--dest", str(dest), "--", "no-such-xyz"]
+    )
+    assert result.exit_code == 127
+    assert not (dest / "src").exists()
+
+
+# --- real processes ---------------------------------------------------------
+
+
+def make_dataset(root: Path, files: int = 3) -> Path:
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(files):
+            (root / c / f"{i}.bin").write_bytes(os.urandom(1000 + i))
+    return root
+
+
+def run_cli(shmstage_bin, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*shmstage_bin, "run", *args], capture_output=True, text=True, timeout=120, **kw
+    )
+
+
+def test_exit_status_is_the_jobs(shmstage_bin):
+    """The job's exit status is returned unchanged."""
+    assert run_cli(shmstage_bin, "--", "sh", "-c", "exit 7").returncode == 7
+    assert run_cli(shmstage_bin, "--", "true").returncode == 0
+
+
+def test_job_killed_by_signal_gives_128_plus_n(shmstage_bin):
+    """A job killed by signal N makes shmstage exit 128+N."""
+    assert run_cli(shmstage_bin, "--", "sh", "-c", "kill -KILL $$").returncode == 137
+
+
+def test_staged_path_and_environment(shmstage_bin, tmp_path):
+    """The job gets the staged path in ARGS and SHMSTAGE_DATA(_NAME), plus loader flags as env."""
+    src = make_dataset(tmp_path / "src")
+    dest = tmp_path / "dest"
+    script = 'echo "$1|$SHMSTAGE_DATA|$SHMSTAGE_DATA_TOY_1|$SHMSTAGE_NUM_WORKERS|$SHMSTAGE_PIN_MEMORY|$SHMSTAGE_PREFETCH_FACTOR"'
+    r = run_cli(
+        shmstage_bin,
+        "--stage", f"{src}=toy-1", "--dest", str(dest),
+        "--workers", "3", "--no-pin", "--prefetch-factor", "2",
+        "--", "sh", "-c", script, "sh", "{staged}/a",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    staged = dest / "toy-1"
+    assert r.stdout == f"{staged}/a|{staged}|{staged}|3|0|2\n"
+    assert sorted(p.name for p in (staged / "a").iterdir()) == ["0.bin", "1.bin", "2.bin"]
+    assert (staged / "b" / "2.bin").read_bytes() == (src / "b" / "2.bin").read_bytes()
+
+
+def test_two_datasets_by_name(shmstage_bin, tmp_path):
+    """{staged:NAME} picks each of several staged datasets; SHMSTAGE_DATA is the first."""
+    a, b = make_dataset(tmp_path / "a"), make_dataset(tmp_path / "b")
+    dest = tmp_path / "dest"
+    r = run_cli(
+        shmstage_bin, "--stage", str(a), "--stage", f"{b}=bee", "--dest", str(dest),
+        "--", "sh", "-c", 'echo "$1 $2 $SHMSTAGE_DATA $SHMSTAGE_DATA_BEE"', "sh", "{staged:bee}", "{staged:a}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [
+        str(dest / "bee"),
+        str(dest / "a"),
+        str(dest / "a"),
+        str(dest / "bee"),
+    ]
+
+
+def test_failed_staging_does_not_start_the_job(shmstage_bin, tmp_path):
+    """A source that cannot be staged gives `Error: ...` and the job never runs."""
+    marker = tmp_path / "ran"
+    r = run_cli(
+        shmstage_bin, "--stage", str(tmp_path / "missing"), "--dest", str(tmp_path / "d"),
+        "--", "touch", str(marker),
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert r.stderr.startswith("Error: ") and "Traceback" not in r.stderr
+    assert not marker.exists()
+
+
+def test_cleanup_evicts_only_what_this_run_staged(shmstage_bin, tmp_path):
+    """--cleanup removes a dataset this run copied, and keeps one that was already staged."""
+    from shmstage import stage as engine
+
+    fresh, kept = make_dataset(tmp_path / "fresh"), make_dataset(tmp_path / "kept")
+    dest = tmp_path / "dest"
+    engine.stage(str(kept), dest=str(dest))
+    r = run_cli(
+        shmstage_bin, "--stage", str(fresh), "--stage", str(kept), "--dest", str(dest), "--cleanup",
+        "--", "sh", "-c", 'test -d "$1" && test -d "$2"', "sh", "{staged:fresh}", "{staged:kept}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert engine.find("fresh", dest=str(dest)) is None
+    assert engine.find("kept", dest=str(dest)) is not None
+
+
+def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path):
+    """Two runs staging the same source at once share one copy."""
+    src = make_dataset(tmp_path / "src", files=50)
+    dest = tmp_path / "dest"
+    cmd = [
+        *shmstage_bin,
+        "run",
+        "--stage",
+        str(src),
+        "--dest",
+        str(dest),
+        "--",
+        "sh",
+        "-c",
+        'echo "$1"',
+        "sh",
+        "{staged}",
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0] == outs[1][0] == f"{dest / 'src'}\n"
+    assert [p.name for p in dest.iterdir() if not p.name.startswith(".")] == ["src"]
+
+
+# --- signals ----------------------------------------------------------------
+
+TRAPPING_JOB = """
+trap 'echo "$1" > "$2"; trap - {sig}; kill -{sig} $$' {sig}
+sleep 300 &
+echo $! > "$3"
+echo ready > "$4"
+wait
+"""
+
+
+def wait_for(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig):
+    """`kill -SIG <shmstage pid>` reaches the job, its status is 128+SIG, and nothing is orphaned."""
+    name = sig.name.removeprefix("SIG")
+    got, pidfile, ready = tmp_path / "got", tmp_path / "pid", tmp_path / "ready"
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--", "sh", "-c", TRAPPING_JOB.format(sig=name), "sh", name, got, pidfile, ready],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(ready)
+    sleeper = int(pidfile.read_text())
+    assert psutil.pid_exists(sleeper)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    assert got.read_text() == f"{name}\n"
+    assert p.returncode == 128 + sig
+    assert not psutil.pid_exists(sleeper)  # the job's leftover child was terminated and reaped
+    assert "terminating 1 process(es) the job left running" in err
+
+
+@pytest.mark.timeout(60)
+def test_terminal_ctrl_c_is_not_delivered_twice(shmstage_bin, tmp_path):
+    """^C on a terminal reaches the job once (from the tty), not again through shmstage."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import pathlib, signal, sys, time\n"
+        "n = 0\n"
+        "def on_int(s, f):\n"
+        "    global n\n"
+        "    n += 1\n"
+        "signal.signal(signal.SIGINT, on_int)\n"
+        "pathlib.Path(sys.argv[1]).write_text('ready')\n"
+        "end = time.monotonic() + 20\n"
+        "while n == 0 and time.monotonic() < end:\n"
+        "    time.sleep(0.02)\n"
+        "time.sleep(1.0)  # a forwarded duplicate would arrive within this second\n"
+        "pathlib.Path(sys.argv[2]).write_text(str(n))\n"
+    )
+    ready, count = tmp_path / "ready", tmp_path / "count"
+    master, slave = os.openpty()
+
+    def controlling_tty() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--", sys.executable, str(job), str(ready), str(count)],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=controlling_tty,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        wait_for(ready)
+        os.write(master, b"\x03")  # the tty sends SIGINT to its foreground group: shmstage + job
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    assert count.read_text() == "1"
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path):
+    """If shmstage itself is SIGKILLed, the job gets SIGTERM (PR_SET_PDEATHSIG), not orphaned."""
+    pidfile, ready = tmp_path / "pid", tmp_path / "ready"
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready]
+    )  # fmt: skip
+    wait_for(ready)
+    job = psutil.Process(int(pidfile.read_text()))
+    p.kill()
+    p.wait(timeout=10)
+    try:
+        job.wait(timeout=10)
+    except psutil.TimeoutExpired:
+        job.kill()
+        pytest.fail("the job outlived a SIGKILLed shmstage")
+
+
+@pytest.mark.timeout(60)
+def test_orphans_of_the_job_are_reaped_while_it_runs(shmstage_bin, tmp_path):
+    """A process the job orphans is re-parented to shmstage and reaped when it exits (no zombie)."""
+    pidfile = tmp_path / "pid"
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--", "sh", "-c", '(sleep 0.2 & echo $! > "$1"); exec sleep 30', "sh", pidfile]
+    )  # fmt: skip
+    try:
+        wait_for(pidfile)
+        orphan = int(pidfile.read_text())
+        deadline = time.monotonic() + 20
+        while psutil.pid_exists(orphan) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(orphan)  # a zombie would still "exist"
+        assert p.poll() is None  # reaped during the run, not at the end
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
