@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint deps clean
+.PHONY: demo test lint deps clean docs
 
 $(BIN)/shmstage: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ deps:
 
 demo: deps $(BIN)/shmstage
 	$(BIN)/shmstage demo
+
+# docs/cli.md is generated from the Click definitions (tests/test_docs.py checks it)
+docs: $(BIN)/shmstage
+	$(BIN)/python -m shmstage.cli.docgen > docs/cli.md
 
 lint: $(BIN)/shmstage
 	$(BIN)/ruff check shmstage tests benchmarks examples

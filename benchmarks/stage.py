@@ -33,6 +33,7 @@ from shmstage.bench.stage import (
     LABELS,
     PEERS,
     TOOLS,
+    BenchError,
     StageBenchResult,
     format_markdown,
     run_stage_benchmark,
@@ -262,6 +263,10 @@ def render(
     ]
     summary = []
     for shape, r in results:
+        if isinstance(r, str):
+            lines += [f"### {shape.title}", "", f"Failed: {r}", ""]
+            summary.append(False)
+            continue
         lines.append(f"### {shape.title}: {r.files:,} files, {r.bytes / 1e9:.2f} GB")
         lines.append("")
         lines.append(format_markdown(r))
@@ -382,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     paths = {s.dataset.name: ensure_dataset(s.dataset, args.workdir) for s in wanted}
 
-    results: list[tuple[Shape, StageBenchResult]] = []
+    results: list[tuple[Shape, StageBenchResult | str]] = []
     mnt = args.workdir / "mnt"
     mounted = False
     try:
@@ -396,16 +401,21 @@ def main(argv: list[str] | None = None) -> int:
             log(
                 f"{shape.title}: {', '.join(LABELS.get(t, t) for t in tools)}, {args.runs} run(s) each"
             )
-            r = run_stage_benchmark(
-                paths[shape.dataset.name],
-                dest,
-                tools=tools,
-                runs=args.runs,
-                drop_caches=cold,
-                throttle_bps=args.throttle * 1_000_000 if shape.throttled else None,
-                workers=args.workers,
-                progress=lambda m: log("  " + m),
-            )
+            try:
+                r = run_stage_benchmark(
+                    paths[shape.dataset.name],
+                    dest,
+                    tools=tools,
+                    runs=args.runs,
+                    drop_caches=cold,
+                    throttle_bps=args.throttle * 1_000_000 if shape.throttled else None,
+                    workers=args.workers,
+                    progress=lambda m: log("  " + m),
+                )
+            except BenchError as e:  # a tool failed: report it, go on with the other shapes
+                log(f"{shape.title}: {e}")
+                results.append((shape, str(e)))
+                continue
             results.append((shape, r))
             print(
                 f"\n### {shape.title}: {r.files:,} files, {r.bytes / 1e9:.2f} GB\n\n{format_markdown(r)}\n"
@@ -436,12 +446,14 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(),
             "cold_cache": cold,
             "shapes": {
-                s.key: {**asdict(r), "targets": [asdict(t) for t in targets(s, r, args.throttle)]}
+                s.key: {"error": r}
+                if isinstance(r, str)
+                else {**asdict(r), "targets": [asdict(t) for t in targets(s, r, args.throttle)]}
                 for s, r in results
             },
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    return 0
+    return 1 if any(isinstance(r, str) for _, r in results) else 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,33 +44,33 @@ OUTPUT_TAIL_LINES = 25
 class BuildRecord:
     """How shmstage built the active pillow-simd (read back from RECORD_NAME)."""
 
-    version: str
-    avx2: bool
-    cc: str
-    cflags: str
-    built_at: str
-    imaging_sha256: str
+    version: str  # pillow-simd version that was built
+    avx2: bool  # built with CC="cc -mavx2"
+    cc: str  # the CC used
+    cflags: str  # CFLAGS in the environment during the build
+    built_at: str  # ISO 8601 UTC
+    imaging_sha256: str  # SHA-256 of PIL/_imaging*.so: the record only vouches for this binary
 
 
 @dataclass(frozen=True)
 class PillowStatus:
     """What provides ``PIL`` in one interpreter, and whether it is the fast build."""
 
-    python: str
-    flavor: str  # "Pillow" | "pillow-simd" | "conflict" | "none"
-    version: str | None  # PIL.__version__ as imported; None when PIL does not import
-    pillow_version: str | None  # installed distributions (both set = conflict)
-    simd_version: str | None
-    libjpeg_turbo: bool | None  # None: PIL does not import
-    avx2_build: bool | None  # None: unknown (no matching shmstage build record)
-    cpu_avx2: bool
-    ok: bool
-    next_step: str
-    import_error: str | None = None
-    record: BuildRecord | None = None
+    python: str  # the interpreter checked
+    flavor: str  # "Pillow" | "pillow-simd" | "conflict" (both installed) | "none"
+    version: str | None  # PIL.__version__ as imported; null when PIL does not import
+    pillow_version: str | None  # installed Pillow distribution
+    simd_version: str | None  # installed pillow-simd distribution
+    libjpeg_turbo: bool | None  # PIL.features libjpeg_turbo; null when PIL does not import
+    avx2_build: bool | None  # from the build record; null = unknown (no record for this binary)
+    cpu_avx2: bool  # this CPU has AVX2
+    ok: bool  # pillow-simd with libjpeg-turbo is active (the --check exit status)
+    next_step: str  # one line: what to do next ("nothing to do" when all is right)
+    import_error: str | None = None  # why PIL does not import
+    record: BuildRecord | None = None  # shmstage's build record, when it matches the binary
     dependents: tuple[str, ...] = ()  # installed packages that require `pillow`
     site_packages: str | None = None  # where PIL/ lives (or would live)
-    prefix: str | None = None
+    prefix: str | None = None  # the interpreter's sys.prefix
     python_h: bool = True  # the interpreter's C headers exist (needed to build)
 
 
@@ -91,6 +92,9 @@ def _probe() -> dict:
         "purelib": sysconfig.get_paths()["purelib"],
         "python_h": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
         "pip": importlib.util.find_spec("pip") is not None,
+        # PEP 668: a distribution's own Python, which pip must not modify
+        "externally_managed": sys.prefix == sys.base_prefix
+        and os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED")),
         "dists": {},
         "dependents": [],
         "files": {},
@@ -100,7 +104,8 @@ def _probe() -> dict:
         name = re.sub(r"[-_.]+", "-", (dist.metadata["Name"] or "")).lower()
         if name in ("pillow", "pillow-simd"):
             facts["dists"][name] = dist.version
-            facts["files"][name] = [str(f) for f in (dist.files or [])]
+            files = dist.files  # None: no RECORD (installed by a system package manager)
+            facts["files"][name] = None if files is None else [str(f) for f in files]
             facts["roots"][name] = str(dist.locate_file(""))
             continue
         for req in dist.requires or []:
@@ -129,10 +134,14 @@ def _probe() -> dict:
     return facts
 
 
+# Taken once at import: reading the source later could pick up a newer file on disk
+# (shmstage upgraded during a minutes-long install) with different line numbers.
+_PROBE_SOURCE = textwrap.dedent(inspect.getsource(_probe))
+
+
 def probe_source() -> str:
     """The probe as a ``python -c`` script printing one JSON document."""
-    body = textwrap.dedent(inspect.getsource(_probe))
-    return f"{body}\nimport json as _json\nprint(_json.dumps(_probe()))\n"
+    return f"{_PROBE_SOURCE}\nimport json as _json\nprint(_json.dumps(_probe()))\n"
 
 
 def _run_probe(python: str) -> dict:
@@ -286,8 +295,6 @@ class Step:
         """The step as a copy-pasteable shell line (for --dry-run and error messages)."""
         if not self.argv:
             return f"# {self.what}"
-        import shlex
-
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         cmd = " ".join(_quote(a) for a in self.argv)
         return f"{env} {cmd}" if env else cmd
@@ -531,6 +538,24 @@ def build_plan(
     return plan(system_deps=kind, steps=tuple(steps), nothing_to_do=False, warnings=tuple(warnings))
 
 
+def refuse_unmanageable(facts: Mapping[str, Any]) -> None:
+    """Refuse targets whose PIL pip cannot safely replace (and so cannot be backed up)."""
+    python = facts.get("python")
+    if facts.get("externally_managed"):
+        raise RefusedError(
+            f"{python} is the system's externally managed Python (PEP 668); install into a "
+            f"venv instead: {python} -m venv DIR, then --python DIR/bin/python"
+        )
+    if not facts.get("pip"):
+        raise RefusedError(f"{python} has no pip; add it with `{python} -m ensurepip` and rerun")
+    for name, files in facts.get("files", {}).items():
+        if files is None:
+            raise RefusedError(
+                f"{name} {facts['dists'][name]} in {python} has no RECORD (installed by a system "
+                "package manager), so pip can neither back it up nor remove it; use a venv"
+            )
+
+
 def plan_install(
     python: str | os.PathLike[str] | None = None,
     *,
@@ -541,8 +566,7 @@ def plan_install(
     """Look at this machine and the target interpreter and plan the install (changes nothing)."""
     target = os.path.abspath(os.fspath(python)) if python is not None else sys.executable
     facts = _run_probe(target)
-    if not facts.get("pip"):
-        raise RefusedError(f"{target} has no pip; add it with `{target} -m ensurepip` and rerun")
+    refuse_unmanageable(facts)
     before = status_from_facts(
         facts, system.has_avx2(), "" if python is None else f" --python {python}"
     )
@@ -561,8 +585,6 @@ class InstallResult:
 
 
 def _quote(arg: str) -> str:
-    import shlex
-
     if "\n" in arg:
         return "<script>"
     return arg if arg.startswith(WORK) and " " not in arg else shlex.quote(arg)
@@ -641,6 +663,7 @@ def _verify(python: str) -> dict:
 
 def _backup(facts: Mapping[str, Any], dest: Path) -> list[tuple[Path, Path]]:
     """Copy the installed Pillow/pillow-simd files aside; returns (original, copy) pairs."""
+    refuse_unmanageable(facts)
     pairs: list[tuple[Path, Path]] = []
     for name, files in facts.get("files", {}).items():
         root = Path(facts["roots"][name])

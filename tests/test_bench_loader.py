@@ -55,11 +55,13 @@ def test_recommend_skips_near_best_settings_that_still_stall() -> None:
 def test_recommend_data_bound_with_more_workers_helping() -> None:
     """When every setting stalls and the most workers win, the reason says the CPUs are the limit."""
     results = [m(0, 100, 0.8), m(1, 200, 0.6), m(2, 390, 0.4)]
-    best, reason = recommend(results)
+    best, reason = recommend(results, cpus=2)
     assert best == results[2]
     assert reason.startswith(
         "data-bound: throughput still grows with workers, but with 2 workers 40%"
     )
+    assert "--workers" not in reason  # already one worker per CPU
+    assert "(or try more than 2 workers with --workers)" in recommend(results, cpus=8)[1]
 
 
 def test_recommend_data_bound_flat() -> None:
@@ -67,7 +69,7 @@ def test_recommend_data_bound_flat() -> None:
     results = [m(1, 200, 0.5), m(2, 201, 0.5), m(4, 199, 0.5)]
     best, reason = recommend(results)
     assert best == results[0]
-    assert "more workers do not help" in reason and "shmstage stage" in reason
+    assert "more workers do not help" in reason and "stage the data" in reason
 
 
 @pytest.mark.parametrize(

@@ -142,3 +142,25 @@ def test_demo_too_few_images_is_a_usage_error(runner, cli) -> None:
     result = runner.invoke(cli, ["demo", "--images", "8"])
     assert result.exit_code == 2
     assert "Invalid value for '--images': 8 is not in the range x>=32." in result.stderr
+
+
+def test_choose_dest_falls_back_when_the_default_is_not_writable(tmp_path, monkeypatch) -> None:
+    """A non-root user who cannot write the default destination stages elsewhere, and is told why."""
+    from shmstage import demo
+
+    default = tmp_path / "locked" / "shmstage"
+    monkeypatch.setenv("SHMSTAGE_DEST", str(default))
+    monkeypatch.setattr(demo, "_writable_dir", lambda path: path != str(default))
+    dest, why = demo.choose_dest(1 << 20, str(tmp_path / "work"))
+    assert dest == str(tmp_path / "work" / "staged")
+    assert why == (
+        f"{default} is not writable by this user; staging to local disk instead (no gain expected)"
+    )
+
+
+def test_choose_dest_uses_the_default_when_it_fits(tmp_path, monkeypatch) -> None:
+    """The default destination (SHMSTAGE_DEST here) is used as is when writable and big enough."""
+    from shmstage import demo
+
+    monkeypatch.setenv("SHMSTAGE_DEST", str(tmp_path / "shmstage"))
+    assert demo.choose_dest(1 << 20, str(tmp_path / "work")) == (str(tmp_path / "shmstage"), None)

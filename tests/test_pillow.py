@@ -462,12 +462,39 @@ def test_verify_reports_sigill(tmp_path):
         pillow._verify(str(fake))
 
 
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        (
+            {"externally_managed": True},
+            "/venv/bin/python is the system's externally managed Python (PEP 668)",
+        ),
+        (
+            {"pip": False},
+            "/venv/bin/python has no pip; add it with `/venv/bin/python -m ensurepip` and rerun",
+        ),
+        ({"files": {"pillow": None}}, "pillow 13.0.0 in /venv/bin/python has no RECORD"),
+    ],
+)
+def test_unmanageable_targets_are_refused(over, message):
+    """PEP 668 system Pythons, no pip, or a Pillow without RECORD (apt's python3-pil) are refused."""
+    with pytest.raises(RefusedError) as e:
+        pillow.refuse_unmanageable(facts(**over))
+    assert str(e.value).startswith(message)
+
+
+def test_pip_managed_target_is_accepted():
+    """A venv with pip and a RECORD for Pillow passes the pre-flight."""
+    pillow.refuse_unmanageable(facts(files={"pillow": ["PIL/__init__.py"]}))
+
+
 def test_backup_copies_installed_files(tmp_path):
     """The backup copies every existing RECORD file of the old distribution (skipping missing .pyc)."""
     root = tmp_path / "site"
     (root / "PIL").mkdir(parents=True)
     (root / "PIL" / "__init__.py").write_text("x")
     f = {
+        "pip": True,
         "files": {"pillow": ["PIL/__init__.py", "PIL/__pycache__/gone.pyc"]},
         "roots": {"pillow": str(root)},
     }

@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -375,6 +377,19 @@ def test_find_by_name_and_source(tmpfs, tmp_path):
     assert find("ds", dest=tmp_path / "nowhere") is None
 
 
+def test_find_updates_last_used(tmpfs, tmp_path):
+    """find() records a use: list shows a later last_used, staged_at stays."""
+    dest = tmpfs("64M") / "d"
+    ds = stage(make_tree(tmp_path / "ds"), dest=dest)
+    time.sleep(0.05)
+    found = find("ds", dest=dest)
+    listed = list_staged(dest)[0]
+    assert found.last_used > ds.last_used and listed.last_used == pytest.approx(
+        found.last_used, abs=0.01
+    )
+    assert listed.staged_at == ds.staged_at
+
+
 def test_evict_by_name_all_and_age(tmpfs, tmp_path):
     """evict removes one dataset, --older-than only stale ones, --all the rest; --dry-run nothing."""
     dest = tmpfs("64M") / "d"
@@ -506,14 +521,21 @@ def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin):
     _, err = p.communicate(timeout=60)
     filler.unlink()
     assert p.returncode == 1
-    assert err.startswith(f"Error: no space left on {dest} while copying ")
+    assert err.startswith(f"Error: no space left on {dest} while copying f")
     assert "partial copy was removed" in err
     assert not (dest / "ds").exists() and os.listdir(dest / ".shmstage" / "partial") == []
     assert verify("other", dest=dest, checksum=True).ok
 
 
-def test_source_changing_during_copy_is_an_error(tmpfs, tmp_path, shmstage_bin):
-    """A source file rewritten while it is being staged ends with a clear error."""
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("rewrite", "changed during the copy: {f} (its size or mtime differs from the scan)"),
+        ("delete", "vanished during the copy: {f}"),
+    ],
+)
+def test_source_changing_during_copy_is_an_error(tmpfs, tmp_path, shmstage_bin, how, message):
+    """A source file rewritten or deleted while it is being staged ends with a clear error."""
     src = tmp_path / "ds"
     src.mkdir()
     for i in range(10):
@@ -526,36 +548,53 @@ def test_source_changing_during_copy_is_an_error(tmpfs, tmp_path, shmstage_bin):
         text=True,
     )
     wait_for(lambda: partial_files(dest, "ds") >= 1)
-    (src / "f9").write_bytes(b"y" * 2000)
+    if how == "rewrite":
+        (src / "f9").write_bytes(b"y" * 2000)
+    else:
+        (src / "f9").unlink()
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1
-    assert (
-        err
-        == f"Error: source file changed during the copy: {src / 'f9'} (its size or mtime differs from the scan); re-run when the source is stable\n"
-    )
+    what = message.format(f=src / "f9")
+    assert err == f"Error: source file {what}; re-run when the source is stable\n"
     assert not (dest / "ds").exists()
+    assert os.listdir(dest / ".shmstage" / "partial") == []
 
 
-def test_unreadable_file_is_named(tmpfs, tmp_path, shmstage_bin):
-    """A file the stager cannot read is named in the error (run as an unprivileged user)."""
-    shm = tmpfs("16M", mode="1777")
-    src = tmp_path / "ds"
-    src.mkdir()
+def test_unreadable_file_is_named(request):
+    """A file the stager cannot read is named in the error (staged as an unprivileged user)."""
+    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))  # pytest's tmp_path is private to root
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    base.chmod(0o755)
+    shm = base / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    src = base / "ds"
+    src.mkdir(mode=0o755)
     (src / "ok").write_text("fine")
     (src / "secret").write_text("no")
     (src / "secret").chmod(0o600)
-    os.chmod(tmp_path, 0o755)
-    env = {**os.environ, "HOME": "/tmp"}
-    p = subprocess.run(
-        [*shmstage_bin, "stage", str(src), "--dest", str(shm / "nobody")],
-        capture_output=True,
-        text=True,
-        env=env,
-        user=65534,
-        group=65534,
-    )
-    assert p.returncode == 1, p.stderr
-    assert p.stderr == f"Error: cannot read source file {src / 'secret'}: Permission denied\n"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the library, in-process, as nobody (no need to exec the CLI)
+        code = 0
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                stage(src, dest=shm / "nobody")
+            except ShmstageError as e:
+                os.write(w, str(e).encode())
+                code = e.exit_code
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        message = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 1, message
+    assert message == f"cannot read source file {src / 'secret'}: Permission denied"
+    assert not (shm / "nobody" / "ds").exists()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Linux page cache")
@@ -570,7 +609,7 @@ def test_source_pages_are_dropped(tmpfs, tmp_path):
 
     fd = os.open(src / "a.bin", os.O_RDONLY)
     try:
-        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private: never written, just probed
         resident = _resident_pages(m)
         m.close()
     finally:
@@ -585,9 +624,8 @@ def _resident_pages(m) -> int:
     length = len(m)
     pages = (length + 4095) // 4096
     vec = (ctypes.c_ubyte * pages)()
-    addr = ctypes.c_void_p.from_buffer(m)  # noqa: F841 - keeps the buffer exported
     buf = (ctypes.c_char * length).from_buffer(m)
     rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(length), vec)
-    del buf, addr
+    del buf
     assert rc == 0
     return sum(v & 1 for v in vec)

@@ -63,8 +63,10 @@ def default_workers(cpus: int | None = None) -> list[int]:
     return counts
 
 
-def recommend(results: Sequence[LoaderMeasurement]) -> tuple[LoaderMeasurement | None, str]:
-    """The fewest workers within 5% of the best throughput, and why."""
+def recommend(
+    results: Sequence[LoaderMeasurement], cpus: int | None = None
+) -> tuple[LoaderMeasurement | None, str]:
+    """The fewest workers within 5% of the best throughput, and why (``cpus``: usable CPUs)."""
     if not results:
         return None, "nothing was measured"
     best = max(r.samples_per_s for r in results)
@@ -85,13 +87,15 @@ def recommend(results: Sequence[LoaderMeasurement]) -> tuple[LoaderMeasurement |
         why = (
             f"throughput still grows with workers, but with {_workers(pick.workers)} "
             f"{least_stall:.0%} of each step is still spent waiting for data: give this rank more "
-            "CPUs, use pillow-simd, lighten the transform, or try more workers with --workers"
+            "CPUs, use pillow-simd, or lighten the transform"
         )
+        if cpus is None or pick.workers < cpus:
+            why += f" (or try more than {_workers(pick.workers)} with --workers)"
     else:
         why = (
             f"more workers do not help: every setting waits at least {least_stall:.0%} of each step "
-            "for data (decoding or reading is the limit): stage the data (shmstage stage), "
-            "use pillow-simd, or lighten the transform"
+            "for data, so decoding (CPU) or reading (storage) is the limit: use pillow-simd, "
+            "lighten the transform, or stage the data if it is not staged yet"
         )
     return pick, f"data-bound: {why}; this is the fewest workers within 5% of the best throughput"
 
@@ -256,7 +260,7 @@ def run_loader_benchmark(
                 f"[{n}/{len(counts)}] workers={count} pin_memory={'on' if pin_memory else 'off'}: "
                 f"{r.samples_per_s:.0f} samples/s, data stall {r.stall_share:.0%}"
             )
-    best, reason = recommend(results)
+    best, reason = recommend(results, system.usable_cpus())
     return LoaderBenchReport(
         data=os.fspath(data),
         dataset_samples=len(dataset),

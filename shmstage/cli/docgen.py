@@ -24,6 +24,7 @@ JSON_RESULTS: dict[str, str] = {
     "bench loader": "shmstage.bench.loader:LoaderBenchReport",
     "bench stage": "shmstage.bench.stage:StageBenchResult",
     "demo": "shmstage.demo:DemoReport",
+    "pillow-simd": "shmstage.pillow:PillowStatus",
 }
 
 HEADER = """\

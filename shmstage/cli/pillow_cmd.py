@@ -75,7 +75,6 @@ def _built(plan: pillow.InstallPlan, version: str | None = None) -> str:
 @click.command("pillow-simd")
 @click.option(
     "--check",
-    "check_only",
     is_flag=True,
     help="Only report what provides PIL; exit 0 only when pillow-simd with libjpeg-turbo is active.",
 )
@@ -105,7 +104,7 @@ def _built(plan: pillow.InstallPlan, version: str | None = None) -> str:
 @click.pass_context
 def pillow_cmd(
     ctx: click.Context,
-    check_only: bool,
+    check: bool,
     dry_run: bool,
     python: str | None,
     version: str | None,
@@ -121,7 +120,7 @@ def pillow_cmd(
     target interpreter and recorded. A failed build leaves the previous Pillow
     in place. Running it again when the right build is active does nothing.
     """
-    if check_only:
+    if check:
         if dry_run or version or no_avx2 or no_system_deps:
             raise click.UsageError("--check takes only --python and --json")
         status = pillow.check(python)

@@ -62,7 +62,7 @@ class ProgressLine:
     help=f"Where staged datasets live (a tmpfs, or local NVMe for data larger than RAM). Default: {DEFAULT_DEST}.",
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 2 per CPU, 4 to 16."
+    "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 4 per CPU, 8 to 32."
 )
 @click.option(
     "--verify",

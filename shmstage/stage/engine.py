@@ -160,7 +160,12 @@ def _signals_raise() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise Interrupted(signum)
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Only where the default (death) applies: `nohup` (SIG_IGN) and a caller's own handler win.
+    old = {
+        s: signal.signal(s, handler)
+        for s in (signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(s) == signal.SIG_DFL
+    }
     try:
         yield
     finally:
@@ -271,8 +276,11 @@ def _stage_locked(
             and e.failure.kind == "write"
             and e.failure.errno in (errno.ENOSPC, errno.EDQUOT)
         ):
+            where = e.failure.path
+            if where.startswith(part + "/"):
+                where = where[len(part) + 1 :]
             raise ShmstageError(
-                f"no space left on {store.dest} while copying {e.failure.path}; the partial copy was removed "
+                f"no space left on {store.dest} while copying {where}; the partial copy was removed "
                 "and other staged datasets are untouched: free space, lower --reserve, or grow the tmpfs "
                 "with `shmstage remount --size ...`"
             ) from None

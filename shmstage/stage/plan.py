@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from shmstage.capacity import check_fit
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
@@ -182,6 +181,8 @@ def page_bytes(sizes: Iterable[int]) -> int:
 
 def require_fit(needed: int, entries: int, dest: str, reserve: int | None) -> None:
     """Raise CapacityError (nothing written yet) unless ``needed`` bytes + reserve fit under ``dest``."""
+    from shmstage.capacity import check_fit  # node facts: only when something is to be written
+
     fit = check_fit(needed, dest, reserve)
     if not fit.fits:
         raise CapacityError(f"dataset does not fit: {fit.reason}")

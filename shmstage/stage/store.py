@@ -183,9 +183,14 @@ class Store:
         if not data or data.get("format") != FORMAT:
             return None
         try:
-            return Record(**{k: data[k] for k in Record.__dataclass_fields__})
+            record = Record(**{k: data[k] for k in Record.__dataclass_fields__})
         except (KeyError, TypeError):
             return None
+        try:
+            used = os.lstat(self._used_path(name)).st_mtime
+        except OSError:
+            return record
+        return Record(**{**record.__dict__, "last_used": max(used, record.last_used)})
 
     def write_record(self, record: Record) -> None:
         data = {"format": FORMAT, **record.__dict__}
@@ -234,14 +239,26 @@ class Store:
             return None
         return record
 
+    def _used_path(self, name: str) -> str:
+        return os.path.join(self.meta_dir, f".{name}.used")
+
     def touch(self, record: Record) -> Record:
-        """Set ``last_used`` to now (best effort: a reader may not own DEST)."""
-        used = Record(**{**record.__dict__, "last_used": time.time()})
+        """Set ``last_used`` to now: the mtime of a stamp file, so a reader never rewrites the
+        record a concurrent stager may be replacing (best effort: readers may not own DEST)."""
+        now = time.time()
         try:
-            self.write_record(used)
+            fd = os.open(
+                self._used_path(record.name),
+                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+            )
+            try:
+                os.utime(fd, (now, now))
+            finally:
+                os.close(fd)
         except OSError:
             return record
-        return used
+        return Record(**{**record.__dict__, "last_used": max(now, record.last_used)})
 
     # --- publish and remove ---------------------------------------------------
 
@@ -282,7 +299,7 @@ class Store:
             pass
 
     def forget(self, name: str) -> None:
-        for path in (self.meta_path(name), self.manifest_path(name)):
+        for path in (self.meta_path(name), self.manifest_path(name), self._used_path(name)):
             with suppress(FileNotFoundError):
                 os.unlink(path)
 
