@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from shmstage.bench.stage import (
     LABELS,
@@ -291,6 +292,11 @@ def write_docs(path: Path, body: str) -> None:
     path.write_text(text[:start] + section + text[end:])
 
 
+def usage(msg: str) -> NoReturn:
+    print(f"Error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -362,29 +368,29 @@ def main(argv: list[str] | None = None) -> int:
     tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
     bad = [k for k in keys if k not in all_shapes]
     if bad or not keys:
-        raise SystemExit(
-            f"Error: unknown shape {', '.join(bad) or '(none)'}: choose from {', '.join(all_shapes)}"
-        )
+        usage(f"unknown shape {', '.join(bad) or '(none)'}: choose from {', '.join(all_shapes)}")
+    bad = [t for t in tools if t not in LABELS]
+    if bad or not tools:
+        usage(f"unknown tool {', '.join(bad) or '(none)'}: choose from {', '.join(TOOLS)}")
     if args.runs < 1:
-        raise SystemExit("Error: --runs must be at least 1")
+        usage("--runs must be at least 1")
     if not root and args.dest is None:
-        raise SystemExit(
-            "Error: mounting a private tmpfs needs root: run as root or pass --dest DIR (a tmpfs)"
-        )
+        usage("mounting a private tmpfs needs root: run as root or pass --dest DIR (a tmpfs)")
     if "throttled" in keys and (not root or args.warm):
-        raise SystemExit(
-            "Error: the throttled shape needs root and a cold cache: run as root without --warm, "
+        usage(
+            "the throttled shape needs root and a cold cache: run as root without --warm, "
             "or leave it out of --shapes"
         )
     cold = root and not args.warm
     wanted = [all_shapes[k] for k in keys]
 
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    where = mount_of(args.workdir)
+    existing = args.workdir.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    where = mount_of(existing)
     if where is not None and where.fstype == "tmpfs":
-        raise SystemExit(
-            f"Error: {args.workdir} is on tmpfs: the source must be on a real disk; pass --workdir"
-        )
+        usage(f"{args.workdir} is on tmpfs: the datasets must be on a real disk; pass --workdir")
+    args.workdir.mkdir(parents=True, exist_ok=True)
     paths = {s.dataset.name: ensure_dataset(s.dataset, args.workdir) for s in wanted}
 
     results: list[tuple[Shape, StageBenchResult | str]] = []

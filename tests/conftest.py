@@ -38,9 +38,7 @@ def _enter_private_mount_namespace() -> bool:
     ]
     if libc.unshare(CLONE_NEWNS) != 0:
         return False
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return False
-    return True
+    return libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,7 +16,7 @@ from shmstage.errors import ShmstageError
 pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
-ROWS = ("node", "Pillow", "dataset", "staging", "original run", "staged run", "speed-up")
+ROWS = ("node", "inspect", "Pillow", "dataset", "staging", "original run", "staged run", "speed-up")
 ROWS += ("loader settings", "next", "cleanup")
 
 
@@ -164,3 +164,68 @@ def test_choose_dest_uses_the_default_when_it_fits(tmp_path, monkeypatch) -> Non
 
     monkeypatch.setenv("SHMSTAGE_DEST", str(tmp_path / "shmstage"))
     assert demo.choose_dest(1 << 20, str(tmp_path / "work")) == (str(tmp_path / "shmstage"), None)
+
+
+def _run(label: str, images_per_s: float, stall: float, cached: float | None = None):
+    from shmstage.demo import DemoRun, TrainResult
+
+    result = TrainResult(
+        data="/d", steps=10, warmup_steps=3, batch_size=32, images=320, seconds=1.0,
+        wait_seconds=stall, images_per_s=images_per_s, stall_share=stall, num_workers=1,
+        pin_memory=False, prefetch_factor=4, device="cpu", device_name="cpu",
+        loss_first=2.3, loss_last=2.2,
+    )  # fmt: skip
+    return DemoRun(label, "shmstage run ...", cached, result)
+
+
+@pytest.mark.parametrize(
+    ("cached", "speedup", "busy", "first"),
+    [
+        (0.0, 1.5, False, "Staging made training 1.50x faster here"),
+        (1.0, 1.0, False, "No gain expected here: the original was already in the page cache"),
+        (0.0, 0.9, True, "Other processes were using the CPU"),
+        (0.0, 1.0, False, "Reading was not the limit here"),
+    ],
+)
+def test_next_steps_follow_the_measurements(cached, speedup, busy, first) -> None:
+    """The first "next" line explains the speed-up from what was measured (cache, load, gain)."""
+    from shmstage.demo import PillowFacts, StagingFacts, _next_steps
+
+    pillow = PillowFacts("pillow-simd", "9.5", True, True, True, "nothing to do")
+    staging = StagingFacts("/dev/shm/shmstage/x", "tmpfs", None, 1.0, 100, 10, 100.0)
+    steps = _next_steps(
+        _run("original", 100, 0.5, cached), _run("staged", 100 * speedup, 0.05), speedup,
+        pillow, staging, busy,
+    )  # fmt: skip
+    assert steps[0].startswith(first)
+    assert not any("Faster decoding" in s or "still waited" in s for s in steps)
+    assert steps[-1].startswith("Your data: `shmstage run --stage /path/to/data")
+
+
+def test_next_steps_point_at_decoding_when_the_staged_run_stalls() -> None:
+    """A staged run that still stalls, with stock Pillow, leads to bench loader and pillow-simd."""
+    from shmstage.demo import PillowFacts, StagingFacts, _next_steps
+
+    pillow = PillowFacts("Pillow", "13.0.0", True, True, False, "replace it: shmstage pillow-simd")
+    staging = StagingFacts("/var/tmp/w/staged/x", "ext4", "no room", 1.0, 100, 10, 100.0)
+    steps = _next_steps(_run("o", 100, 0.6, 0.0), _run("s", 100, 0.6), 1.0, pillow, staging, False)
+    assert steps[1] == (
+        "Training still waited for data 60% of each step on the staged copy: JPEG decoding on "
+        "1 loader worker is the limit; measure worker counts with `shmstage bench loader --data DIR`."
+    )
+    assert steps[2] == "Faster decoding: replace it: shmstage pillow-simd."
+    assert steps[3].startswith("Make room in /dev/shm")
+
+
+def test_demo_never_deletes_a_dataset_it_did_not_make(runner, cli, tmp_path: Path) -> None:
+    """A --workdir that already has a `dataset` folder of someone else's is refused and left intact."""
+    theirs = tmp_path / "dataset" / "cats" / "1.jpg"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"precious")
+    result = runner.invoke(cli, ["demo", "--workdir", str(tmp_path), "--images", "32"])
+    assert result.exit_code == 2
+    assert result.stderr.endswith(
+        f"Error: {tmp_path / 'dataset'} already exists and was not made by shmstage demo: "
+        "pass another --workdir (or an empty one)\n"
+    )
+    assert theirs.read_bytes() == b"precious"

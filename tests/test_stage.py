@@ -411,10 +411,10 @@ def test_evict_by_name_all_and_age(tmpfs, tmp_path):
 
 
 def test_eight_concurrent_stagers_make_one_copy(tmpfs, tmp_path, shmstage_bin):
-    """8 processes staging one source at once: one copies, all print the same path."""
+    """8 processes staging one source at once: one copies, the others wait, all print the same path."""
     src = make_tree(tmp_path / "ds", files=40)
     dest = tmpfs("64M") / "d"
-    env = slow_env(0.005)
+    env = slow_env(0.08)  # ~3 s of copying: every process starts while the first holds the lock
     procs = [
         subprocess.Popen(
             [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--json"],
@@ -430,6 +430,7 @@ def test_eight_concurrent_stagers_make_one_copy(tmpfs, tmp_path, shmstage_bin):
     docs = [json.loads(out) for out, _ in results]
     assert {d["path"] for d in docs} == {str(dest / "ds")}
     assert sum(d["changed"] for d in docs) == 1
+    assert sum("waiting for another shmstage (pid " in err for _, err in results) >= 1
     assert snapshot(src) == snapshot(dest / "ds")
 
 

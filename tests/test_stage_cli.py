@@ -215,3 +215,34 @@ def test_make_tasks_batches_small_and_chunks_big():
     assert chunked == [600]
     assert [t.length for t in tasks[:5]] == [copier.CHUNK] * 5
     assert [(t.first, t.last) for t in tasks[5:]] == [(0, 256), (256, 512), (512, 600)]
+
+
+def test_threaded_walk_matches_serial_walk(tmp_path):
+    """The thread-pool scan (network file systems) yields exactly the serial scan's entries."""
+    from shmstage.stage.plan import walk
+
+    for c in range(5):
+        d = tmp_path / "ds" / f"c{c}" / "sub"
+        d.mkdir(parents=True)
+        for i in range(7):
+            (d / f"f{i}").write_bytes(b"x" * i)
+        (d / "ln").symlink_to("f1")
+    serial = walk(str(tmp_path / "ds"), threads=1)
+    threaded = walk(str(tmp_path / "ds"), threads=4)
+    assert threaded.entries == serial.entries and len(serial.entries) == 1 + 5 * (2 + 8)
+
+
+def test_batches_are_dealt_across_directories():
+    """Concurrent batches land in different directories (tmpfs locks a directory on create)."""
+    jobs = [("s", "d", 10, 0, 0, 0o644, f"c{c}/f{i}") for c in range(3) for i in range(300)]
+    tasks, _ = copier.make_tasks(jobs)
+    firsts = [jobs[t.first][6].split("/")[0] for t in tasks]
+    assert firsts == ["c0", "c1", "c2", "c0", "c1", "c2"]
+    assert sorted((t.first, t.last) for t in tasks) == [
+        (0, 256),
+        (256, 300),
+        (300, 556),
+        (556, 600),
+        (600, 856),
+        (856, 900),
+    ]

@@ -9,6 +9,18 @@ from shmstage.demo import DEFAULT_IMAGES, DEFAULT_STEPS
 from shmstage.sizes import format_size
 
 
+def _inspect_row(facts) -> str:  # noqa: ANN001 (InspectFacts | None)
+    if facts is None:
+        return "skipped (the inspection could not run)"
+    text = facts.verdict
+    if facts.findings:
+        names = ", ".join(f.split(":", 1)[0] for f in facts.findings)
+        text += f" ({names}: `shmstage inspect` explains each)"
+    if facts.fit:
+        text += f"; dataset {facts.fit}"
+    return text
+
+
 def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
     ds, node, st, pil = report.dataset, report.node, report.staging, report.pillow
     orig, staged = report.original.result, report.staged.result
@@ -47,6 +59,7 @@ def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
 
     rows = [
         ("node", f"{node.cpus} CPUs, {format_size(node.memory_usable)} RAM usable, {shm}, {gpu}"),
+        ("inspect", _inspect_row(report.inspect)),
         ("Pillow", pillow),
         (
             "dataset",
@@ -131,7 +144,7 @@ def _render(report) -> None:  # noqa: ANN001 (DemoReport)
 def demo_cmd(
     images: int, steps: int, workdir: str | None, keep: bool, cold: bool, as_json: bool
 ) -> None:
-    """Show the whole flow on a synthetic dataset: stage it, train from disk and from RAM, compare.
+    """Try the whole flow, measured, on a synthetic dataset.
 
     Generates a JPEG dataset on disk, inspects the node, stages the dataset
     (into /dev/shm/shmstage when it fits), and trains a tiny CNN twice through

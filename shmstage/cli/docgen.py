@@ -19,19 +19,29 @@ from collections.abc import Iterator
 
 import click
 
-# command path -> "module:ResultType" printed by its --json (add yours here)
+# command path -> "module:ResultType" its --json prints ("[]": a JSON array of them).
+# Add yours here; a command whose JSON is documented on its own page goes in JSON_ELSEWHERE.
 JSON_RESULTS: dict[str, str] = {
     "bench loader": "shmstage.bench.loader:LoaderBenchReport",
     "bench stage": "shmstage.bench.stage:StageBenchResult",
     "demo": "shmstage.demo:DemoReport",
+    "list": "shmstage.stage.engine:StagedDataset[]",
+    "stage": "shmstage.stage.engine:StagedDataset",
+    "verify": "shmstage.stage.engine:VerifyReport",
     "pillow-simd": "shmstage.pillow:PillowStatus",
+}
+JSON_ELSEWHERE: dict[str, str] = {
+    "evict": "a JSON array of the names evicted",
+    "inspect": "the report described in [inspect.md](inspect.md)",
+    "prepare": "the report described in [config.md](config.md)",
+    "remount": "the result described in [remount.md](remount.md#json)",
 }
 
 HEADER = """\
 # CLI reference
 
 <!-- Generated from the Click definitions by `python -m shmstage.cli.docgen > docs/cli.md`.
-     Do not edit by hand: tests/test_docs_cli.py fails when this file is stale. -->
+     Do not edit by hand: tests/test_docs.py fails when this file is stale. -->
 """
 
 _UNSET = getattr(click.core, "UNSET", None)  # Click >= 8.3 marks "no default" with a sentinel
@@ -126,12 +136,16 @@ def _json_fields(cls: type, seen: set[type]) -> list[str]:
 
 
 def _json_section(path: str) -> list[str]:
+    if path in JSON_ELSEWHERE:
+        return ["", f"**`--json` output**: {JSON_ELSEWHERE[path]}."]
     target = JSON_RESULTS.get(path)
     if target is None:
         return []
     module_name, attr = target.split(":")
-    cls = getattr(importlib.import_module(module_name), attr)
-    return ["", "**`--json` output** (one object):", "", *_json_fields(cls, {cls})]
+    many = attr.endswith("[]")
+    cls = getattr(importlib.import_module(module_name), attr.removesuffix("[]"))
+    shape = f"an array of `{cls.__name__}`" if many else "one object"
+    return ["", f"**`--json` output** ({shape}):", "", *_json_fields(cls, {cls})]
 
 
 def generate(group: click.Group | None = None) -> str:

@@ -53,6 +53,12 @@ class ProgressLine:
             click.echo("\r" + " " * self.width + "\r", err=True, nl=False)
 
 
+def _log_waiting(p: Progress) -> None:
+    """Not a terminal: no bar, but say why nothing happens while another stager copies."""
+    if p.phase == "waiting":
+        log(f"waiting for another shmstage (pid {p.holder or '?'}) staging this dataset...")
+
+
 @click.command("stage")
 @click.argument("src", type=click.Path(exists=False))
 @click.option("--name", help="Dataset name under DEST. Default: the source's base name.")
@@ -110,6 +116,7 @@ def stage_cmd(
     changed.  Several processes staging the same source share one copy.
     """
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
+    progress = bar if bar is not None or quiet else _log_waiting
     try:
         ds = stage(
             src,
@@ -119,7 +126,7 @@ def stage_cmd(
             verify=verify,
             reserve=reserve,
             force=force,
-            progress=bar,
+            progress=progress,
         )
     finally:
         if bar is not None:

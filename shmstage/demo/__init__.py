@@ -25,7 +25,7 @@ from pathlib import Path
 from shmstage import system
 from shmstage.capacity import MEMORY_BACKED, check_fit
 from shmstage.demo.dataset import GeneratedDataset, generate
-from shmstage.errors import ShmstageError
+from shmstage.errors import RefusedError, ShmstageError
 from shmstage.sizes import format_size
 
 DEFAULT_IMAGES = 1200  # ~100 MiB; more than one epoch of the default steps, so no epoch restarts
@@ -66,6 +66,13 @@ class NodeFacts:
 
 
 @dataclass(frozen=True)
+class InspectFacts:
+    verdict: str  # worst check of `shmstage inspect --dataset`: OK | WARN | FAIL
+    findings: tuple[str, ...]  # "name: detail" of every check that is not OK
+    fit: str | None  # the fit check's detail for the dataset
+
+
+@dataclass(frozen=True)
 class PillowFacts:
     flavor: str  # "Pillow" | "pillow-simd" | "conflict" | "none"
     version: str | None
@@ -99,6 +106,7 @@ class DemoReport:
     workdir: str  # where the dataset was generated
     kept: bool  # --keep: the dataset and the staged copy were left in place
     node: NodeFacts
+    inspect: InspectFacts | None  # None when the inspection could not run
     pillow: PillowFacts
     dataset: GeneratedDataset
     source_fstype: str  # file system of the original (ext4, xfs, tmpfs...)
@@ -193,24 +201,24 @@ def node_facts() -> NodeFacts:
     )
 
 
-def pillow_facts() -> PillowFacts:
+def inspect_facts(dataset: str) -> InspectFacts | None:
+    """What `shmstage inspect --dataset` says about this node and the generated dataset."""
     try:
-        from shmstage.pillow import check
-    except ImportError:
-        check = None
-    if check is not None:
-        s = check()
-        return PillowFacts(s.flavor, s.version, s.libjpeg_turbo, s.cpu_avx2, s.ok, s.next_step)
-    import PIL.features
+        from shmstage.inspection import inspect_node
 
-    return PillowFacts(
-        "Pillow",
-        PIL.__version__,
-        PIL.features.check_feature("libjpeg_turbo"),
-        system.has_avx2(),
-        True,
-        "",
-    )
+        report = inspect_node(dataset=dataset)
+    except (ImportError, ShmstageError):
+        return None
+    findings = tuple(f"{c.name}: {c.detail}" for c in report.checks if c.verdict != "OK")
+    fit = next((c.detail for c in report.checks if c.name == "fit"), None)
+    return InspectFacts(report.verdict, findings, fit)
+
+
+def pillow_facts() -> PillowFacts:
+    from shmstage.pillow import check
+
+    s = check()
+    return PillowFacts(s.flavor, s.version, s.libjpeg_turbo, s.cpu_avx2, s.ok, s.next_step)
 
 
 def _fstype(path: str) -> str:
@@ -276,6 +284,8 @@ def train_through_run(
 ) -> tuple[str, TrainResult]:
     """Run the demo trainer under ``shmstage run`` in a subprocess; its measured result."""
     json_out = os.path.join(out_dir, f"train-{label}.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(json_out)  # a kept workdir may hold the last run's result
     run_args = ["run"] + (["--stage", stage_spec] if stage_spec else [])
     job = [sys.executable, "-m", "shmstage.demo.train", "--data", data_arg, "--steps", str(steps)]
     job += ["--batch-size", str(batch_size), "--json-out", json_out]
@@ -303,18 +313,21 @@ def _next_steps(
     """What a user should do next, read off these measurements."""
     steps = []
     cached = original.cached_share
-    if busy and speedup < 1.10:
-        steps.append(
-            "Other processes were using the CPU: re-run `shmstage demo` when the node is idle."
-        )
-    elif speedup >= 1.10:
-        steps.append(
+    if speedup >= 1.10:
+        text = (
             f"Staging made training {speedup:.2f}x faster here: stage your own data the same way."
         )
+        if busy:
+            text += " (The node was busy: re-run to confirm.)"
+        steps.append(text)
     elif cached is not None and cached > 0.5:
         steps.append(
-            "No gain here because the original was already in the page cache (both runs read RAM); "
+            "No gain expected here: the original was already in the page cache (both runs read RAM); "
             "staging pays when data comes from NFS, Lustre or a cold disk: try `shmstage demo --cold`."
+        )
+    elif busy:
+        steps.append(
+            "Other processes were using the CPU: re-run `shmstage demo` when the node is idle."
         )
     else:
         steps.append(
@@ -371,7 +384,12 @@ def _prepare_dataset(workdir: str, images: int, log: Callable[[str], None]) -> G
             log(f"demo: reusing the dataset in {path}")
             return saved
     if os.path.exists(path):
-        shutil.rmtree(path)
+        if not os.path.exists(marker):  # not ours: never delete someone's data
+            raise RefusedError(
+                f"{path} already exists and was not made by shmstage demo: "
+                "pass another --workdir (or an empty one)"
+            )
+        shutil.rmtree(path)  # an earlier demo's dataset of another size
     log(f"demo: generating {images:,} synthetic JPEGs in {path}")
     ds = generate(
         path,
@@ -381,7 +399,7 @@ def _prepare_dataset(workdir: str, images: int, log: Callable[[str], None]) -> G
         ),
     )
     with open(marker, "w") as f:
-        json.dump(ds.__dict__, f)
+        json.dump(dataclasses.asdict(ds), f)
     return ds
 
 
@@ -418,13 +436,19 @@ def run_demo(
     staged_root: str | None = None
     # one name per work directory: a re-run with --keep reuses its staged copy
     staged_name = "shmstage-demo-" + hashlib.sha256(workdir.encode()).hexdigest()[:8]
-    made_dest: str | None = None
+    owned: list[str] = []  # what this run created (the rest of a given --workdir stays)
     notes: list[str] = []
     try:
         node = node_facts()
         log(f"demo: node: {node.cpus} CPUs, {format_size(node.memory_usable)} RAM usable")
         pillow = pillow_facts()
         dataset = _prepare_dataset(workdir, images, log)
+        owned += [dataset.path, os.path.join(workdir, _MARKER)]
+        owned += [os.path.join(workdir, f"train-{label}.json") for label in ("original", "staged")]
+        log(
+            f"demo: inspecting the node and the dataset (shmstage inspect --dataset {dataset.path})"
+        )
+        inspection = inspect_facts(dataset.path)
         source_fstype = _fstype(dataset.path)
         if source_fstype in MEMORY_BACKED:
             notes.append(
@@ -454,8 +478,8 @@ def run_demo(
         staged_root, fallback = choose_dest(dataset.bytes, workdir)
         if fallback:
             notes.append(f"staged outside the default destination: {fallback}")
-        if staged_root.startswith("/dev/shm/shmstage-demo-"):
-            made_dest = staged_root
+        if fallback:  # a directory made for this run only
+            owned.append(staged_root)
         log(f"demo: staging {format_size(dataset.bytes)} into {staged_root}")
         from shmstage.stage import stage
 
@@ -501,6 +525,7 @@ def run_demo(
             node=dataclasses.replace(
                 node, accelerator=None if original.device == "cpu" else original.device_name
             ),
+            inspect=inspection,
             pillow=pillow,
             dataset=dataset,
             source_fstype=source_fstype,
@@ -516,7 +541,7 @@ def run_demo(
         )
     finally:
         if not keep:
-            _cleanup(workdir, created, staged_root, staged_name, made_dest, log)
+            _cleanup(workdir, created, staged_root, staged_name, owned, log)
 
 
 def _cleanup(
@@ -524,23 +549,19 @@ def _cleanup(
     created: bool,
     staged_root: str | None,
     name: str,
-    made_dest: str | None,
+    owned: Sequence[str],
     log: Callable[[str], None],
 ) -> None:
+    """Evict the staged copy and remove what this run made (all of the workdir if it made it)."""
     if staged_root is not None:
         from shmstage.stage import evict
 
         with contextlib.suppress(ShmstageError, OSError):
             evict(name, dest=staged_root)
-    if made_dest is not None:
-        shutil.rmtree(made_dest, ignore_errors=True)
-    if created:
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        for entry in ("dataset", "staged", _MARKER, "train-original.json", "train-staged.json"):
-            path = os.path.join(workdir, entry)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            elif os.path.exists(path):
+    for path in [*owned, workdir] if created else owned:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     log("demo: cleaned up (--keep keeps the dataset and the staged copy)")

@@ -38,6 +38,11 @@ class GeneratedDataset:
     seconds: float  # time to generate
 
 
+def _resample(image_module: Any, name: str) -> Any:
+    """``Image.Resampling.NAME`` (Pillow >= 9.1), else the old module constant (older pillow-simd)."""
+    return getattr(getattr(image_module, "Resampling", image_module), name)
+
+
 def _photo_like_jpeg(seed: int, index: int) -> bytes:
     """One JPEG: a smooth colour field, a few shapes, and grain (so it compresses like a photo)."""
     import numpy as np
@@ -49,7 +54,7 @@ def _photo_like_jpeg(seed: int, index: int) -> bytes:
     small = rng.integers(
         0, 256, size=(int(rng.integers(3, 7)), int(rng.integers(3, 7)), 3), dtype=np.uint8
     )
-    base = Image.fromarray(small).resize((w, h), Image.BICUBIC)
+    base = Image.fromarray(small).resize((w, h), _resample(Image, "BICUBIC"))
     draw = ImageDraw.Draw(base)
     for _ in range(int(rng.integers(3, 9))):
         x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
@@ -59,7 +64,7 @@ def _photo_like_jpeg(seed: int, index: int) -> bytes:
     fine = rng.integers(-grain, grain + 1, size=(h, w, 1), dtype=np.int16)
     coarse_small = rng.integers(0, 256, size=(h // 4, w // 4), dtype=np.uint8)
     coarse = np.asarray(
-        Image.fromarray(coarse_small).resize((w, h), Image.BILINEAR), dtype=np.int16
+        Image.fromarray(coarse_small).resize((w, h), _resample(Image, "BILINEAR")), dtype=np.int16
     )
     pixels = np.asarray(base, dtype=np.int16) + fine + (((coarse - 128) * grain) >> 6)[..., None]
     out = io.BytesIO()
@@ -161,9 +166,11 @@ class ImagenetTrain:
 
         with Image.open(path) as img:
             img = img.convert("RGB")
-        img = img.resize((self.size, self.size), Image.BILINEAR, box=self.crop_box(*img.size))
+        img = img.resize(
+            (self.size, self.size), _resample(Image, "BILINEAR"), box=self.crop_box(*img.size)
+        )
         if random.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            img = img.transpose(getattr(Image, "Transpose", Image).FLIP_LEFT_RIGHT)
         pixels = np.asarray(img, dtype=np.float32) * (1 / 255)
         pixels = (pixels - np.asarray(self.MEAN, np.float32)) / np.asarray(self.STD, np.float32)
         return np.ascontiguousarray(pixels.transpose(2, 0, 1))

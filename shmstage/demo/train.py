@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             f.write(text + "\n")
+    workers = f"{result.num_workers} loader worker" + ("" if result.num_workers == 1 else "s")
     print(
         f"{result.images_per_s:.0f} images/s, data stall {result.stall_share:.0%} "
-        f"({result.num_workers} workers, pin_memory={result.pin_memory}) reading {result.data}",
+        f"({workers}, pin_memory={result.pin_memory}) reading {result.data}",
         file=sys.stderr,
     )
     return 0

@@ -48,7 +48,7 @@ BATCH_FILES = 256
 BATCH_BYTES = 32 << 20
 CHUNK = 64 << 20  # files above 2 chunks are split so several workers share them
 BUF = 1 << 20
-SMALL = 256 << 10  # read whole, write whole
+SMALL = 64 << 10  # read whole, write whole; above: sendfile (one copy, no user buffer)
 
 _OK, _ERR, _MISMATCH = 0, 1, 2
 (_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL) = range(6)
@@ -109,30 +109,49 @@ def make_tasks(
 ) -> tuple[list[Task], list[int]]:
     """Batches of small files and chunks of big ones; returns (tasks, chunked job indices).
 
-    Chunks go first so the big files start early and the small batches fill the tail."""
-    chunks: list[Task] = []
-    batches: list[Task] = []
+    Chunks go first so the big files start early and the small batches fill the tail.
+    Both are dealt round-robin (chunks across files, batches across directories):
+    tmpfs serialises writes to one file on its inode lock and file creation in one
+    directory on the directory's lock, so workers busy in different places run in
+    parallel."""
+    per_file: list[list[Task]] = []
+    per_dir: dict[str, list[Task]] = {}
     chunked: list[int] = []
-    start, nbytes = None, 0
+    start, nbytes, where = None, 0, ""
+
+    def close(end: int) -> None:
+        per_dir.setdefault(where, []).append(Task(op, start, end))  # type: ignore[arg-type]
+
     for i, job in enumerate(jobs):
         size = job[2]
+        folder = job[6].rpartition("/")[0]
+        if start is not None and folder != where:
+            close(i)
+            start = None
         if size > 2 * chunk:
             chunked.append(i)
-            for off in range(0, size, chunk):
-                chunks.append(Task(op, i, i + 1, off, min(chunk, size - off)))
+            per_file.append(
+                [Task(op, i, i + 1, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            )
             if start is not None:
-                batches.append(Task(op, start, i))
-                start, nbytes = None, 0
+                close(i)
+                start = None
             continue
         if start is None:
-            start, nbytes = i, 0
+            start, nbytes, where = i, 0, folder
         nbytes += size
         if i + 1 - start >= BATCH_FILES or nbytes >= BATCH_BYTES:
-            batches.append(Task(op, start, i + 1))
+            close(i + 1)
             start = None
     if start is not None:
-        batches.append(Task(op, start, len(jobs)))
-    return chunks + batches, chunked
+        close(len(jobs))
+    return _deal(per_file) + _deal(list(per_dir.values())), chunked
+
+
+def _deal(groups: list[list[Task]]) -> list[Task]:
+    """Round-robin: the first of every group, then the second of every group, ..."""
+    rounds = max((len(g) for g in groups), default=0)
+    return [g[k] for k in range(rounds) for g in groups if k < len(g)]
 
 
 def run(

@@ -22,7 +22,7 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
-from shmstage.stage.plan import Tree, page_bytes, require_fit, walk
+from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
 
 VERIFY_MODES = ("size", "checksum")
@@ -202,7 +202,7 @@ def _stage_locked(
     copied = 0
     try:
         if kind == "dir":
-            tree = walk(source)
+            tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
             if same and manifest["entries"] == entries:  # type: ignore[index]
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
@@ -459,7 +459,7 @@ def _build_dir(
     if verify == "checksum" and jobs:
         report("verifying", bytes_total=total, files_total=len(jobs))
         check_tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
-        bad = copier.run(jobs, check_tasks, nworkers)
+        bad = sorted(set(copier.run(jobs, check_tasks, nworkers)))  # chunks: once per file
         if bad:
             raise ShmstageError(
                 f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source changed "
@@ -580,7 +580,7 @@ def verify(
             bad = copier.run(jobs, tasks, workers or copier.default_workers())
         diffs.extend(
             Difference(rel, "content", "bytes differ from the source")
-            for rel in sorted(bad)
+            for rel in sorted(set(bad))
             if rel not in damaged
         )
     diffs.sort(key=lambda d: d.path)

@@ -90,9 +90,18 @@ def _scan_dir(root: str, rel_dir: str) -> list[tuple[str, os.stat_result]]:
 
 
 def _scan_all(root: str, threads: int) -> dict[str, list[tuple[str, os.stat_result]]]:
-    """Every directory's listing, scanned by a few threads: lstat releases the GIL, and on
-    NFS or a busy disk the latency of many small requests overlaps."""
+    """Every directory's listing; with ``threads`` > 1 scanned by a pool (lstat releases
+    the GIL, so on NFS the round trips of many directories overlap)."""
     listings: dict[str, list[tuple[str, os.stat_result]]] = {}
+    if threads <= 1:  # local disks: threads only add GIL hand-offs (measured)
+        pending = [""]
+        while pending:
+            rel_dir = pending.pop()
+            listings[rel_dir] = listing = _scan_dir(root, rel_dir)
+            for name, st in listing:
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(f"{rel_dir}/{name}" if rel_dir else name)
+        return listings
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shmstage-scan") as pool:
         running = {pool.submit(_scan_dir, root, ""): ""}
         try:
@@ -112,8 +121,9 @@ def _scan_all(root: str, threads: int) -> dict[str, list[tuple[str, os.stat_resu
     return listings
 
 
-def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 8) -> Tree:
-    """lstat every entry under ``root`` (never following symlinks)."""
+def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1) -> Tree:
+    """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
+    network file systems, where each lstat is a round trip."""
     real_root = os.path.realpath(root)
     try:
         st = os.lstat(root)
@@ -177,6 +187,14 @@ def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads
 def page_bytes(sizes: Iterable[int]) -> int:
     """What files of these sizes take on tmpfs (whole pages)."""
     return sum(-(-s // PAGE) * PAGE for s in sizes)
+
+
+def scan_threads(path: str) -> int:
+    """Threads for :func:`walk`: many on a network file system, none on a local one."""
+    from shmstage import system
+
+    mount = system.mount_of(path)
+    return 16 if mount is not None and system.is_network_fs(mount.fstype) else 1
 
 
 def require_fit(needed: int, entries: int, dest: str, reserve: int | None) -> None:
