@@ -113,17 +113,15 @@ def _json_fields(cls: type, seen: set[type]) -> list[str]:
     """Markdown tables of a result dataclass and the dataclasses nested in it."""
     module = sys.modules[cls.__module__]
     comments: dict[str, str] = {}
-    annotations: dict[str, str] = {}
     for line in inspect.getsource(cls).splitlines():
         m = _FIELD_RE.match(line)
-        if m:
-            annotations.setdefault(m.group(1), m.group(2))
-            if m.group(3):
-                comments.setdefault(m.group(1), m.group(3))
+        if m and m.group(3):
+            comments.setdefault(m.group(1), m.group(3))
     lines = [f"`{cls.__name__}`:", "", "| field | type | meaning |", "|---|---|---|"]
     nested: list[type] = []
     for f in dataclasses.fields(cls):
-        kind = annotations.get(f.name, str(f.type))
+        # the annotation as written (a string under `from __future__ import annotations`)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         lines.append(f"| `{f.name}` | `{_cell(kind)}` | {_cell(comments.get(f.name, ''))} |")
         for token in re.findall(r"[A-Za-z_]\w*", kind):
             ref = getattr(module, token, None)
