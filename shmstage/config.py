@@ -140,6 +140,17 @@ def loader_env(path: str | os.PathLike[str] | None = None) -> dict[str, str]:
     return env
 
 
+def node_dest(path: str | os.PathLike[str] | None = None) -> str | None:
+    """The node's staging destination from its config; None when there is no config file.
+
+    ``shmstage run`` stages there by default, so a job finds what ``prepare`` staged.
+    """
+    file, explicit = config_path(path)
+    if not explicit and not os.path.exists(file):
+        return None
+    return load_config(file).dest
+
+
 def parse_config(text: str, path: str = "<config>") -> NodeConfig:
     """Validate YAML ``text`` (read from ``path``) into a NodeConfig."""
     loader = yaml.SafeLoader(text)

@@ -448,6 +448,13 @@ def run(
     check_placeholders(command[1:], names)
     exe = resolve_command(command)
     settings = loader_settings(workers, pin, prefetch_factor, config_path=config_path)
+    if dest is None and "SHMSTAGE_DEST" not in os.environ:
+        from shmstage.config import node_dest
+
+        dest = node_dest(config_path)  # stage where `prepare` stages on this node
+    if dest is not None:
+        # so staged_path() inside the job looks where this run staged
+        settings = {**settings, "SHMSTAGE_DEST": str(dest)}
 
     staged: list[Any] = []
     evicted: list[str] = []

@@ -213,6 +213,22 @@ def test_staged_path_and_environment(shmstage_bin, tmp_path):
     assert (staged / "b" / "2.bin").read_bytes() == (src / "b" / "2.bin").read_bytes()
 
 
+def test_node_config_dest_is_the_default(shmstage_bin, tmp_path):
+    """Without --dest, run stages where the node config says and tells the job (SHMSTAGE_DEST)."""
+    src = make_dataset(tmp_path / "src")
+    dest = tmp_path / "node-dest"
+    cfg = tmp_path / "shmstage.yaml"
+    cfg.write_text(f"version: 1\ndest: {dest}\n")
+    env = {k: v for k, v in os.environ.items() if k != "SHMSTAGE_DEST"}
+    env["SHMSTAGE_CONFIG"] = str(cfg)
+    r = run_cli(
+        shmstage_bin, "--stage", f"{src}=toy", "--", "sh", "-c", 'echo "$1|$SHMSTAGE_DEST"', "sh", "{staged}",
+        env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{dest / 'toy'}|{dest}\n"
+
+
 def test_two_datasets_by_name(shmstage_bin, tmp_path):
     """{staged:NAME} picks each of several staged datasets; SHMSTAGE_DATA is the first."""
     a, b = make_dataset(tmp_path / "a"), make_dataset(tmp_path / "b")

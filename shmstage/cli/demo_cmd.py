@@ -40,9 +40,9 @@ def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
     if cache is None:
         warmth = "page cache state unknown"
     elif report.cold:
-        warmth = f"{cache:.0%} in page cache: cold (--cold)"
+        warmth = f"{cache:.0%} in page cache: cold"
     elif cache > 0.5:
-        warmth = f"{cache:.0%} in page cache: warm"
+        warmth = f"{cache:.0%} in page cache: warm (--warm)"
     else:
         warmth = f"{cache:.0%} in page cache: mostly read from disk"
     pin = "on" if staged.pin_memory else "off"
@@ -136,9 +136,10 @@ def _render(report) -> None:  # noqa: ANN001 (DemoReport)
     help="Keep the generated dataset and the staged copy (a re-run with the same --workdir reuses them).",
 )
 @click.option(
-    "--cold",
-    is_flag=True,
-    help="Evict the dataset's pages from the page cache before the original run, so it reads from disk (only the demo's files; no root needed).",
+    "--cold/--warm",
+    default=True,
+    show_default=True,
+    help="--cold (default): evict the dataset's pages from the page cache before the original run, so it reads from disk like a first epoch from NFS (only the demo's files; no root needed). --warm: leave them cached, so both runs read RAM.",
 )
 @json_option
 def demo_cmd(

@@ -80,7 +80,7 @@ def _log_waiting(p: Progress) -> None:
 @click.option(
     "--reserve",
     type=SIZE,
-    help="Room to keep free for DataLoader shared memory. Default: 10%% of DEST, at most 4G.",
+    help="Room to keep free for DataLoader shared memory. Default: 10% of DEST, at most 4G.",
 )
 @click.option(
     "--force",

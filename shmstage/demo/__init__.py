@@ -111,7 +111,7 @@ class DemoReport:
     dataset: GeneratedDataset
     source_fstype: str  # file system of the original (ext4, xfs, tmpfs...)
     staging: StagingFacts
-    cold: bool  # --cold: the original's pages were evicted before its run
+    cold: bool  # the original's pages were evicted before its run (default; --warm keeps them)
     original: DemoRun  # training read the original
     staged: DemoRun  # training read the staged copy
     speedup: float  # staged images/s / original images/s
@@ -323,7 +323,7 @@ def _next_steps(
     elif cached is not None and cached > 0.5:
         steps.append(
             "No gain expected here: the original was already in the page cache (both runs read RAM); "
-            "staging pays when data comes from NFS, Lustre or a cold disk: try `shmstage demo --cold`."
+            "staging pays when data comes from NFS, Lustre or a cold disk: run `shmstage demo` without --warm."
         )
     elif busy:
         steps.append(
@@ -410,7 +410,7 @@ def run_demo(
     batch_size: int = DEFAULT_BATCH,
     workdir: str | None = None,
     keep: bool = False,
-    cold: bool = False,
+    cold: bool = True,
     log: Callable[[str], None] = lambda _msg: None,
 ) -> DemoReport:
     """Generate, stage, train from the original and from the staged copy; clean up unless ``keep``."""
@@ -459,7 +459,7 @@ def run_demo(
         env = dict(os.environ)
         out_dir = workdir
         if cold:
-            log("demo: evicting the dataset's pages from the page cache (--cold)")
+            log("demo: evicting the dataset's pages from the page cache so the original run reads from disk")
             evict_from_page_cache(files)
         cached = cached_share(files)
         shown, original = train_through_run(
