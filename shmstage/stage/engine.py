@@ -84,6 +84,27 @@ class Interrupted(ShmstageError):
         self.exit_code = 128 + signum
 
 
+def _copy_counter(
+    report: Callable[..., None], bytes_total: int, files_total: int
+) -> Callable[[int, int], None]:
+    """Report the start of copying; return the callback that adds copied bytes/files and reports."""
+    done = [0, 0]
+    report("copying", bytes_total=bytes_total, files_total=files_total)
+
+    def tick(b: int, f: int) -> None:
+        done[0] += b
+        done[1] += f
+        report(
+            "copying",
+            bytes_done=done[0],
+            bytes_total=bytes_total,
+            files_done=done[1],
+            files_total=files_total,
+        )
+
+    return tick
+
+
 def _dataset(record: Record, store: Store, **kw: Any) -> StagedDataset:
     return StagedDataset(
         name=record.name,
@@ -233,20 +254,7 @@ def _stage_locked(
             _write_marker(marker, source)
             store.discard(part)
             os.mkdir(part, 0o700)
-            report("copying", bytes_total=archive.bytes, files_total=archive.files)
-            done = [0, 0]
-
-            def tick(b: int, f: int) -> None:
-                done[0] += b
-                done[1] += f
-                report(
-                    "copying",
-                    bytes_done=done[0],
-                    bytes_total=archive.bytes,
-                    files_done=done[1],
-                    files_total=archive.files,
-                )
-
+            tick = _copy_counter(report, archive.bytes, archive.files)
             tarsrc.extract(archive, part, tick)
             tree = walk(part)  # also catches links that escape only in combination
             entries = [list(e) for e in tree.entries]
@@ -437,20 +445,7 @@ def _build_dir(
     finally:
         os.umask(old_umask)
     nworkers = workers or copier.default_workers()
-    done = [0, 0]
-    report("copying", bytes_total=total, files_total=len(jobs))
-
-    def tick(b: int, f: int) -> None:
-        done[0] += b
-        done[1] += f
-        report(
-            "copying",
-            bytes_done=done[0],
-            bytes_total=total,
-            files_done=done[1],
-            files_total=len(jobs),
-        )
-
+    tick = _copy_counter(report, total, len(jobs))
     copier.run(jobs, tasks, nworkers, tick, while_copying)
     for i in chunked:
         os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)
