@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,7 +19,7 @@ pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 ROWS = ("node", "inspect", "Pillow", "dataset", "staging", "original run", "staged run", "speed-up")
-ROWS += ("loader settings", "next", "cleanup")
+ROWS += ("pays back", "loader settings", "next", "cleanup")
 
 
 def test_generate_is_deterministic_with_photo_like_sizes(tmp_path: Path) -> None:
@@ -229,3 +231,195 @@ def test_demo_never_deletes_a_dataset_it_did_not_make(runner, cli, tmp_path: Pat
         "pass another --workdir (or an empty one)\n"
     )
     assert theirs.read_bytes() == b"precious"
+
+
+def test_payback_counts_epochs_from_the_measured_rates() -> None:
+    """Pays back = staging time / time saved per epoch (all images once at each run's images/s)."""
+    from shmstage.demo import payback
+
+    pb = payback(1200, _run("o", 100, 0.8).result, _run("s", 300, 0.1).result, 4.0)
+    assert (pb.original_epoch_s, pb.staged_epoch_s) == (12.0, 4.0)
+    assert pb.epochs == 0.5
+    assert payback(1200, _run("o", 100, 0.1).result, _run("s", 90, 0.1).result, 4.0).epochs is None
+
+
+def test_next_steps_name_the_throttle() -> None:
+    """With --slow-source the first "next" line says the gain was measured through the throttle."""
+    from shmstage.demo import PillowFacts, StagingFacts, _next_steps
+
+    pillow = PillowFacts("pillow-simd", "9.5", True, True, True, "nothing to do")
+    staging = StagingFacts("/dev/shm/shmstage/x", "tmpfs", None, 1.0, 100, 10, 100.0)
+    original, staged = _run("o", 100, 0.8, 0.0), _run("s", 250, 0.1)
+    steps = _next_steps(original, staged, 2.5, pillow, staging, False, 8.0)
+    assert steps[0].startswith(
+        "Staging made training 2.50x faster reading a source throttled to 8 MB/s"
+    )
+    steps = _next_steps(original, _run("s", 100, 0.1), 1.0, pillow, staging, False, 8.0)
+    assert steps[0].startswith("Reading was not the limit here even at 8 MB/s")
+
+
+def test_slow_source_without_root_is_refused(runner, cli, monkeypatch, tmp_path: Path) -> None:
+    """An explicit --slow-source needs root: one-line error, exit 2, nothing generated."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    work = tmp_path / "work"
+    result = runner.invoke(cli, ["demo", "--slow-source", "5", "--workdir", str(work)])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "Error: --slow-source throttles reads with a cgroup, which needs root: "
+        "run as root, or pass --slow-source 0\n"
+    )
+    assert not work.exists()
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.root
+def test_slow_source_as_nobody_is_refused(shmstage_bin) -> None:
+    """A real non-root user asking for --slow-source gets the one-line error and exit 2."""
+    drop = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    proc = subprocess.run(
+        [*drop, *shmstage_bin, "demo", "--slow-source", "5"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        "Error: --slow-source throttles reads with a cgroup"
+    )
+
+
+def test_slow_source_without_root_defaults_to_unthrottled() -> None:
+    """Not root and no --slow-source: no throttle, and the reason the table's note gives."""
+    import contextlib
+
+    from shmstage import demo
+
+    with contextlib.ExitStack() as stack:
+        assert demo.slow_source_throttle(stack, "/", 0, True)[1].reason == "--slow-source 0"
+        assert demo.slow_source_throttle(stack, "/", None, False)[1].reason == (
+            "--warm keeps it in the page cache"
+        )
+        if os.geteuid() != 0:
+            throttle, slow = demo.slow_source_throttle(stack, "/", None, True)
+            assert throttle is None and slow.mbps == 0
+            assert slow.reason == "not root: a read throttle needs a cgroup"
+
+
+def _throttle_possible(path: str) -> bool:
+    from shmstage.bench.stage import blkio_throttle
+    from shmstage.errors import ShmstageError
+
+    try:
+        with blkio_throttle(path, 10**9, name="shmstage-test-probe"):
+            return True
+    except (ShmstageError, OSError):
+        return False
+
+
+@pytest.mark.root
+def test_demo_slow_source_throttles_and_removes_its_cgroup(shmstage_bin, demo_dest: Path) -> None:
+    """--slow-source reads the original through a cgroup read throttle, the table says so,
+    and the cgroup is gone when the demo ends."""
+    if not _throttle_possible("/var/tmp"):
+        pytest.skip("no blkio/io controller can throttle the disk under /var/tmp")
+    proc = _demo(shmstage_bin, demo_dest, "--slow-source", "20")
+    assert proc.returncode == 0, proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        label, _, value = line.partition("  ")
+        if label[:1].isalpha():
+            rows[label] = value.strip()
+    assert rows["dataset"].endswith(
+        "; reads throttled to 20 MB/s, standing in for network storage (--slow-source 0 to disable)"
+    )
+    assert " MB/s from the throttled source -> " in rows["staging"]
+    assert (
+        "read from " in rows["original run"]
+        and " through the 20 MB/s throttle, " in rows["original run"]
+    )
+    assert re.match(
+        r"staging \d+\.\d s (pays back after \d+\.\d epochs|does not pay back)", rows["pays back"]
+    )
+    group = re.search(r"\(cgroup (/\S+)\)", proc.stderr)
+    assert group is not None, proc.stderr
+    assert Path(group.group(1)).name.startswith("shmstage-demo-")
+    assert not Path(group.group(1)).exists()
+
+
+@pytest.mark.root
+def test_demo_ctrl_c_removes_its_cgroup_and_workdir(shmstage_bin, demo_dest: Path) -> None:
+    """Ctrl-C while the throttled original run reads: exit 130, the cgroup and the work
+    directory are removed."""
+    import signal
+
+    if not _throttle_possible("/var/tmp"):
+        pytest.skip("no blkio/io controller can throttle the disk under /var/tmp")
+    env = dict(os.environ, SHMSTAGE_DEST=str(demo_dest / "shmstage"))
+    argv = [*shmstage_bin, "demo", "--images", "64", "--steps", "2", "--slow-source", "1"]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: killpg is a terminal's Ctrl-C
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("demo: training on the original data"):
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = "".join(lines) + rest
+    assert proc.returncode == 130, log
+    group = re.search(r"\(cgroup (/\S+)\)", log)
+    workdir = re.search(r"generating 64 synthetic JPEGs in (/\S+)/dataset", log)
+    assert group is not None and workdir is not None, log
+    assert not Path(group.group(1)).exists()
+    assert not Path(workdir.group(1)).exists()
+
+
+@pytest.mark.root
+def test_demo_sigterm_stops_the_training_job_too(shmstage_bin, demo_dest: Path) -> None:
+    """SIGTERM to the demo alone (not its group) during the original run: exit 143 and no
+    process of its session (shmstage run, the trainer, its workers) is left running."""
+    import signal
+
+    import psutil
+
+    if not _throttle_possible("/var/tmp"):
+        pytest.skip("no blkio/io controller can throttle the disk under /var/tmp")
+    env = dict(os.environ, SHMSTAGE_DEST=str(demo_dest / "shmstage"))
+    argv = [*shmstage_bin, "demo", "--images", "64", "--steps", "2", "--slow-source", "1"]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its session id names everything it started
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("demo: training on the original data"):
+                os.kill(proc.pid, signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = "".join(lines) + rest
+
+    def session_left() -> list[psutil.Process]:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        return left
+
+    _, alive = psutil.wait_procs(session_left(), timeout=15)
+    for p in alive:
+        p.kill()
+    assert proc.returncode == 143, log
+    assert alive == [], [p.cmdline() for p in alive]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from shmstage.cli.output import emit, json_option, log
-from shmstage.demo import DEFAULT_IMAGES, DEFAULT_STEPS
+from shmstage.demo import DEFAULT_IMAGES, DEFAULT_SLOW_SOURCE_MBPS, DEFAULT_STEPS, MB
 from shmstage.sizes import format_size
 
 
@@ -19,6 +19,16 @@ def _inspect_row(facts) -> str:  # noqa: ANN001 (InspectFacts | None)
     if facts.fit:
         text += f"; dataset {facts.fit}"
     return text
+
+
+def _payback_row(pb, staging_s: float) -> str:  # noqa: ANN001 (Payback)
+    epoch = (
+        f"an epoch of {pb.epoch_images:,} images takes {pb.original_epoch_s:.1f} s from the "
+        f"original, {pb.staged_epoch_s:.1f} s from the staged copy"
+    )
+    if pb.epochs is None:
+        return f"staging {staging_s:.1f} s does not pay back here ({epoch})"
+    return f"staging {staging_s:.1f} s pays back after {pb.epochs:.1f} epochs ({epoch})"
 
 
 def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
@@ -49,6 +59,23 @@ def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
     if not staged.pin_memory and staged.device == "cpu":
         pin += " (no GPU)"
     prefetch = f", prefetch_factor={staged.prefetch_factor}" if staged.prefetch_factor else ""
+    mbps = report.slow_source.mbps
+    throttled = (
+        f"; reads throttled to {mbps:g} MB/s, standing in for network storage "
+        "(--slow-source 0 to disable)"
+        if mbps
+        else ""
+    )
+    source = (
+        f"{report.source_fstype} through the {mbps:g} MB/s throttle"
+        if mbps
+        else report.source_fstype
+    )
+    staging_rate = (
+        f"{st.bytes_per_s / MB:.1f} MB/s from the throttled source"
+        if mbps
+        else f"{format_size(st.bytes_per_s)}/s"
+    )
 
     def run(r) -> str:  # noqa: ANN001 (TrainResult)
         wait_ms = r.wait_seconds / max(1, r.steps) * 1000
@@ -65,18 +92,19 @@ def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
             "dataset",
             f"{ds.images:,} JPEGs in {ds.classes} classes, {format_size(ds.bytes)} "
             f"(avg {format_size(ds.bytes / ds.images)}) on {report.source_fstype}, "
-            f"generated in {ds.seconds:.1f} s",
+            f"generated in {ds.seconds:.1f} s{throttled}",
         ),
         (
             "staging",
             f"{format_size(st.bytes)}, {st.files:,} files in {st.seconds:.2f} s = "
-            f"{format_size(st.bytes_per_s)}/s -> {st.dest} ({st.dest_fstype})",
+            f"{staging_rate} -> {st.dest} ({st.dest_fstype})",
         ),
-        ("original run", f"{run(orig)}; read from {report.source_fstype}, {warmth}"),
+        ("original run", f"{run(orig)}; read from {source}, {warmth}"),
         ("", f"$ {report.original.command}"),
         ("staged run", f"{run(staged)}; read from {st.dest_fstype}"),
         ("", f"$ {report.staged.command}"),
         ("speed-up", f"{report.speedup:.2f}x images/s reading the staged copy"),
+        ("pays back", _payback_row(report.payback, st.seconds)),
         (
             "loader settings",
             f"num_workers={staged.num_workers}, pin_memory={pin}{prefetch} "
@@ -139,11 +167,26 @@ def _render(report) -> None:  # noqa: ANN001 (DemoReport)
     "--cold/--warm",
     default=True,
     show_default=True,
-    help="--cold (default): evict the dataset's pages from the page cache before the original run, so it reads from disk like a first epoch from NFS (only the demo's files; no root needed). --warm: leave them cached, so both runs read RAM.",
+    help="--cold (default): evict the dataset's pages from the page cache before the original run and before staging, so both read the disk like a first epoch from NFS (only the demo's files; no root needed). --warm: leave them cached, so both runs read RAM.",
+)
+@click.option(
+    "--slow-source",
+    type=click.FloatRange(min=0),
+    metavar="MBPS",
+    help=f"Throttle every read of the original (staging and the original run) to MBPS MB/s "
+    f"(10^6 bytes/s) with a cgroup read limit, standing in for network storage; 0: off. "
+    f"Default: {DEFAULT_SLOW_SOURCE_MBPS:g} as root on a disk a blkio/io controller can throttle, "
+    "else off (the table says why). Needs root and --cold.",
 )
 @json_option
 def demo_cmd(
-    images: int, steps: int, workdir: str | None, keep: bool, cold: bool, as_json: bool
+    images: int,
+    steps: int,
+    workdir: str | None,
+    keep: bool,
+    cold: bool,
+    slow_source: float | None,
+    as_json: bool,
 ) -> None:
     """Try the whole flow, measured, on a synthetic dataset.
 
@@ -151,10 +194,21 @@ def demo_cmd(
     (into /dev/shm/shmstage when it fits), and trains a tiny CNN twice through
     `shmstage run` with make_loader: once reading the original, once reading
     the staged copy. Prints one table: staging rate, images/s and data stall of
-    each run, the loader settings chosen, the Pillow build, and what to do
-    next. About a minute on 2 CPUs; needs torch, numpy and Pillow; no root.
+    each run, after how many epochs staging pays back, the loader settings
+    chosen, the Pillow build, and what to do next. As root the original is
+    read through a cgroup read throttle (--slow-source), standing in for
+    network storage. About a minute on 2 CPUs; needs torch, numpy and Pillow;
+    works without root (unthrottled).
     """
     from shmstage.demo import run_demo  # imports nothing heavy; torch loads in the trainer
 
-    report = run_demo(images=images, steps=steps, workdir=workdir, keep=keep, cold=cold, log=log)
+    report = run_demo(
+        images=images,
+        steps=steps,
+        workdir=workdir,
+        keep=keep,
+        cold=cold,
+        slow_source=slow_source,
+        log=log,
+    )
     emit(report, as_json, _render)

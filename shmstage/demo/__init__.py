@@ -3,6 +3,8 @@
 Generates a JPEG dataset on disk, stages it, and trains a tiny CNN twice through
 ``shmstage run`` (once reading the original, once the staged copy), so a new user
 sees what staging and the loader settings do on their own node in about a minute.
+As root the original is read through a cgroup read throttle (``--slow-source``), so a
+fast local disk stands in for network storage, where staging pays.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from shmstage import system
+from shmstage.bench.stage import Throttle, blkio_throttle
 from shmstage.capacity import MEMORY_BACKED, check_fit
 from shmstage.demo.dataset import GeneratedDataset, generate
 from shmstage.errors import RefusedError, ShmstageError
@@ -31,6 +36,11 @@ from shmstage.sizes import format_size
 DEFAULT_IMAGES = 1200  # ~100 MiB; more than one epoch of the default steps, so no epoch restarts
 DEFAULT_STEPS = 30
 DEFAULT_BATCH = 32
+# Reads of the original, in MB/s (10**6 bytes), as root: slow enough that reading limits the
+# original run (the staged run trains ~165 images/s of ~90 KB on 2 CPUs, ~15 MB/s), fast enough
+# that staging the default ~107 MB takes ~13 s and the whole demo stays near a minute.
+DEFAULT_SLOW_SOURCE_MBPS = 8.0
+MB = 1_000_000
 WORKDIR_BASE = "/var/tmp"  # on disk: /tmp is a tmpfs on many systems, which would hide the gain
 _MARKER = ".shmstage-demo.json"
 
@@ -94,6 +104,23 @@ class StagingFacts:
 
 
 @dataclass(frozen=True)
+class SlowSource:
+    mbps: float  # read throttle on the original in MB/s (10**6 bytes/s); 0: not throttled
+    device: str | None  # "MAJ:MIN" of the throttled disk
+    cgroup: str | None  # the throttled group (removed when the demo ends)
+    reason: str | None  # why the source was not throttled
+
+
+@dataclass(frozen=True)
+class Payback:
+    epoch_images: int  # an epoch: every image once
+    original_epoch_s: float  # an epoch at the original run's measured images/s
+    staged_epoch_s: float  # an epoch at the staged run's measured images/s
+    staging_s: float  # the staging time (read through the throttle, if any)
+    epochs: float | None  # staging time / time saved per epoch; None: staged was not faster
+
+
+@dataclass(frozen=True)
 class DemoRun:
     label: str  # "original" | "staged"
     command: str  # the shmstage run command line, as a user would type it
@@ -112,9 +139,11 @@ class DemoReport:
     source_fstype: str  # file system of the original (ext4, xfs, tmpfs...)
     staging: StagingFacts
     cold: bool  # the original's pages were evicted before its run (default; --warm keeps them)
+    slow_source: SlowSource  # the read throttle on the original (staging and the original run)
     original: DemoRun  # training read the original
     staged: DemoRun  # training read the staged copy
     speedup: float  # staged images/s / original images/s
+    payback: Payback  # after how many epochs the staging time is won back
     notes: tuple[str, ...]  # what was skipped or changed, and why
     next_steps: tuple[str, ...]  # what to do next, from these measurements
 
@@ -271,6 +300,38 @@ def _shown(argv: Sequence[str]) -> str:
     return " ".join("python" if a == sys.executable else a for a in out)
 
 
+def _run_captured(
+    argv: list[str], env: dict[str, str], preexec: Callable[[], None] | None = None
+) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=preexec,
+        )
+    except OSError as e:  # the interpreter cannot be run, or the throttle refused the child
+        raise ShmstageError(
+            f"could not start {argv[0]} ({e.strerror or e}): run the demo as a user who can execute it"
+        ) from None
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM unwinding): ask the child to stop first, so
+        # `shmstage run` can pass SIGTERM on to the trainer; SIGKILL only as a last resort.
+        proc.terminate()
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def train_through_run(
     data_arg: str,
     *,
@@ -281,18 +342,24 @@ def train_through_run(
     out_dir: str,
     env: dict[str, str],
     log: Callable[[str], None],
+    throttle: Throttle | None = None,
 ) -> tuple[str, TrainResult]:
-    """Run the demo trainer under ``shmstage run`` in a subprocess; its measured result."""
+    """Run the demo trainer under ``shmstage run`` in a subprocess; its measured result.
+
+    With ``throttle`` the trainer joins its cgroup once started (its loader workers with it).
+    """
     json_out = os.path.join(out_dir, f"train-{label}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(json_out)  # a kept workdir may hold the last run's result
     run_args = ["run"] + (["--stage", stage_spec] if stage_spec else [])
     job = [sys.executable, "-m", "shmstage.demo.train", "--data", data_arg, "--steps", str(steps)]
-    job += ["--batch-size", str(batch_size), "--json-out", json_out]
+    job += ["--batch-size", str(batch_size)]
+    shown = _shown([*_shmstage_cmd(), *run_args, "--", *job])
+    job += ["--json-out", json_out]  # implementation details, not shown
+    job += ["--join-cgroup", str(throttle.cgroup)] if throttle else []
     argv = [*_shmstage_cmd(), *run_args, "--", *job]
-    shown = _shown(argv[:-2])  # without --json-out, an implementation detail
     log(f"demo: training on the {label} data: {shown}")
-    proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    proc = _run_captured(argv, env)
     if proc.returncode != 0 or not os.path.exists(json_out):
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         raise ShmstageError(
@@ -302,6 +369,91 @@ def train_through_run(
         return shown, TrainResult(**json.load(f))
 
 
+def stage_through_cli(
+    src: str,
+    *,
+    name: str,
+    dest: str,
+    fallback: str | None,
+    env: dict[str, str],
+    preexec: Callable[[], None] | None = None,
+) -> StagingFacts:
+    """Stage with ``shmstage stage --json`` in a subprocess (so the read throttle can hold it)."""
+    argv = [*_shmstage_cmd(), "stage", src, "--name", name, "--dest", dest, "--json"]
+    proc = _run_captured(argv, env, preexec)
+    try:
+        out = json.loads(proc.stdout) if proc.returncode == 0 else None
+        path, seconds, nbytes = out["path"], float(out["seconds"]), int(out["bytes"])
+        files = int(out["files"])
+    except (ValueError, TypeError, KeyError):
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise ShmstageError(
+            f"staging failed (exit {proc.returncode}): {tail or 'no output'}"
+        ) from None
+    return StagingFacts(
+        dest=path,
+        dest_fstype=_fstype(path),
+        fallback=fallback,
+        seconds=seconds,
+        bytes=nbytes,
+        files=files,
+        bytes_per_s=nbytes / max(seconds, 1e-6),
+    )
+
+
+def slow_source_throttle(
+    stack: contextlib.ExitStack, path: str, mbps: float | None, cold: bool
+) -> tuple[Throttle | None, SlowSource]:
+    """Enter the read throttle on the disk under ``path`` (``mbps`` None: the default when possible).
+
+    An asked-for rate that cannot be applied raises; the default falls back to no throttle
+    and says why.  The group lives until ``stack`` closes.
+    """
+    if mbps == 0:
+        return None, SlowSource(0.0, None, None, "--slow-source 0")
+    if not cold:
+        return None, SlowSource(0.0, None, None, "--warm keeps it in the page cache")
+    if os.geteuid() != 0:
+        return None, SlowSource(0.0, None, None, "not root: a read throttle needs a cgroup")
+    rate = DEFAULT_SLOW_SOURCE_MBPS if mbps is None else mbps
+    try:
+        throttle = stack.enter_context(
+            blkio_throttle(path, max(1, round(rate * MB)), name="shmstage-demo")
+        )
+    except ShmstageError as e:
+        if mbps is not None:
+            raise
+        return None, SlowSource(0.0, None, None, e.message)
+    return throttle, SlowSource(rate, throttle.device, str(throttle.cgroup), None)
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """SIGTERM/SIGHUP end the demo by unwinding (SystemExit), so cleanup and the cgroup removal run."""
+    if threading.current_thread() is not threading.main_thread():  # signal() needs the main thread
+        yield
+        return
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def payback(images: int, original: TrainResult, staged: TrainResult, staging_s: float) -> Payback:
+    """Epoch times at the two measured rates, and after how many epochs staging has paid for itself."""
+    orig_s = images / original.images_per_s if original.images_per_s > 0 else float("inf")
+    staged_s = images / staged.images_per_s if staged.images_per_s > 0 else float("inf")
+    saved = orig_s - staged_s
+    epochs = staging_s / saved if saved > 0 and saved != float("inf") else None
+    return Payback(images, orig_s, staged_s, staging_s, epochs)
+
+
 def _next_steps(
     original: DemoRun,
     staged: DemoRun,
@@ -309,14 +461,19 @@ def _next_steps(
     pillow: PillowFacts,
     staging: StagingFacts,
     busy: bool,
+    slow_mbps: float = 0.0,
 ) -> list[str]:
-    """What a user should do next, read off these measurements."""
+    """What a user should do next, read off these measurements (``slow_mbps``: the read throttle)."""
     steps = []
     cached = original.cached_share
     if speedup >= 1.10:
-        text = (
-            f"Staging made training {speedup:.2f}x faster here: stage your own data the same way."
-        )
+        if slow_mbps:
+            text = (
+                f"Staging made training {speedup:.2f}x faster reading a source throttled to "
+                f"{slow_mbps:g} MB/s: stage data that lives on NFS, Lustre or a busy disk the same way."
+            )
+        else:
+            text = f"Staging made training {speedup:.2f}x faster here: stage your own data the same way."
         if busy:
             text += " (The node was busy: re-run to confirm.)"
         steps.append(text)
@@ -328,6 +485,11 @@ def _next_steps(
     elif busy:
         steps.append(
             "Other processes were using the CPU: re-run `shmstage demo` when the node is idle."
+        )
+    elif slow_mbps:
+        steps.append(
+            f"Reading was not the limit here even at {slow_mbps:g} MB/s: training itself (decoding, "
+            "the model) was; a slower --slow-source shows where staging starts to pay."
         )
     else:
         steps.append(
@@ -411,15 +573,32 @@ def run_demo(
     workdir: str | None = None,
     keep: bool = False,
     cold: bool = True,
+    slow_source: float | None = None,
     log: Callable[[str], None] = lambda _msg: None,
 ) -> DemoReport:
-    """Generate, stage, train from the original and from the staged copy; clean up unless ``keep``."""
+    """Generate, stage, train from the original and from the staged copy; clean up unless ``keep``.
+
+    ``slow_source``: MB/s the original is read at (staging and the original run, in a cgroup);
+    None: DEFAULT_SLOW_SOURCE_MBPS when root with a blkio/io controller, else not throttled; 0: off.
+    """
     if images < batch_size:
         raise ShmstageError(
             f"--images must be at least the batch size ({batch_size}); got {images}"
         )
     if steps < 1:
         raise ShmstageError(f"--steps must be at least 1; got {steps}")
+    if slow_source is not None and slow_source < 0:
+        raise RefusedError(f"--slow-source must be MB/s >= 0 (0: off); got {slow_source:g}")
+    if slow_source:
+        if os.geteuid() != 0:
+            raise RefusedError(
+                "--slow-source throttles reads with a cgroup, which needs root: "
+                "run as root, or pass --slow-source 0"
+            )
+        if not cold:
+            raise RefusedError(
+                "--slow-source needs a cold page cache (--warm reads RAM): drop --warm"
+            )
     # found, not imported: torch loads in the training jobs, not here (seconds saved)
     missing = [m for m in ("numpy", "PIL", "torch") if importlib.util.find_spec(m) is None]
     if missing:
@@ -438,110 +617,144 @@ def run_demo(
     staged_name = "shmstage-demo-" + hashlib.sha256(workdir.encode()).hexdigest()[:8]
     owned: list[str] = []  # what this run created (the rest of a given --workdir stays)
     notes: list[str] = []
-    try:
-        node = node_facts()
-        log(f"demo: node: {node.cpus} CPUs, {format_size(node.memory_usable)} RAM usable")
-        pillow = pillow_facts()
-        dataset = _prepare_dataset(workdir, images, log)
-        owned += [dataset.path, os.path.join(workdir, _MARKER)]
-        owned += [os.path.join(workdir, f"train-{label}.json") for label in ("original", "staged")]
-        log(
-            f"demo: inspecting the node and the dataset (shmstage inspect --dataset {dataset.path})"
-        )
-        inspection = inspect_facts(dataset.path)
-        source_fstype = _fstype(dataset.path)
-        if source_fstype in MEMORY_BACKED:
-            notes.append(
-                f"the work directory is on {source_fstype} (RAM), so the original is read from RAM too"
+    # the throttle's cgroup is removed when the stack closes, also on Ctrl-C (KeyboardInterrupt)
+    # and SIGTERM/SIGHUP (_signals_unwind)
+    with _signals_unwind(), contextlib.ExitStack() as stack:
+        try:
+            throttle, slow = slow_source_throttle(stack, workdir, slow_source, cold)
+            preexec = throttle.enter if throttle else None
+            node = node_facts()
+            log(f"demo: node: {node.cpus} CPUs, {format_size(node.memory_usable)} RAM usable")
+            pillow = pillow_facts()
+            dataset = _prepare_dataset(workdir, images, log)
+            owned += [dataset.path, os.path.join(workdir, _MARKER)]
+            owned += [
+                os.path.join(workdir, f"train-{label}.json") for label in ("original", "staged")
+            ]
+            log(
+                f"demo: inspecting the node and the dataset (shmstage inspect --dataset {dataset.path})"
             )
-        files = [str(p) for p in Path(dataset.path).rglob("*.jpg")]
+            inspection = inspect_facts(dataset.path)
+            source_fstype = _fstype(dataset.path)
+            if source_fstype in MEMORY_BACKED:
+                notes.append(
+                    f"the work directory is on {source_fstype} (RAM), so the original is read from RAM too"
+                )
+            if throttle:
+                log(
+                    f"demo: reading the original through a {slow.mbps:g} MB/s read throttle "
+                    f"(cgroup {throttle.cgroup}), standing in for network storage"
+                )
+            else:
+                notes.append(
+                    f"the source was not throttled ({slow.reason}), so it read at local-disk speed; "
+                    "staging pays most when the source is slow (NFS, Lustre, a busy disk)"
+                )
+            files = [str(p) for p in Path(dataset.path).rglob("*.jpg")]
 
-        env = dict(os.environ)
-        out_dir = workdir
-        if cold:
-            log("demo: evicting the dataset's pages from the page cache so the original run reads from disk")
-            evict_from_page_cache(files)
-        cached = cached_share(files)
-        shown, original = train_through_run(
-            dataset.path,
-            label="original",
-            stage_spec=None,
-            steps=steps,
-            batch_size=batch_size,
-            out_dir=out_dir,
-            env=env,
-            log=log,
-        )
-        original_run = DemoRun("original", shown, cached, original)
-        load = os.getloadavg()[0]
-
-        staged_root, fallback = choose_dest(dataset.bytes, workdir)
-        if fallback:
-            notes.append(f"staged outside the default destination: {fallback}")
-        if fallback:  # a directory made for this run only
-            owned.append(staged_root)
-        log(f"demo: staging {format_size(dataset.bytes)} into {staged_root}")
-        from shmstage.stage import stage
-
-        staged_ds = stage(dataset.path, name=staged_name, dest=staged_root)
-        seconds = max(staged_ds.seconds, 1e-6)
-        staging = StagingFacts(
-            dest=str(staged_ds.path),
-            dest_fstype=_fstype(str(staged_ds.path)),
-            fallback=fallback,
-            seconds=staged_ds.seconds,
-            bytes=staged_ds.bytes,
-            files=staged_ds.files,
-            bytes_per_s=staged_ds.bytes / seconds,
-        )
-        env["SHMSTAGE_DEST"] = staged_root  # `shmstage run` finds the copy just made
-        shown, staged = train_through_run(
-            "{staged}",
-            label="staged",
-            stage_spec=f"{dataset.path}={staged_name}",
-            steps=steps,
-            batch_size=batch_size,
-            out_dir=out_dir,
-            env=env,
-            log=log,
-        )
-        staged_run = DemoRun(
-            "staged",
-            shown,
-            cached_share([str(p) for p in Path(staging.dest).rglob("*.jpg")]),
-            staged,
-        )
-        speedup = staged.images_per_s / original.images_per_s if original.images_per_s > 0 else 0.0
-        busy = _busy_note(max(load, os.getloadavg()[0]), node.cpus)
-        if busy:
-            notes.append(busy)
-        if not node.root:
-            notes.append(
-                "not root: /dev/shm was used as it is (growing it needs root: shmstage remount)"
+            env = dict(os.environ)
+            out_dir = workdir
+            if cold:
+                log(
+                    "demo: evicting the dataset's pages from the page cache so the original run reads from disk"
+                )
+                evict_from_page_cache(files)
+            cached = cached_share(files)
+            shown, original = train_through_run(
+                dataset.path,
+                label="original",
+                stage_spec=None,
+                steps=steps,
+                batch_size=batch_size,
+                out_dir=out_dir,
+                env=env,
+                log=log,
+                throttle=throttle,
             )
-        return DemoReport(
-            workdir=workdir,
-            kept=keep,
-            node=dataclasses.replace(
-                node, accelerator=None if original.device == "cpu" else original.device_name
-            ),
-            inspect=inspection,
-            pillow=pillow,
-            dataset=dataset,
-            source_fstype=source_fstype,
-            staging=staging,
-            cold=cold,
-            original=original_run,
-            staged=staged_run,
-            speedup=speedup,
-            notes=tuple(notes),
-            next_steps=tuple(
-                _next_steps(original_run, staged_run, speedup, pillow, staging, busy is not None)
-            ),
-        )
-    finally:
-        if not keep:
-            _cleanup(workdir, created, staged_root, staged_name, owned, log)
+            original_run = DemoRun("original", shown, cached, original)
+            load = os.getloadavg()[0]
+
+            staged_root, fallback = choose_dest(dataset.bytes, workdir)
+            if fallback:
+                notes.append(f"staged outside the default destination: {fallback}")
+            if fallback:  # a directory made for this run only
+                owned.append(staged_root)
+            if cold:  # the original run left most of the dataset in the page cache
+                evict_from_page_cache(files)
+            eta = (
+                f" (about {dataset.bytes / (slow.mbps * MB):.0f} s at {slow.mbps:g} MB/s)"
+                if throttle
+                else ""
+            )
+            log(f"demo: staging {format_size(dataset.bytes)} into {staged_root}{eta}")
+            staging = stage_through_cli(
+                dataset.path,
+                name=staged_name,
+                dest=staged_root,
+                fallback=fallback,
+                env=env,
+                preexec=preexec,
+            )
+            env["SHMSTAGE_DEST"] = staged_root  # `shmstage run` finds the copy just made
+            shown, staged = train_through_run(
+                "{staged}",
+                label="staged",
+                stage_spec=f"{dataset.path}={staged_name}",
+                steps=steps,
+                batch_size=batch_size,
+                out_dir=out_dir,
+                env=env,
+                log=log,
+            )
+            staged_run = DemoRun(
+                "staged",
+                shown,
+                cached_share([str(p) for p in Path(staging.dest).rglob("*.jpg")]),
+                staged,
+            )
+            speedup = (
+                staged.images_per_s / original.images_per_s if original.images_per_s > 0 else 0.0
+            )
+            busy = _busy_note(max(load, os.getloadavg()[0]), node.cpus)
+            if busy:
+                notes.append(busy)
+            if not node.root:
+                notes.append(
+                    "not root: /dev/shm was used as it is (growing it needs root: shmstage remount)"
+                )
+            return DemoReport(
+                workdir=workdir,
+                kept=keep,
+                node=dataclasses.replace(
+                    node, accelerator=None if original.device == "cpu" else original.device_name
+                ),
+                inspect=inspection,
+                pillow=pillow,
+                dataset=dataset,
+                source_fstype=source_fstype,
+                staging=staging,
+                cold=cold,
+                slow_source=slow,
+                original=original_run,
+                staged=staged_run,
+                speedup=speedup,
+                payback=payback(dataset.images, original, staged, staging.seconds),
+                notes=tuple(notes),
+                next_steps=tuple(
+                    _next_steps(
+                        original_run,
+                        staged_run,
+                        speedup,
+                        pillow,
+                        staging,
+                        busy is not None,
+                        slow.mbps,
+                    )
+                ),
+            )
+        finally:
+            if not keep:
+                _cleanup(workdir, created, staged_root, staged_name, owned, log)
 
 
 def _cleanup(
