@@ -389,7 +389,8 @@ def test_demo_sigterm_stops_the_training_job_too(shmstage_bin, demo_dest: Path) 
     if not _throttle_possible("/var/tmp"):
         pytest.skip("no blkio/io controller can throttle the disk under /var/tmp")
     env = dict(os.environ, SHMSTAGE_DEST=str(demo_dest / "shmstage"))
-    argv = [*shmstage_bin, "demo", "--images", "64", "--steps", "2", "--slow-source", "1"]
+    # long enough (256 images read at 1 MB/s: ~20 s) that a job left running is still there
+    argv = [*shmstage_bin, "demo", "--images", "256", "--steps", "8", "--slow-source", "1"]
     proc = subprocess.Popen(
         argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # its session id names everything it started
@@ -418,7 +419,7 @@ def test_demo_sigterm_stops_the_training_job_too(shmstage_bin, demo_dest: Path) 
                 pass
         return left
 
-    _, alive = psutil.wait_procs(session_left(), timeout=15)
+    _, alive = psutil.wait_procs(session_left(), timeout=10)
     for p in alive:
         p.kill()
     assert proc.returncode == 143, log
