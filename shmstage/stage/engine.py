@@ -23,6 +23,7 @@ from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
+from shmstage.stage.readahead import Readahead
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
 
 VERIFY_MODES = ("size", "checksum")
@@ -221,6 +222,10 @@ def _stage_locked(
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")
     copied = 0
+    # A first copy reads everything anyway: start reading while the walk runs.
+    ahead = (
+        Readahead(source) if kind == "dir" and record is None and not os.path.exists(part) else None
+    )
     try:
         if kind == "dir":
             tree = walk(source, threads=scan_threads(source))
@@ -302,6 +307,9 @@ def _stage_locked(
                 f"cannot stage into {store.dest}: {e.strerror}: {e.filename}"
             ) from None
         raise
+    finally:
+        if ahead is not None:
+            ahead.stop()  # and drop what it read that the copier did not already drop
 
 
 def _write_marker(path: str, source: str) -> None:
