@@ -407,6 +407,67 @@ def test_evict_by_name_all_and_age(tmpfs, tmp_path):
         evict("a", dest=dest)
 
 
+def test_evict_leaves_no_lock_file_and_restage_works(tmpfs, tmp_path):
+    """evict removes the dataset's lock file too (nothing accumulates), and staging again works."""
+    dest = tmpfs("64M") / "d"
+    src = make_tree(tmp_path / "a")
+    stage(src, dest=dest)
+    locks = dest / ".shmstage" / "locks"
+    assert (locks / "a.lock").exists()
+    evict("a", dest=dest)
+    assert not (locks / "a.lock").exists()
+    assert stage(src, dest=dest).changed
+
+
+def test_lock_waiter_relocks_after_evict_unlinks_the_file(tmp_path):
+    """A waiter blocked on a lock that evict unlinks ends up holding the new lock file, not the
+    unlinked one (else two processes could both think they hold the lock)."""
+    import threading
+
+    from shmstage.stage.store import Store
+
+    store = Store(tmp_path / "d")
+    store.open(create=True)
+    held = threading.Event()
+    release = threading.Event()
+    got: list[str] = []
+
+    def holder() -> None:
+        with store.lock("x"):
+            held.set()
+            release.wait(10)
+            store.drop_lock("x")
+
+    def waiter() -> None:
+        import fcntl
+
+        with store.lock("x"):
+            # the file now at the lock path must be the one we hold: another flock on it fails
+            try:
+                fd = os.open(store.lock_path("x"), os.O_RDWR)
+            except FileNotFoundError:
+                got.append("missing")
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                got.append("not held")
+            except BlockingIOError:
+                got.append("held")
+            finally:
+                os.close(fd)
+
+    t1 = threading.Thread(target=holder)
+    t1.start()
+    assert held.wait(10)
+    t2 = threading.Thread(target=waiter)
+    t2.start()
+    time.sleep(0.2)  # let the waiter block in flock
+    release.set()
+    t1.join(10)
+    t2.join(10)
+    assert got == ["held"]
+
+
 # --- concurrency and faults -------------------------------------------------------------
 
 

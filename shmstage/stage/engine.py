@@ -666,6 +666,7 @@ def evict(
                 store.discard(store.partial(n))
                 _remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
                 store.forget(n)
+                store.drop_lock(n)  # nothing of the dataset is left behind
         except RefusedError:
             if name is not None:
                 raise

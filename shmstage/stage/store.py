@@ -8,6 +8,7 @@ per-dataset locks, the JSON records, atomic publish and removal.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -151,30 +152,51 @@ class Store:
     def lock(
         self, name: str, *, wait: bool = True, on_wait: Callable[[int | None], None] | None = None
     ) -> Iterator[None]:
-        """Hold the per-dataset lock (flock; released by the kernel if we die)."""
-        path = os.path.join(self.lock_dir, name + ".lock")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise _os_error(e, f"cannot open lock file {path}") from None
-        try:
-            _check_owner(path, os.fstat(fd))
+        """Hold the per-dataset lock (flock; released by the kernel if we die).
+
+        ``evict`` unlinks the lock file while holding it, so after each flock we check
+        the path still names the file we locked and start over if it does not.
+        """
+        path = self.lock_path(name)
+        while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_pid(fd)
-                if not wait:
-                    raise Busy(
-                        f"{name} is being staged by another shmstage (pid {holder or '?'}); try again later"
-                    ) from None
-                if on_wait is not None:
-                    on_wait(holder)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            yield
-        finally:
-            os.close(fd)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise _os_error(e, f"cannot open lock file {path}") from None
+            try:
+                st = os.fstat(fd)
+                _check_owner(path, st)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _read_pid(fd)
+                    if not wait:
+                        raise Busy(
+                            f"{name} is being staged by another shmstage (pid {holder or '?'}); try again later"
+                        ) from None
+                    if on_wait is not None:
+                        on_wait(holder)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    now = os.lstat(path)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue  # evicted (and unlinked) while we waited: lock the new file
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                yield
+                return
+            finally:
+                os.close(fd)
+
+    def lock_path(self, name: str) -> str:
+        return os.path.join(self.lock_dir, name + ".lock")
+
+    def drop_lock(self, name: str) -> None:
+        """Unlink the lock file of an evicted dataset; call while holding its lock."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.lock_path(name))
 
     # --- records --------------------------------------------------------------
 
