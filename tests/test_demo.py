@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -343,33 +344,50 @@ def test_demo_slow_source_throttles_and_removes_its_cgroup(shmstage_bin, demo_de
     assert not Path(group.group(1)).exists()
 
 
-@pytest.mark.root
-def test_demo_ctrl_c_removes_its_cgroup_and_workdir(shmstage_bin, demo_dest: Path) -> None:
-    """Ctrl-C while the throttled original run reads: exit 130, the cgroup and the work
-    directory are removed."""
-    import signal
-
+def _signal_demo_during_original_run(
+    shmstage_bin, demo_dest: Path, images: int, steps: int, send
+) -> tuple[subprocess.Popen, str]:
+    """Start a throttled demo in its own session; call ``send(pid)`` once the original run
+    starts; return the finished process and its stderr."""
     if not _throttle_possible("/var/tmp"):
         pytest.skip("no blkio/io controller can throttle the disk under /var/tmp")
     env = dict(os.environ, SHMSTAGE_DEST=str(demo_dest / "shmstage"))
-    argv = [*shmstage_bin, "demo", "--images", "64", "--steps", "2", "--slow-source", "1"]
+    argv = [
+        *shmstage_bin,
+        "demo",
+        "--images",
+        str(images),
+        "--steps",
+        str(steps),
+        "--slow-source",
+        "1",
+    ]
     proc = subprocess.Popen(
         argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # its own process group: killpg is a terminal's Ctrl-C
+        start_new_session=True,  # its own session and group: killpg is a terminal's Ctrl-C
     )  # fmt: skip
     lines = []
     try:
         for line in proc.stderr:
             lines.append(line)
             if line.startswith("demo: training on the original data"):
-                os.killpg(proc.pid, signal.SIGINT)
+                send(proc.pid)
                 break
         rest = proc.communicate(timeout=60)[1]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    log = "".join(lines) + rest
+    return proc, "".join(lines) + rest
+
+
+@pytest.mark.root
+def test_demo_ctrl_c_removes_its_cgroup_and_workdir(shmstage_bin, demo_dest: Path) -> None:
+    """Ctrl-C while the throttled original run reads: exit 130, the cgroup and the work
+    directory are removed."""
+    proc, log = _signal_demo_during_original_run(
+        shmstage_bin, demo_dest, 64, 2, lambda pid: os.killpg(pid, signal.SIGINT)
+    )
     assert proc.returncode == 130, log
     group = re.search(r"\(cgroup (/\S+)\)", log)
     workdir = re.search(r"generating 64 synthetic JPEGs in (/\S+)/dataset", log)
@@ -382,32 +400,12 @@ def test_demo_ctrl_c_removes_its_cgroup_and_workdir(shmstage_bin, demo_dest: Pat
 def test_demo_sigterm_stops_the_training_job_too(shmstage_bin, demo_dest: Path) -> None:
     """SIGTERM to the demo alone (not its group) during the original run: exit 143 and no
     process of its session (shmstage run, the trainer, its workers) is left running."""
-    import signal
-
     import psutil
 
-    if not _throttle_possible("/var/tmp"):
-        pytest.skip("no blkio/io controller can throttle the disk under /var/tmp")
-    env = dict(os.environ, SHMSTAGE_DEST=str(demo_dest / "shmstage"))
     # long enough (256 images read at 1 MB/s: ~20 s) that a job left running is still there
-    argv = [*shmstage_bin, "demo", "--images", "256", "--steps", "8", "--slow-source", "1"]
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # its session id names everything it started
-    )  # fmt: skip
-    lines = []
-    try:
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("demo: training on the original data"):
-                os.kill(proc.pid, signal.SIGTERM)
-                break
-        rest = proc.communicate(timeout=60)[1]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    log = "".join(lines) + rest
+    proc, log = _signal_demo_during_original_run(
+        shmstage_bin, demo_dest, 256, 8, lambda pid: os.kill(pid, signal.SIGTERM)
+    )
 
     def session_left() -> list[psutil.Process]:
         left = []
