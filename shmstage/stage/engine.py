@@ -282,6 +282,8 @@ def _stage_locked(
         return _dataset(new, store, changed=True, copied_bytes=copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
+        if ahead is not None:
+            ahead.stop(drop=True)  # files not copied still hold the pages it read ahead
         store.discard(part)
         _remove_marker(marker)
         if (
@@ -309,7 +311,7 @@ def _stage_locked(
         raise
     finally:
         if ahead is not None:
-            ahead.stop()  # and drop what it read that the copier did not already drop
+            ahead.stop(drop=False)  # on success the copier has dropped every file's pages
 
 
 def _write_marker(path: str, source: str) -> None:

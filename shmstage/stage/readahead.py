@@ -3,8 +3,8 @@
 The capacity check needs the whole walk before a byte is written, and on a cold
 or throttled source the disk idles meanwhile.  ``Readahead`` asks the kernel to
 start reading the first files in copy order (``POSIX_FADV_WILLNEED``, a bounded
-budget) while the walk runs; nothing is written, and ``stop()`` drops whatever
-it pulled in that the copier has not already dropped.
+budget) while the walk runs; nothing is written.  The copier drops each file's
+pages as it copies it, so only a copy that did not complete needs ``stop(drop=True)``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Readahead:
     """A daemon thread that advises WILLNEED on files in the walk's (and copier's) order.
 
     Lifecycle: started in ``__init__``; ends on its own at the budget or the last file;
-    ``stop()`` is idempotent, sets the stop event, joins briefly and, with ``drop``,
+    ``stop()`` is idempotent: it sets the stop event, joins briefly and, with ``drop``,
     advises DONTNEED on every file it touched.  Errors are ignored: it is only advice.
     """
 
@@ -70,7 +70,7 @@ class Readahead:
                     subdirs.append(item.path)
             pending.extend(reversed(subdirs))  # depth-first by name, as plan.walk orders entries
 
-    def stop(self, drop: bool = True) -> None:
+    def stop(self, drop: bool) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         if drop:
