@@ -86,8 +86,8 @@ def test_plain_file_source_error(runner, cli, tmp_path):
     r = runner.invoke(cli, ["stage", str(tmp_path / "x.txt"), "--dest", str(tmp_path / "d")])
     assert r.exit_code == 2
     assert r.stderr == (
-        f"Error: source {tmp_path / 'x.txt'} is neither a directory nor a tar archive "
-        "(.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)\n"
+        f"Error: source {tmp_path / 'x.txt'} is not a tar archive (unknown data); "
+        "stage a directory or a tar archive (plain, gzip, bzip2 or xz)\n"
     )
 
 

@@ -88,6 +88,14 @@ def _log_waiting(p: Progress) -> None:
     help="Copy everything again, and replace a dataset of the same name from another source.",
 )
 @click.option(
+    "--strip-components",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Tar archives only: drop the first N path components of every member, like tar's "
+    "option (1 turns an archive of one top folder into that folder's contents).",
+)
+@click.option(
     "--quiet",
     "-q",
     is_flag=True,
@@ -104,6 +112,7 @@ def stage_cmd(
     verify: str,
     reserve: int | None,
     force: bool,
+    strip_components: int,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -127,6 +136,7 @@ def stage_cmd(
             reserve=reserve,
             force=force,
             progress=progress,
+            strip_components=strip_components,
         )
     finally:
         if bar is not None:

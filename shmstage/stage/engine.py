@@ -22,6 +22,7 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
+from shmstage.stage import tarformat
 from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
 from shmstage.stage.readahead import Readahead
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
@@ -132,8 +133,12 @@ def stage(
     reserve: int | None = None,
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
+    strip_components: int = 0,
 ) -> StagedDataset:
-    """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy."""
+    """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
+
+    ``strip_components`` drops that many leading path components of an archive's
+    members, like ``tar --strip-components``."""
     t0 = time.monotonic()
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
@@ -143,14 +148,18 @@ def stage(
     source = os.path.realpath(raw)
     if not os.path.exists(source):
         raise RefusedError(f"source {raw} does not exist")
+    if strip_components < 0:
+        raise RefusedError(f"invalid --strip-components {strip_components}: must be 0 or more")
     if os.path.isdir(source):
         kind = "dir"
-    elif tarsrc.is_archive(source):
-        kind = "tar"
+        if strip_components:
+            raise RefusedError(
+                f"--strip-components applies to tar archives, and {raw} is a directory; "
+                "stage the subdirectory you want instead"
+            )
     else:
-        raise RefusedError(
-            f"source {raw} is neither a directory nor a tar archive (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)"
-        )
+        tarformat.detect(source, raw)  # by content, not name; says what else the file is
+        kind = "tar"
     name = check_name(name) if name is not None else name_for(source)
     store = Store(dest)
     real_dest = os.path.realpath(store.dest)
@@ -165,7 +174,9 @@ def stage(
             progress(Progress(phase, elapsed=time.monotonic() - t0, **kw))
 
     with _signals_raise(), store.lock(name, on_wait=lambda pid: report("waiting", holder=pid)):
-        return _stage_locked(store, source, kind, name, workers, verify, reserve, force, report, t0)
+        return _stage_locked(
+            store, source, kind, name, workers, verify, reserve, force, report, t0, strip_components
+        )
 
 
 def _within(path: str, root: str) -> bool:
@@ -206,6 +217,7 @@ def _stage_locked(
     force: bool,
     report: Callable[..., None],
     t0: float,
+    strip_components: int = 0,
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     record = store.published(name)
@@ -252,22 +264,31 @@ def _stage_locked(
         else:
             st = os.stat(source)
             fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
-            if same and manifest.get("archive") == fingerprint:  # type: ignore[union-attr]
+            strip = manifest.get("strip_components", 0) if manifest else 0  # part of the key
+            if same and manifest.get("archive") == fingerprint and strip == strip_components:  # type: ignore[union-attr]
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
-            archive = tarsrc.scan(source)
+            archive = tarsrc.scan(source, strip_components)
             require_fit(archive.page_bytes, len(archive.members), store.dest, reserve)
             _write_marker(marker, source)
             store.discard(part)
             os.mkdir(part, 0o700)
             tick = _copy_counter(report, archive.bytes, archive.files)
             tarsrc.extract(archive, part, tick)
+            st = os.stat(source)
+            if [st.st_size, st.st_mtime_ns, st.st_ino] != fingerprint:
+                raise ShmstageError(
+                    f"tar archive {source} changed while it was being staged; the partial copy was "
+                    "removed: re-run when it is stable"
+                )
             tree = walk(part)  # also catches links that escape only in combination
             entries = [list(e) for e in tree.entries]
             data_bytes, files = tree.bytes, tree.files
             copied = archive.bytes
             root = os.lstat(part)
             data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
-            store.prepare_manifest(name, {**data, "archive": fingerprint})
+            store.prepare_manifest(
+                name, {**data, "archive": fingerprint, "strip_components": strip_components}
+            )
         report("publishing")
         root = os.lstat(part)
         store.publish(name)
@@ -564,7 +585,7 @@ def verify(
         if record.kind == "tar":
             if not os.path.isfile(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
-            bad = tarsrc.compare(record.source, path)
+            bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
         else:
             if not os.path.isdir(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
