@@ -104,10 +104,11 @@ def test_compressed_archive_named_tar_is_read_by_content(tmpfs, tmp_path, shmsta
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-def test_plain_tar_named_tar_gz_is_read_by_content(tmpfs, tmp_path):
-    """An uncompressed tar named .tar.gz is staged (and keeps the name without its suffix)."""
+@pytest.mark.parametrize("flags", [(), ("--format=v7",)])
+def test_plain_tar_named_tar_gz_is_read_by_content(tmpfs, tmp_path, flags):
+    """An uncompressed tar (ustar, or v7 without magic) named .tar.gz is staged by content."""
     src = make_tree(tmp_path / "src")
-    arc = tar(src, tmp_path / "data.tar.gz")
+    arc = tar(src, tmp_path / "data.tar.gz", *flags)
     ds = stage(arc, dest=tmpfs("64M") / "s")
     assert ds.name == "data" and files_of(Path(ds.path)) == files_of(src)
 
@@ -260,6 +261,40 @@ def test_corrupt_gzip_data_fails_cleanly(tmpfs, tmp_path, shmstage_bin):
     # zlib finds the damage, or it inflates to garbage that fails as a header: either way, one line
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert_nothing_left(dest, "data")
+
+
+def test_archive_cut_inside_a_header_fails(tmp_path):
+    """A file that ends inside a header lost a member: it fails (GNU tar pads the block, exit 0)."""
+    src = make_tree(tmp_path / "src")
+    arc = tar(src, tmp_path / "data.tar")
+    members = member_offsets(arc)
+    offset = members[2][1]
+    os.truncate(arc, offset + 100)
+    assert gnu_tar_lists(arc).returncode == 0
+    with pytest.raises(ShmstageError) as e:
+        stage(arc, dest=tmp_path / "dest")
+    assert e.value.exit_code == 1
+    assert str(e.value) == (
+        f"cannot read tar archive {arc}: damaged at offset {offset} (after member "
+        f"{members[1][0]!r}): the archive ends inside a header "
+        "(truncated); re-download or re-create it"
+    )
+    assert_nothing_left(tmp_path / "dest", "data")
+
+
+def test_damaged_new_version_keeps_the_published_one(tmpfs, tmp_path):
+    """Re-staging a damaged archive fails and leaves the published version as it was."""
+    src = make_tree(tmp_path / "src")
+    arc = tar(src, tmp_path / "data.tar", "-z")
+    dest = tmpfs("64M") / "s"
+    first = stage(arc, dest=dest)
+    os.truncate(arc, arc.stat().st_size // 2)
+    with pytest.raises(ShmstageError, match="stream ends early"):
+        stage(arc, dest=dest)
+    assert files_of(Path(first.path)) == files_of(src)
+    assert os.listdir(dest / ".shmstage" / "partial") == []
+    report = verify("data", dest=dest)
+    assert report.ok
 
 
 def test_archive_without_end_blocks_is_accepted_like_gnu_tar(tmpfs, tmp_path):

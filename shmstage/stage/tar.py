@@ -17,14 +17,14 @@ import errno
 import os
 import posixpath
 import stat
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.plan import FILE_MODE_MASK, page_bytes
-from shmstage.stage.tarformat import DamagedArchive, Format, detect, why
+from shmstage.stage.tarformat import DamagedArchive, Format, check_end, detect, reading, why
 
 if TYPE_CHECKING:
     import tarfile
@@ -93,29 +93,6 @@ def _open(path: str, fmt: Format, stream: bool = False, **kw: object) -> tarfile
         ) from None
 
 
-def _read_errors() -> tuple[type[BaseException], ...]:
-    import lzma
-    import tarfile
-    import zlib
-
-    # bz2 reports a corrupt stream as OSError, gzip as BadGzipFile (an OSError).
-    return (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)
-
-
-@contextmanager
-def _reading(archive: str, fmt: Format, where: Callable[[], str]) -> Iterator[None]:
-    """Turn a read error of the archive (not of the tree we write) into one DamagedArchive line."""
-    try:
-        yield
-    except _read_errors() as e:
-        if isinstance(e, OSError) and e.errno is not None:  # the file, not its content
-            raise ShmstageError(f"cannot read tar archive {archive}: {e.strerror}") from None
-        raise DamagedArchive(
-            f"cannot read tar archive {archive}: damaged {where()}: {why(e, fmt)}; "
-            "re-download or re-create it"
-        ) from None
-
-
 def scan(path: str, strip_components: int = 0) -> Archive:
     """Read every header and check it; raises UnsafeArchive naming the first bad member,
     DamagedArchive when the archive cannot be read to its proper end."""
@@ -166,7 +143,7 @@ def scan(path: str, strip_components: int = 0) -> Archive:
             of = " of the uncompressed tar" if fmt.compression else ""
             return f"after offset {last.offset}{of} (in or after member {last.name!r})"
 
-        with _reading(path, fmt, where):
+        with reading(path, fmt, where):
             for index, m in enumerate(tf):
                 last = m
                 rel = _normalise(m.name, strip)
@@ -231,37 +208,8 @@ def scan(path: str, strip_components: int = 0) -> Archive:
                     nfiles += 1
                 else:
                     raise refuse(m, "is a device file, FIFO or other special file")
-            _check_end(path, fmt, tf, last, last_error[0])
+            check_end(path, fmt, tf, last, last_error[0])
     return Archive(path, members, total, nfiles, fmt, strip)
-
-
-def _check_end(
-    path: str,
-    fmt: Format,
-    tf: tarfile.TarFile,
-    last: tarfile.TarInfo | None,
-    error: BaseException | None,
-) -> None:
-    """Fail unless the listing ended at an end-of-archive block or at the end of the data.
-
-    GNU tar accepts an archive that simply ends after a member's data (no zero
-    blocks); it rejects a bad header ("Skipping to next header") and a header cut
-    short ("Unexpected EOF"), which tarfile treats as a quiet end of archive."""
-    import tarfile
-
-    if error is None or isinstance(error, (tarfile.EOFHeaderError, tarfile.EmptyHeaderError)):
-        return
-    after = f"after member {last.name!r}" if last is not None else "before any member"
-    of = " of the uncompressed tar" if fmt.compression else ""
-    if isinstance(error, tarfile.TruncatedHeaderError):
-        why = "the archive ends inside a header (truncated)"
-    else:
-        detail = "" if str(error) == "invalid header" else f" ({error})"
-        why = f"invalid header{detail}; GNU tar reports this as 'Skipping to next header'"
-    raise DamagedArchive(
-        f"cannot read tar archive {path}: damaged at offset {tf.offset}{of} ({after}): {why}; "
-        "re-download or re-create it"
-    )
 
 
 def extract(
@@ -300,7 +248,7 @@ def extract(
                 headers = iter(tf)
                 index = -1
                 while True:
-                    with _reading(archive.path, fmt, where):
+                    with reading(archive.path, fmt, where):
                         info = next(headers, None)
                     if info is None:
                         break
@@ -312,7 +260,7 @@ def extract(
 
                     def write(out: int, info: tarfile.TarInfo = info) -> int:
                         return _copy_stream(
-                            tf, info, out, lambda: _reading(archive.path, fmt, where)
+                            tf, info, out, lambda: reading(archive.path, fmt, where)
                         )
 
                     _extract_one(archive.path, m, root, dirs, write, progress)
@@ -443,7 +391,7 @@ def compare(archive_path: str, root: str, strip_components: int = 0) -> list[str
     differ: dict[str, bool] = {}
     with (
         _open(archive_path, fmt, stream=True) as tf,
-        _reading(archive_path, fmt, lambda: "while comparing"),
+        reading(archive_path, fmt, lambda: "while comparing"),
     ):
         for info in tf:
             rel = _normalise(info.name, strip_components)

@@ -1,17 +1,24 @@
-"""What a source file is, read from its first bytes (never from its name).
+"""What a source file is, read from its first bytes (never from its name), and how damage reads.
 
 A tar archive is recognised by its first header (the ``ustar`` magic, or a
 valid header checksum for old v7 archives), inside gzip, bzip2 or xz when the
 file starts with their magic; zstd, lz4 and other formats are named and refused.
+A damaged archive becomes one :class:`DamagedArchive` line naming the offset.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shmstage.errors import RefusedError, ShmstageError
+
+if TYPE_CHECKING:
+    import tarfile
 
 BLOCK = 512
 
@@ -161,3 +168,55 @@ def why(e: BaseException, fmt: Format) -> str:
     if fmt.compression and not type(e).__module__.startswith("tarfile"):
         return f"the {fmt.label} stream is corrupt ({text or type(e).__name__})"
     return text or type(e).__name__
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    import lzma
+    import tarfile
+    import zlib
+
+    # bz2 reports a corrupt stream as OSError, gzip as BadGzipFile (an OSError).
+    return (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)
+
+
+@contextmanager
+def reading(archive: str, fmt: Format, where: Callable[[], str]) -> Iterator[None]:
+    """Turn a read error of the archive (not of the tree we write) into one DamagedArchive line."""
+    try:
+        yield
+    except _read_errors() as e:
+        if isinstance(e, OSError) and e.errno is not None:  # the file, not its content
+            raise ShmstageError(f"cannot read tar archive {archive}: {e.strerror}") from None
+        raise DamagedArchive(
+            f"cannot read tar archive {archive}: damaged {where()}: {why(e, fmt)}; "
+            "re-download or re-create it"
+        ) from None
+
+
+def check_end(
+    path: str,
+    fmt: Format,
+    tf: tarfile.TarFile,
+    last: tarfile.TarInfo | None,
+    error: BaseException | None,
+) -> None:
+    """Fail unless the listing ended at an end-of-archive block or at the end of the data.
+
+    GNU tar accepts an archive that simply ends after a member's data (no zero
+    blocks); it rejects a bad header ("Skipping to next header") and a header cut
+    short ("Unexpected EOF"), which tarfile treats as a quiet end of archive."""
+    import tarfile
+
+    if error is None or isinstance(error, (tarfile.EOFHeaderError, tarfile.EmptyHeaderError)):
+        return
+    after = f"after member {last.name!r}" if last is not None else "before any member"
+    of = " of the uncompressed tar" if fmt.compression else ""
+    if isinstance(error, tarfile.TruncatedHeaderError):
+        reason = "the archive ends inside a header (truncated)"
+    else:
+        detail = "" if str(error) == "invalid header" else f" ({error})"
+        reason = f"invalid header{detail}; GNU tar reports this as 'Skipping to next header'"
+    raise DamagedArchive(
+        f"cannot read tar archive {path}: damaged at offset {tf.offset}{of} ({after}): {reason}; "
+        "re-download or re-create it"
+    )
