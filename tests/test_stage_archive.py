@@ -405,3 +405,27 @@ def test_stripped_away_hard_link_target_is_refused(tmp_path):
         tf.addfile(h)
     with pytest.raises(ShmstageError, match="not an earlier file in the archive .after --strip"):
         stage(arc, dest=tmp_path / "dest", strip_components=1)
+
+
+@pytest.mark.parametrize("flag", ["-z", "-J", None])
+def test_archive_cut_between_check_and_extraction_fails_cleanly(tmpfs, tmp_path, monkeypatch, flag):
+    """Damage met while extracting (the archive was cut after the check) discards the partial tree."""
+    from shmstage.stage import engine
+
+    src = make_tree(tmp_path / "src", files=8, size=200_000)
+    arc = tar(src, tmp_path / "data.tar", *([flag] if flag else []))
+    real_scan = engine.tarsrc.scan
+
+    def scan_then_cut(path, strip_components=0):
+        archive = real_scan(path, strip_components)
+        with open(path, "r+b") as f:  # a concurrent writer truncates it in place
+            f.truncate(os.path.getsize(path) // 2)
+        return archive
+
+    monkeypatch.setattr(engine.tarsrc, "scan", scan_then_cut)
+    dest = tmpfs("64M") / "s"
+    with pytest.raises(ShmstageError) as e:
+        stage(arc, dest=dest)
+    assert str(e.value).startswith(f"cannot read tar archive {arc}")
+    assert "re-" in str(e.value) and "\n" not in str(e.value)
+    assert_nothing_left(dest, "data")

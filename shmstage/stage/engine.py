@@ -277,8 +277,8 @@ def _stage_locked(
             st = os.stat(source)
             if [st.st_size, st.st_mtime_ns, st.st_ino] != fingerprint:
                 raise ShmstageError(
-                    f"tar archive {source} changed while it was being staged; the partial copy was "
-                    "removed: re-run when it is stable"
+                    f"cannot read tar archive {source}: it changed while it was being staged; "
+                    "re-run when it is stable"
                 )
             tree = walk(part)  # also catches links that escape only in combination
             entries = [list(e) for e in tree.entries]

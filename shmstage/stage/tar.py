@@ -153,16 +153,16 @@ def scan(path: str, strip_components: int = 0) -> Archive:
                     continue  # fewer components than --strip-components: dropped, as by tar
                 if strip and rel == "." and not m.isdir():
                     continue  # tar drops it too: a file cannot become the root
-                key = _normalise(m.name) or "."
-                first = origin.setdefault(rel, key)
-                if first != key:
-                    raise UnsafeArchive(
-                        f"--strip-components {strip} makes members {first!r} and {key!r} of {path} "
-                        f"both {rel!r}; nothing was extracted: use a smaller --strip-components"
-                        if rel != "."
-                        else f"--strip-components {strip} makes members {first!r} and {key!r} of "
-                        f"{path} both the root; nothing was extracted: use a smaller --strip-components"
-                    )
+                if strip:  # without stripping, one staged path comes from one member name
+                    key = _normalise(m.name) or "."
+                    first = origin.setdefault(rel, key)
+                    if first != key:
+                        both = repr(rel) if rel != "." else "the root"
+                        raise UnsafeArchive(
+                            f"--strip-components {strip} makes members {first!r} and {key!r} of "
+                            f"{path} both {both}; nothing was extracted: use a smaller "
+                            "--strip-components"
+                        )
                 parent = rel
                 while parent not in ("", "."):
                     parent = posixpath.dirname(parent)
@@ -266,8 +266,9 @@ def extract(
                     _extract_one(archive.path, m, root, dirs, write, progress)
             if wanted:
                 raise DamagedArchive(
-                    f"tar archive {archive.path} changed while it was being staged (it has fewer "
-                    "members than when it was checked); re-run when it is stable"
+                    f"cannot read tar archive {archive.path}: it ends before member "
+                    f"{min(wanted.items())[1].name!r}, which it had when it was checked; it changed "
+                    "while it was being staged or is damaged: re-run, or re-download it"
                 )
             fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -310,9 +311,9 @@ def _extract_one(
             got = write(fo)
             if got != m.size:
                 raise DamagedArchive(
-                    f"cannot read tar archive {archive_path}: member {m.name!r} is shorter than its header says "
-                    f"({got} of {m.size} bytes); the archive changed while it was being staged or "
-                    "is damaged: re-run, or re-download it"
+                    f"cannot read tar archive {archive_path}: member {m.name!r} is shorter than its "
+                    f"header says ({got} of {m.size} bytes); it changed while it was being staged "
+                    "or is damaged: re-run, or re-download it"
                 )
             os.utime(fo, ns=(m.mtime_ns, m.mtime_ns))
         finally:
