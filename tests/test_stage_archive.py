@@ -39,6 +39,22 @@ def tar(src: Path, out: Path, *flags: str) -> Path:
     return out
 
 
+def member(name: str, data: bytes = b"", **attrs: object) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    for k, v in attrs.items():
+        setattr(info, k, v)
+    return info, data
+
+
+def python_tar(arc: Path, *members: tuple[tarfile.TarInfo, bytes]) -> Path:
+    """An archive of members GNU tar would not write from a tree (device nodes, odd links)."""
+    with tarfile.open(arc, "w") as tf:
+        for info, data in members:
+            tf.addfile(info, io.BytesIO(data))
+    return arc
+
+
 def gnu_tar_lists(arc: Path) -> subprocess.CompletedProcess:
     """What GNU tar says about the archive (it detects the compression by content too)."""
     return subprocess.run(["tar", "-tf", str(arc)], capture_output=True, text=True)
@@ -51,6 +67,18 @@ def stage_cli(shmstage_bin, arc: Path, dest: Path, *args: str) -> subprocess.Com
         text=True,
         timeout=120,
     )
+
+
+def invoke(runner, cli, src: Path, dest: Path, *args: str):
+    """`shmstage stage SRC --dest DEST ARGS` in-process (exact stderr lines)."""
+    return runner.invoke(cli, ["stage", str(src), "--dest", str(dest), *args])
+
+
+def damage(arc: Path, offset: int, new: bytes) -> None:
+    """Overwrite bytes of the archive in place."""
+    data = bytearray(arc.read_bytes())
+    data[offset : offset + len(new)] = new
+    arc.write_bytes(bytes(data))
 
 
 def files_of(root: Path) -> dict[str, bytes | str]:
@@ -113,58 +141,60 @@ def test_plain_tar_named_tar_gz_is_read_by_content(tmpfs, tmp_path, flags):
     assert ds.name == "data" and files_of(Path(ds.path)) == files_of(src)
 
 
-def test_zstd_archive_is_refused_with_what_to_do(tmp_path, runner, cli):
-    """A zstd stream (whatever its name) is named as such and refused, exit 2, nothing created."""
-    src = make_tree(tmp_path / "src", files=1, size=10)
-    plain = tar(src, tmp_path / "d.tar")
+def zstd_file(tmp_path: Path) -> Path:
+    plain = tar(make_tree(tmp_path / "src", files=1, size=10), tmp_path / "d.tar")
     arc = tmp_path / "d.tar.gz"
     if shutil.which("zstd"):
         subprocess.run(["zstd", "-q", "-o", str(arc), str(plain)], check=True)
     else:
         arc.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(100))
-    r = runner.invoke(cli, ["stage", str(arc), "--dest", str(tmp_path / "dest")])
-    assert r.exit_code == 2
-    assert r.stderr == (
-        f"Error: source {arc} is a zstd-compressed file, which shmstage cannot read; "
-        "decompress it first (`zstd -d FILE`)\n"
-    )
-    assert not (tmp_path / "dest").exists()
+    return arc
 
 
-def test_random_bytes_named_tar_are_refused(tmp_path, runner, cli):
-    """A file of random bytes named .tar is refused as not a tar archive, exit 2."""
+def random_file(tmp_path: Path) -> Path:
     arc = tmp_path / "junk.tar"
     arc.write_bytes(os.urandom(4096).replace(b"ustar", b"xxxxx"))
-    assert gnu_tar_lists(arc).returncode != 0
-    r = runner.invoke(cli, ["stage", str(arc), "--dest", str(tmp_path / "dest")])
-    assert r.exit_code == 2
-    assert r.stderr == (
-        f"Error: source {arc} is not a tar archive (unknown data); "
-        "stage a directory or a tar archive (plain, gzip, bzip2 or xz)\n"
-    )
+    return arc
 
 
-def test_gzip_of_something_else_is_refused(tmp_path, runner, cli):
-    """A gzip file holding no tar is named as such (exit 2)."""
+def gzipped_text(tmp_path: Path) -> Path:
     arc = tmp_path / "notes.tar.gz"
-    arc.write_bytes(
-        subprocess.run(["gzip", "-c"], input=b"hello\n" * 200, capture_output=True).stdout
-    )
-    r = runner.invoke(cli, ["stage", str(arc), "--dest", str(tmp_path / "dest")])
-    assert r.exit_code == 2
-    assert r.stderr.startswith(f"Error: source {arc} holds gzip data that is not a tar archive; ")
+    text = subprocess.run(["gzip", "-c"], input=b"hello\n" * 200, capture_output=True, check=True)
+    arc.write_bytes(text.stdout)
+    return arc
 
 
-def test_fifo_source_is_refused_without_blocking(tmp_path, runner, cli):
-    """A FIFO source is named as a FIFO (and opening it never blocks)."""
-    fifo = tmp_path / "pipe.tar"
-    os.mkfifo(fifo)
-    r = runner.invoke(cli, ["stage", str(fifo), "--dest", str(tmp_path / "dest")])
+def fifo(tmp_path: Path) -> Path:
+    os.mkfifo(tmp_path / "pipe.tar")  # opening it must not block
+    return tmp_path / "pipe.tar"
+
+
+TODO = "stage a directory or a tar archive (plain, gzip, bzip2 or xz)"
+
+
+@pytest.mark.parametrize(
+    "make,line",
+    [
+        (
+            zstd_file,
+            "is a zstd-compressed file, which shmstage cannot read; decompress it first "
+            "(`zstd -d FILE`)",
+        ),
+        (random_file, f"is not a tar archive (unknown data); {TODO}"),
+        (gzipped_text, f"holds gzip data that is not a tar archive; {TODO}"),
+        (fifo, f"is a FIFO, not a directory or a tar archive; {TODO}"),
+    ],
+    ids=["zstd", "random-bytes", "gzipped-text", "fifo"],
+)
+def test_what_is_not_a_readable_tar_is_refused_saying_what_it_is(tmp_path, runner, cli, make, line):
+    """zstd, random bytes, gzip of no tar, a FIFO (whatever the name): exit 2, one line, nothing created."""
+    arc = make(tmp_path)
+    if make is random_file:
+        assert gnu_tar_lists(arc).returncode != 0
+    r = invoke(runner, cli, arc, tmp_path / "dest")
     assert r.exit_code == 2
-    assert r.stderr == (
-        f"Error: source {fifo} is a FIFO, not a directory or a tar archive; "
-        "stage a directory or a tar archive (plain, gzip, bzip2 or xz)\n"
-    )
+    assert r.stderr == f"Error: source {arc} {line}\n"
+    assert not (tmp_path / "dest").exists()
 
 
 # --- damage ----------------------------------------------------------------------------
@@ -176,9 +206,7 @@ def test_header_damaged_in_the_middle_fails_naming_offset(tmpfs, tmp_path, shmst
     arc = tar(src, tmp_path / "data.tar")
     members = member_offsets(arc)
     name, offset, _ = members[2]
-    data = bytearray(arc.read_bytes())
-    data[offset + 10 : offset + 14] = b"XXXX"  # in the name field: the checksum no longer matches
-    arc.write_bytes(bytes(data))
+    damage(arc, offset + 10, b"XXXX")  # in the name field: the checksum no longer matches
     gnu = gnu_tar_lists(arc)
     assert gnu.returncode == 2 and "Skipping to next header" in gnu.stderr
     dest = tmpfs("64M") / "s"
@@ -197,11 +225,9 @@ def test_first_header_with_bad_checksum_is_damage_not_unknown_data(tmp_path, run
     """A ustar header whose checksum is wrong is a damaged archive (exit 1), said at offset 0."""
     src = make_tree(tmp_path / "src", files=1, size=10)
     arc = tar(src, tmp_path / "data.tar")
-    data = bytearray(arc.read_bytes())
-    data[0] ^= 0x01
-    arc.write_bytes(bytes(data))
+    damage(arc, 0, bytes([arc.read_bytes()[0] ^ 0x01]))
     assert gnu_tar_lists(arc).returncode != 0
-    r = runner.invoke(cli, ["stage", str(arc), "--dest", str(tmp_path / "dest")])
+    r = invoke(runner, cli, arc, tmp_path / "dest")
     assert r.exit_code == 1
     assert r.stderr == (
         f"Error: cannot read tar archive {arc}: damaged at offset 0 (the first member's header "
@@ -313,14 +339,8 @@ def test_archive_without_end_blocks_is_accepted_like_gnu_tar(tmpfs, tmp_path):
 )
 def test_device_nodes_and_fifos_in_an_archive_are_refused(tmp_path, kind, what):
     """Device nodes and FIFOs are refused before anything is extracted (docs/staging.md)."""
-    arc = tmp_path / "dev.tar"
-    with tarfile.open(arc, "w") as tf:
-        ok = tarfile.TarInfo("ok.txt")
-        ok.size = 2
-        tf.addfile(ok, io.BytesIO(b"ok"))
-        node = tarfile.TarInfo("node")
-        node.type, node.devmajor, node.devminor = kind, 1, 3
-        tf.addfile(node)
+    node = member("node", type=kind, devmajor=1, devminor=3)
+    arc = python_tar(tmp_path / "dev.tar", member("ok.txt", b"ok"), node)
     with pytest.raises(RefusedError, match="'node' is a device file, FIFO or other special file"):
         stage(arc, dest=tmp_path / "dest")
     assert_nothing_left(tmp_path / "dest", "dev")
@@ -382,9 +402,7 @@ def test_restage_with_another_strip_count_recopies(tmpfs, tmp_path):
 def test_strip_components_on_a_directory_is_refused(tmp_path, runner, cli):
     """--strip-components on a directory source is refused with one clear line."""
     src = make_tree(tmp_path / "src", files=1, size=10)
-    r = runner.invoke(
-        cli, ["stage", str(src), "--dest", str(tmp_path / "d"), "--strip-components", "1"]
-    )
+    r = invoke(runner, cli, src, tmp_path / "d", "--strip-components", "1")
     assert r.exit_code == 2
     assert r.stderr == (
         f"Error: --strip-components applies to tar archives, and {src} is a directory; "
@@ -395,14 +413,8 @@ def test_strip_components_on_a_directory_is_refused(tmp_path, runner, cli):
 
 def test_stripped_away_hard_link_target_is_refused(tmp_path):
     """A hard link whose target --strip-components drops cannot be made: refused, not dangling."""
-    arc = tmp_path / "h.tar"
-    with tarfile.open(arc, "w") as tf:
-        f = tarfile.TarInfo("README")
-        f.size = 2
-        tf.addfile(f, io.BytesIO(b"hi"))
-        h = tarfile.TarInfo("top/readme")
-        h.type, h.linkname = tarfile.LNKTYPE, "README"
-        tf.addfile(h)
+    link = member("top/readme", type=tarfile.LNKTYPE, linkname="README")
+    arc = python_tar(tmp_path / "h.tar", member("README", b"hi"), link)
     with pytest.raises(ShmstageError, match="not an earlier file in the archive .after --strip"):
         stage(arc, dest=tmp_path / "dest", strip_components=1)
 
@@ -416,8 +428,8 @@ def test_archive_cut_between_check_and_extraction_fails_cleanly(tmpfs, tmp_path,
     arc = tar(src, tmp_path / "data.tar", *([flag] if flag else []))
     real_scan = engine.tarsrc.scan
 
-    def scan_then_cut(path, strip_components=0):
-        archive = real_scan(path, strip_components)
+    def scan_then_cut(path, *args):
+        archive = real_scan(path, *args)
         with open(path, "r+b") as f:  # a concurrent writer truncates it in place
             f.truncate(os.path.getsize(path) // 2)
         return archive
@@ -429,3 +441,13 @@ def test_archive_cut_between_check_and_extraction_fails_cleanly(tmpfs, tmp_path,
     assert str(e.value).startswith(f"cannot read tar archive {arc}")
     assert "re-" in str(e.value) and "\n" not in str(e.value)
     assert_nothing_left(dest, "data")
+
+
+def test_symlink_member_naming_the_root_is_refused(tmp_path):
+    """A member "./" that is a symlink cannot replace the staged root: refused, nothing created."""
+    arc = python_tar(
+        tmp_path / "root.tar", member("./", type=tarfile.SYMTYPE, linkname="x"), member("x", b"x")
+    )
+    with pytest.raises(RefusedError, match="'./' is not a directory but names the root"):
+        stage(arc, dest=tmp_path / "dest")
+    assert_nothing_left(tmp_path / "dest", "root")
