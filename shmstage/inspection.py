@@ -73,9 +73,11 @@ class PillowInfo:
     flavor: str  # Pillow | pillow-simd | conflict | none | unknown
     version: str | None
     libjpeg_turbo: bool | None
-    avx2_build: bool | None
+    avx2_build: bool | None  # what shmstage's build record says was asked for
     ok: bool
     next_step: str | None
+    avx2: str = "unverified"  # verified | absent | unverified: AVX2 code in PIL/_imaging
+    avx2_instructions: int | None = None  # how many objdump found
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,16 @@ def pillow_info() -> PillowInfo:
         st = pillow.check()
     except Exception as e:  # a broken PIL must not break the whole report
         return PillowInfo("unknown", None, None, None, False, f"could not check Pillow: {e}")
-    return PillowInfo(st.flavor, st.version, st.libjpeg_turbo, st.avx2_build, st.ok, st.next_step)
+    return PillowInfo(
+        st.flavor,
+        st.version,
+        st.libjpeg_turbo,
+        st.avx2_build,
+        st.ok,
+        st.next_step,
+        st.avx2,
+        st.avx2_instructions,
+    )
 
 
 def torch_info() -> TorchInfo:
@@ -386,7 +397,8 @@ def check_pillow(p: PillowInfo) -> Check:
         return Check("pillow", WARN, "no Pillow installed", p.next_step)
     detail = (
         f"{p.flavor} {p.version or '?'}, libjpeg-turbo {_yes(p.libjpeg_turbo)}, "
-        f"AVX2 build {_yes(p.avx2_build)}"
+        f"AVX2 build {_yes(p.avx2_build)}, AVX2 code {p.avx2}"
+        + (f" ({p.avx2_instructions} instructions)" if p.avx2_instructions is not None else "")
     )
     return Check("pillow", OK if p.ok else WARN, detail, None if p.ok else p.next_step)
 

@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ class BuildRecord:
     """How shmstage built the active pillow-simd (read back from RECORD_NAME)."""
 
     version: str  # pillow-simd version that was built
-    avx2: bool  # built with CC="cc -mavx2"
+    avx2: bool  # built with CC="cc -mavx2" (what was asked; the binary is checked by scan_avx2)
     cc: str  # the CC used
     cflags: str  # CFLAGS in the environment during the build
     built_at: str  # ISO 8601 UTC
@@ -72,6 +73,74 @@ class PillowStatus:
     site_packages: str | None = None  # where PIL/ lives (or would live)
     prefix: str | None = None  # the interpreter's sys.prefix
     python_h: bool = True  # the interpreter's C headers exist (needed to build)
+    avx2: str = "unverified"  # verified | absent | unverified: AVX2 code found in PIL/_imaging
+    avx2_instructions: int | None = None  # AVX2 instructions objdump found in PIL/_imaging
+    avx2_reason: str | None = None  # why the binary could not be checked (avx2 = unverified)
+
+    def avx2_active(self) -> bool | None:
+        """Does the active binary use AVX2: the disassembly when it could be read, else the record."""
+        return {"verified": True, "absent": False}.get(self.avx2, self.avx2_build)
+
+
+@dataclass(frozen=True)
+class Avx2Scan:
+    """What the disassembly of PIL/_imaging says about AVX2 (objdump on this machine)."""
+
+    state: str  # verified | absent | unverified
+    instructions: int | None = None  # AVX2 instructions found; null when not scanned
+    reason: str | None = None  # why unverified
+
+
+NOT_SCANNED = Avx2Scan("unverified", reason="not scanned")
+
+# AVX2 is AVX's 256-bit integer half: integer (vp*) ops on ymm registers, plus a few
+# instructions that exist only from AVX2 on. AVX1's ymm float ops (and vpermilps,
+# vperm2f128) do not count: an AVX1-only CPU runs them.
+_INSN = re.compile(r"^\s*[0-9a-f]+:\s+([a-z][a-z0-9.]*)\s+(.*)$")
+_AVX2_ONLY = ("vextracti128", "vinserti128", "vperm2i128", "vbroadcasti128", "vpbroadcast")
+_AVX2_ONLY += ("vpgather", "vgather", "vpmaskmov", "vpsllv", "vpsrlv", "vpsrav", "vpblendd")
+
+
+def count_avx2(disassembly: Iterable[str]) -> int:
+    """How many AVX2 instructions an ``objdump -d`` listing contains."""
+    count = 0
+    for line in disassembly:
+        m = _INSN.match(line)
+        if not m:
+            continue
+        op, args = m.groups()
+        if op.startswith(_AVX2_ONLY) or (
+            "%ymm" in args and op.startswith("vp") and not op.startswith(("vpermil", "vperm2f"))
+        ):
+            count += 1
+    return count
+
+
+def scan_avx2(path: str | None) -> Avx2Scan:
+    """Disassemble the ``_imaging`` extension at ``path`` and count its AVX2 instructions.
+    Stock Pillow's ``_imaging`` has none; pillow-simd built with -mavx2 has thousands. Without
+    objdump (binutils) the answer is "unverified", never a guess."""
+    if not path or not os.path.isfile(path):
+        return Avx2Scan("unverified", reason="PIL/_imaging not found")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        return Avx2Scan("unverified", reason="objdump not found; install binutils")
+    try:
+        proc = subprocess.Popen(
+            [objdump, "-d", "--no-show-raw-insn", path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+        )
+    except OSError as e:
+        return Avx2Scan("unverified", reason=f"objdump did not run: {e}")
+    with proc:
+        assert proc.stdout is not None
+        count = count_avx2(proc.stdout)
+    if proc.returncode != 0:
+        return Avx2Scan("unverified", reason=f"objdump failed on {path} (exit {proc.returncode})")
+    return Avx2Scan("verified" if count else "absent", count)
 
 
 def _probe() -> dict:
@@ -123,6 +192,7 @@ def _probe() -> dict:
         facts["libjpeg_turbo"] = bool(features.check_feature("libjpeg_turbo"))
         from PIL import _imaging
 
+        facts["imaging_path"] = _imaging.__file__
         with open(_imaging.__file__, "rb") as f:
             facts["imaging_sha256"] = hashlib.sha256(f.read()).hexdigest()
         record = os.path.join(os.path.dirname(facts["pil_dir"]), "shmstage-pillow-simd.json")
@@ -178,8 +248,11 @@ def _record_from(facts: Mapping[str, Any]) -> BuildRecord | None:
         return None
 
 
-def status_from_facts(facts: Mapping[str, Any], cpu_avx2: bool, hint: str = "") -> PillowStatus:
-    """Turn probe facts into a verdict. ``hint`` is appended to suggested commands."""
+def status_from_facts(
+    facts: Mapping[str, Any], cpu_avx2: bool, hint: str = "", scan: Avx2Scan = NOT_SCANNED
+) -> PillowStatus:
+    """Turn probe facts into a verdict. ``hint`` is appended to suggested commands; ``scan``
+    is what the disassembly of the probed ``_imaging`` says (scan_avx2)."""
     dists = facts.get("dists", {})
     pillow, simd = dists.get("pillow"), dists.get("pillow-simd")
     flavor = (
@@ -197,6 +270,8 @@ def status_from_facts(facts: Mapping[str, Any], cpu_avx2: bool, hint: str = "") 
         and record.imaging_sha256 == facts.get("imaging_sha256")
     )
     avx2_build = record.avx2 if valid and record else None
+    # The binary outranks the record: the record only says what the build asked for.
+    avx2_code = {"verified": True, "absent": False}.get(scan.state, avx2_build)
     cmd = f"shmstage pillow-simd{hint}"
 
     ok = False
@@ -210,13 +285,18 @@ def status_from_facts(facts: Mapping[str, Any], cpu_avx2: bool, hint: str = "") 
         step = f"stock Pillow is active; replace it with pillow-simd: {cmd}"
     elif not turbo:
         step = f"pillow-simd is built without libjpeg-turbo; rebuild: {cmd}"
-    elif avx2_build and not cpu_avx2:
+    elif avx2_code and not cpu_avx2:
         step = f"this pillow-simd was built for AVX2, which this CPU lacks (SIGILL); rebuild: {cmd} --no-avx2"
     else:
         ok = True
-        if avx2_build is None and cpu_avx2:
+        if avx2_build and scan.state == "absent":
+            step = (
+                "the build record says AVX2 but PIL/_imaging contains no AVX2 instructions; "
+                f"rebuild: {cmd}"
+            )
+        elif avx2_code is None and cpu_avx2:
             step = f"build flags unknown (not built by shmstage); to make sure it uses AVX2: {cmd}"
-        elif avx2_build is False and cpu_avx2:
+        elif avx2_code is False and cpu_avx2:
             step = f"built for SSE4 only; this CPU has AVX2, rebuild for it: {cmd}"
         else:
             step = "nothing to do"
@@ -242,6 +322,9 @@ def status_from_facts(facts: Mapping[str, Any], cpu_avx2: bool, hint: str = "") 
         else facts.get("purelib"),
         prefix=facts.get("prefix"),
         python_h=bool(facts.get("python_h", True)),
+        avx2=scan.state,
+        avx2_instructions=scan.instructions,
+        avx2_reason=scan.reason,
     )
 
 
@@ -257,7 +340,7 @@ def check(python: str | os.PathLike[str] | None = None) -> PillowStatus:
     else:
         facts = _run_probe(os.fspath(python))
         hint = f" --python {python}"
-    return status_from_facts(facts, system.has_avx2(), hint)
+    return status_from_facts(facts, system.has_avx2(), hint, scan_avx2(facts.get("imaging_path")))
 
 
 # --- plan --------------------------------------------------------------------
@@ -450,7 +533,7 @@ def build_plan(
     python = before.python
     same = (
         before.ok
-        and before.avx2_build is use_avx2
+        and before.avx2_active() is use_avx2
         and (version is None or before.simd_version == version)
     )
     plan = functools.partial(
@@ -568,7 +651,10 @@ def plan_install(
     facts = _run_probe(target)
     refuse_unmanageable(facts)
     before = status_from_facts(
-        facts, system.has_avx2(), "" if python is None else f" --python {python}"
+        facts,
+        system.has_avx2(),
+        "" if python is None else f" --python {python}",
+        scan_avx2(facts.get("imaging_path")),
     )
     return build_plan(host_facts(), before, version=version, avx2=avx2, system_deps=system_deps)
 
@@ -630,9 +716,9 @@ assert _Image.open(_buf).convert("RGB").size == (224, 224)
 """
 
 
-def _verify(python: str) -> dict:
+def _verify(python: str, avx2: bool = False) -> dict:
     """Probe the new PIL in ``python`` after a real resize/JPEG round trip; raise unless it is
-    pillow-simd with libjpeg-turbo."""
+    pillow-simd with libjpeg-turbo (and, for an AVX2 build, AVX2 code in its ``_imaging``)."""
     source = probe_source().replace(
         "\nimport json as _json", _VERIFY_SNIPPET + "\nimport json as _json"
     )
@@ -650,13 +736,19 @@ def _verify(python: str) -> dict:
     if proc.returncode != 0:
         raise ShmstageError(f"verification failed in {python}:\n{_tail(proc.stderr)}")
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
-    after = status_from_facts(facts, system.has_avx2())
+    scan = scan_avx2(facts.get("imaging_path"))
+    after = status_from_facts(facts, system.has_avx2(), scan=scan)
     if after.flavor != "pillow-simd" or after.import_error:
         raise ShmstageError(f"after the install {python} has {after.flavor}, not pillow-simd")
     if not after.libjpeg_turbo:
         raise ShmstageError(
             "the new pillow-simd was built without libjpeg-turbo; "
             "install the libjpeg-turbo development package and rerun"
+        )
+    if avx2 and scan.state == "absent":
+        raise ShmstageError(
+            f'the new pillow-simd was built with CC="cc -mavx2" but its {facts["imaging_path"]} '
+            "contains no AVX2 instructions (a cached or SSE4 wheel?); rerun"
         )
     return facts
 
@@ -721,7 +813,7 @@ def install(plan: InstallPlan, log: Callable[[str], None] = lambda _: None) -> I
                 elif step.action == "backup":
                     pairs = _backup(_run_probe(plan.python), Path(work, "backup"))
                 elif step.action == "verify":
-                    facts = _verify(plan.python)
+                    facts = _verify(plan.python, plan.avx2)
                 elif step.action == "record":
                     _write_record(plan, facts)
         except (ShmstageError, OSError) as e:

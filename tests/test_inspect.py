@@ -146,9 +146,15 @@ def test_torch_verdicts(info, verdict, detail):
 
 def test_pillow_verdicts():
     """pillow-simd is OK; stock Pillow WARNs with the pillow helper's next step."""
-    simd = PillowInfo("pillow-simd", "9.5.0.post2", True, True, True, "nothing to do")
+    simd = PillowInfo(
+        "pillow-simd", "9.5.0.post2", True, True, True, "nothing to do", "verified", 8120
+    )
     assert inspection.check_pillow(simd) == Check(
-        "pillow", OK, "pillow-simd 9.5.0.post2, libjpeg-turbo yes, AVX2 build yes", None
+        "pillow",
+        OK,
+        "pillow-simd 9.5.0.post2, libjpeg-turbo yes, AVX2 build yes, "
+        "AVX2 code verified (8120 instructions)",
+        None,
     )
     stock = PillowInfo("Pillow", "11.0.0", True, None, False, "run shmstage pillow-simd")
     assert inspection.check_pillow(stock).advice == "run shmstage pillow-simd"
