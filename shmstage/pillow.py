@@ -18,12 +18,14 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -792,13 +794,99 @@ def _restore(plan: InstallPlan, pairs: list[tuple[Path, Path]], work: str) -> st
     return f"the previous PIL {facts.get('version')} was restored and imports"
 
 
+class InstallInterrupted(ShmstageError):
+    """SIGTERM, SIGHUP or SIGINT arrived during the install; the previous PIL was put back."""
+
+    def __init__(self, signum: int, outcome: str) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; {outcome}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler inside install(); becomes InstallInterrupted."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+class _Guard:
+    """Signal handling for install(): a signal raises _Stop (so the except clause restores),
+    except while ``hold()`` is active, when it is only noted: a restore is never cut short."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.pending: int | None = None
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.holding:
+            self.pending = self.pending or signum
+            return
+        raise _Stop(signum)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+
+
+@contextlib.contextmanager
+def _signals_guarded() -> Iterator[_Guard]:
+    """Route SIGTERM/SIGHUP/SIGINT through a _Guard while installing (main thread only; a
+    signal the caller ignores, as under nohup, or handles itself stays theirs)."""
+    guard = _Guard()
+    if threading.current_thread() is not threading.main_thread():
+        yield guard
+        return
+    defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+    defaults[signal.SIGINT] = signal.default_int_handler
+    old = {
+        s: signal.signal(s, guard.handler)
+        for s, default in defaults.items()
+        if signal.getsignal(s) == default
+    }
+    try:
+        yield guard
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+PAUSE_ENV = "SHMSTAGE_TEST_PAUSE_AFTER"
+
+
+def _step_name(step: Step) -> str:
+    """build | uninstall | install | apt-get | conda | backup | verify | record (for PAUSE_ENV)."""
+    if step.argv[1:3] == ("-m", "pip"):
+        return {"wheel": "build"}.get(step.argv[3], step.argv[3])
+    return os.path.basename(step.argv[0]) if step.argv else step.action
+
+
+def _pause_for_tests(name: str, log: Callable[[str], None]) -> None:
+    """Test hook: with SHMSTAGE_TEST_PAUSE_AFTER=<step name>, wait here (up to 60 s) so a
+    test can deliver a signal right after that step."""
+    if os.environ.get(PAUSE_ENV) != name:
+        return
+    log(f"paused after {name} ({PAUSE_ENV})")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def install(plan: InstallPlan, log: Callable[[str], None] = lambda _: None) -> InstallResult:
     """Carry out ``plan``. Until the new wheel exists nothing is removed; after that any
-    failure puts the backed-up previous distribution back (never leaves PIL missing)."""
+    failure, and SIGTERM/SIGHUP/SIGINT at any step, puts the backed-up previous distribution
+    back (never leaves PIL missing). A signal ends it with InstallInterrupted (exit 128+N)."""
     start = time.monotonic()
     if plan.nothing_to_do:
         return InstallResult(False, plan, plan.before, 0.0)
-    with tempfile.TemporaryDirectory(prefix="shmstage-pillow-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="shmstage-pillow-") as work,
+        _signals_guarded() as guard,
+    ):
         pairs: list[tuple[Path, Path]] = []
         touched = False  # PIL in the target changed: from here on, failures restore
         try:
@@ -816,15 +904,22 @@ def install(plan: InstallPlan, log: Callable[[str], None] = lambda _: None) -> I
                     facts = _verify(plan.python, plan.avx2)
                 elif step.action == "record":
                     _write_record(plan, facts)
+                _pause_for_tests(_step_name(step), log)
         except (ShmstageError, OSError) as e:
             message = str(e) if isinstance(e, ShmstageError) else f"install failed: {e}"
             if not touched:
                 raise ShmstageError(f"{message}\nnothing was changed in {plan.python}") from None
-            raise ShmstageError(f"{message}\n{_restore(plan, pairs, work)}") from None
-        except KeyboardInterrupt:
+            with guard.hold():
+                outcome = _restore(plan, pairs, work)
+            raise ShmstageError(f"{message}\n{outcome}") from None
+        except (_Stop, KeyboardInterrupt) as e:
+            signum = e.signum if isinstance(e, _Stop) else signal.SIGINT
+            outcome = f"nothing was changed in {plan.python}"
             if touched:
-                log(_restore(plan, pairs, work))
-            raise
+                log(f"{signal.Signals(signum).name}: putting the previous PIL back")
+                with guard.hold():
+                    outcome = _restore(plan, pairs, work)
+            raise InstallInterrupted(signum, outcome) from None
     after = check(plan.python)
     return InstallResult(True, plan, after, round(time.monotonic() - start, 1))
 
@@ -839,7 +934,24 @@ def _write_record(plan: InstallPlan, facts: Mapping[str, Any]) -> None:
         imaging_sha256=facts["imaging_sha256"],
     )
     path = Path(os.path.dirname(facts["pil_dir"]), RECORD_NAME)
-    path.write_text(json.dumps(dataclasses.asdict(record), indent=2) + "\n")
+    _write_atomic(path, json.dumps(dataclasses.asdict(record), indent=2) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and rename: a crash or a full disk
+    mid-write leaves the old file (or none), never half of the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _clip(line: str, width: int = 300) -> str:
