@@ -170,10 +170,8 @@ def cpu_info() -> CpuInfo:
 
 
 def pillow_info() -> PillowInfo:
-    try:
-        pillow = importlib.import_module("shmstage.pillow")
-    except ImportError:  # not installed alongside this version
-        return PillowInfo("unknown", None, None, None, False, None)
+    from shmstage import pillow
+
     try:
         st = pillow.check()
     except Exception as e:  # a broken PIL must not break the whole report
@@ -244,10 +242,8 @@ def default_dest(path: str) -> str:
     """Where ``stage`` would put data: its DEFAULT_DEST for /dev/shm, else PATH/shmstage."""
     if os.path.normpath(path) != "/dev/shm":
         return os.path.join(path, "shmstage")
-    try:
-        from shmstage.stage import DEFAULT_DEST
-    except ImportError:
-        return os.environ.get("SHMSTAGE_DEST", "/dev/shm/shmstage")
+    from shmstage.stage import DEFAULT_DEST
+
     return str(DEFAULT_DEST)
 
 
