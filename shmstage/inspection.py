@@ -73,9 +73,11 @@ class PillowInfo:
     flavor: str  # Pillow | pillow-simd | conflict | none | unknown
     version: str | None
     libjpeg_turbo: bool | None
-    avx2_build: bool | None
+    avx2_build: bool | None  # what shmstage's build record says was asked for
     ok: bool
     next_step: str | None
+    avx2: str = "unverified"  # verified | absent | unverified: AVX2 code in PIL/_imaging
+    avx2_instructions: int | None = None  # how many objdump found
 
 
 @dataclass(frozen=True)
@@ -168,15 +170,22 @@ def cpu_info() -> CpuInfo:
 
 
 def pillow_info() -> PillowInfo:
-    try:
-        pillow = importlib.import_module("shmstage.pillow")
-    except ImportError:  # not installed alongside this version
-        return PillowInfo("unknown", None, None, None, False, None)
+    from shmstage import pillow
+
     try:
         st = pillow.check()
     except Exception as e:  # a broken PIL must not break the whole report
         return PillowInfo("unknown", None, None, None, False, f"could not check Pillow: {e}")
-    return PillowInfo(st.flavor, st.version, st.libjpeg_turbo, st.avx2_build, st.ok, st.next_step)
+    return PillowInfo(
+        st.flavor,
+        st.version,
+        st.libjpeg_turbo,
+        st.avx2_build,
+        st.ok,
+        st.next_step,
+        st.avx2,
+        st.avx2_instructions,
+    )
 
 
 def torch_info() -> TorchInfo:
@@ -233,10 +242,8 @@ def default_dest(path: str) -> str:
     """Where ``stage`` would put data: its DEFAULT_DEST for /dev/shm, else PATH/shmstage."""
     if os.path.normpath(path) != "/dev/shm":
         return os.path.join(path, "shmstage")
-    try:
-        from shmstage.stage import DEFAULT_DEST
-    except ImportError:
-        return os.environ.get("SHMSTAGE_DEST", "/dev/shm/shmstage")
+    from shmstage.stage import DEFAULT_DEST
+
     return str(DEFAULT_DEST)
 
 
@@ -386,7 +393,8 @@ def check_pillow(p: PillowInfo) -> Check:
         return Check("pillow", WARN, "no Pillow installed", p.next_step)
     detail = (
         f"{p.flavor} {p.version or '?'}, libjpeg-turbo {_yes(p.libjpeg_turbo)}, "
-        f"AVX2 build {_yes(p.avx2_build)}"
+        f"AVX2 build {_yes(p.avx2_build)}, AVX2 code {p.avx2}"
+        + (f" ({p.avx2_instructions} instructions)" if p.avx2_instructions is not None else "")
     )
     return Check("pillow", OK if p.ok else WARN, detail, None if p.ok else p.next_step)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import psutil
 
+from shmstage._libc import load_libc
 from shmstage.errors import RefusedError, ShmstageError
 
 # Signals a launcher must pass on: torchrun shuts its workers down on INT/TERM, jobs
@@ -110,10 +111,8 @@ def _placeholders(args: Sequence[str]) -> list[tuple[str, str, str | None]]:
 
 def stage_name(request: StageRequest) -> str | None:
     """The name the staging engine will use for ``request`` (checked when explicit)."""
-    try:
-        from shmstage.stage.store import check_name, name_for
-    except ImportError:  # an engine without these helpers: names are known after staging
-        return request.name
+    from shmstage.stage.store import check_name, name_for
+
     return check_name(request.name) if request.name is not None else name_for(request.source)
 
 
@@ -247,7 +246,7 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
 
 def _libc() -> Any:
     try:
-        return ctypes.CDLL(None, use_errno=True)
+        return load_libc()
     except OSError:  # not Linux / no libc: prctl features are skipped
         return None
 

@@ -16,6 +16,7 @@ from shmstage import system
 from shmstage.capacity import MEMORY_BACKED, RESERVE_CAP
 from shmstage.config import DatasetConfig, NodeConfig
 from shmstage.errors import ShmstageError
+from shmstage.paths import is_within
 from shmstage.sizes import format_size
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ def auto_size(config: NodeConfig) -> int:
     Copies already staged are taken out of "what it holds" and put back as sources, so a
     converged node gets the same answer again (prepare stays idempotent)."""
     shm = config.shm.path
-    dest_on_shm = _under(config.dest, shm)
+    dest_on_shm = is_within(os.path.realpath(config.dest), os.path.realpath(shm))
     other = system.disk_usage(shm).used
     needed = _MIB
     for ds in config.datasets:
@@ -223,11 +224,6 @@ def _published(name: str, dest: str) -> Any:
     if not store.exists():
         return None
     return store.open(create=False).published(name)
-
-
-def _under(path: str, root: str) -> bool:
-    path, root = os.path.realpath(path), os.path.realpath(root)
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, str]:

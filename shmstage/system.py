@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from shmstage.paths import is_within
+
 _UNLIMITED = 1 << 62  # cgroup v1 reports "no limit" as ~2^63 rounded to a page
 
 
@@ -148,9 +150,7 @@ def mount_of(path: str | os.PathLike[str], proc: str = "/proc") -> Mount | None:
     best: Mount | None = None
     for m in mounts(proc):
         mp = m.mountpoint
-        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and (
-            best is None or len(mp) >= len(best.mountpoint)
-        ):
+        if is_within(real, mp) and (best is None or len(mp) >= len(best.mountpoint)):
             best = m
     return best
 

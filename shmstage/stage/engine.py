@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.paths import is_within
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
@@ -163,7 +164,7 @@ def stage(
     name = check_name(name) if name is not None else name_for(source)
     store = Store(dest)
     real_dest = os.path.realpath(store.dest)
-    if _within(real_dest, source) or (kind == "dir" and _within(source, real_dest)):
+    if is_within(real_dest, source) or (kind == "dir" and is_within(source, real_dest)):
         raise RefusedError(
             f"source {raw} and destination {store.dest} overlap; stage to a separate directory"
         )
@@ -177,10 +178,6 @@ def stage(
         return _stage_locked(
             store, source, kind, name, workers, verify, reserve, force, report, t0, strip_components
         )
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 @contextmanager

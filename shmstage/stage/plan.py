@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.paths import is_within
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
@@ -46,10 +47,6 @@ def _kind_name(mode: int) -> str:
     return "special file"
 
 
-def _inside(real_root: str, path: str) -> bool:
-    return path == real_root or path.startswith(real_root.rstrip("/") + "/")
-
-
 def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     """The target to store for symlink ``rel`` (absolute in-tree targets become
     relative), or None when it resolves outside the tree."""
@@ -57,7 +54,7 @@ def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     # realpath resolves through other links like the kernel would, so
     # `a -> .` plus `b -> a/..` is caught; loops stay inside and are kept as links.
     resolved = os.path.realpath(abs_link)
-    if not _inside(real_root, resolved):
+    if not is_within(resolved, real_root):
         return None
     if os.path.isabs(target):
         return os.path.relpath(resolved, os.path.realpath(os.path.dirname(abs_link)))

@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+from shmstage._libc import load_libc
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 
 DEFAULT_DEST = "/dev/shm/shmstage"
@@ -481,7 +482,7 @@ def _renameat2(src: str, dst: str, flags: int) -> bool:
     global _libc
     if _libc is None:
         try:
-            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc = load_libc()
             _libc.renameat2.argtypes = [
                 ctypes.c_int,
                 ctypes.c_char_p,
