@@ -4,6 +4,7 @@ of different datasets sharing one tmpfs (a store-wide reservation)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -37,10 +38,8 @@ def used_bytes(path: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-            except FileNotFoundError:
-                pass
     return total
 
 
