@@ -177,3 +177,17 @@ def _ram_word(mem: system.Memory) -> str:
     if mem.cgroup.limit is not None and mem.cgroup.limit < mem.total:
         return "this cgroup's memory limit"
     return "RAM on this node"
+
+
+def disk_note(dest: str | os.PathLike[str] | None) -> str | None:
+    """One line when ``dest`` is not RAM-backed: the copy will be on disk, not in RAM."""
+    from shmstage.stage.store import resolve_dest
+
+    where = _existing_dir(resolve_dest(dest))
+    mount = system.mount_of(where)
+    if mount is None or mount.fstype in MEMORY_BACKED:
+        return None
+    return (
+        f"note: {resolve_dest(dest)} is on {mount.fstype} ({mount.mountpoint}), not tmpfs: "
+        "the copy is on disk, not in RAM"
+    )
