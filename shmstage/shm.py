@@ -170,9 +170,10 @@ def plan_remount(
     warnings: list[str] = []
     if new < _round_up(current, PAGE_SIZE):
         if not shrink:
+            of = f" ({requested} of {format_size(ceiling)})" if is_percent(requested) else ""
             raise RefusedError(
-                f"refusing to shrink {where} from {format_size(current)} to {option} "
-                f"({requested}); pass --shrink to make it smaller"
+                f"refusing to shrink {where} from {format_size(current)} to {option}{of}; "
+                "pass --shrink to make it smaller"
             )
         warnings.append(f"shrinks {where} from {format_size(current)} to {option} (--shrink)")
     if new > ceiling:
