@@ -22,7 +22,7 @@ from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
-from shmstage.stage.estimate import SHORT_SYMLINK, page_size, rounded
+from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
 from shmstage.stage.plan import Tree, require_fit, scan_threads, walk
 from shmstage.stage.readahead import Readahead
 from shmstage.stage.reserve import Claim
@@ -273,11 +273,11 @@ def _stage_locked(
             if same and manifest.get("archive") == fingerprint:  # type: ignore[union-attr]
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
             archive = tarsrc.scan(source)
-            needed = archive.page_bytes
+            est = of_archive(archive, page_size(store.dest))  # the numbers inspect prints
             claim.reserve(
-                needed,
+                est.page_bytes,
                 lambda pending: require_fit(
-                    needed, len(archive.members), store.dest, reserve, pending=pending
+                    est.page_bytes, est.inodes, store.dest, reserve, pending=pending
                 ),
             )
             _write_marker(marker, source)

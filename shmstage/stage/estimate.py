@@ -16,6 +16,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from shmstage.errors import RefusedError
 
@@ -114,6 +115,14 @@ def of_entries(source: str, entries: Iterable[tuple], page: int, kind: str = "di
     return c.result(source, kind)
 
 
+def of_archive(archive: Any, page: int) -> Estimate:
+    """Size a scanned archive (``tar.scan``) by its members, as extracted."""
+    members = [(m.name, m.kind, m.size, m.mtime_ns, m.mode, m.extra) for m in archive.members]
+    if not any(m[0] == "." for m in members):
+        members.append((".", "d", 0, 0, 0o755, None))  # extraction creates the root
+    return of_entries(archive.path, members, page, "tar")
+
+
 def estimate(
     source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
 ) -> Estimate:
@@ -129,11 +138,7 @@ def estimate(
     from shmstage.stage import tar as tarsrc
 
     if tarsrc.is_archive(path):
-        archive = tarsrc.scan(path)
-        members = [(m.name, m.kind, m.size, m.mtime_ns, m.mode, m.extra) for m in archive.members]
-        if not any(m[0] == "." for m in members):
-            members.append((".", "d", 0, 0, 0o755, None))  # extraction creates the root
-        return of_entries(path, members, page, "tar")
+        return of_archive(tarsrc.scan(path), page)
     raise RefusedError(
         f"{path} is neither a directory nor a tar archive (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)"
     )
