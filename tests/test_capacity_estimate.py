@@ -154,8 +154,7 @@ def test_remount_shrink_needs_the_flag(tmpfs, shmstage_bin):
     r = run(shmstage_bin, "remount", "--path", str(mnt), "--size", "32M")
     assert r.returncode == 2
     assert r.stderr == (
-        f"Error: refusing to shrink {mnt} from 64.0 MiB to 32M; "
-        "pass --shrink to make it smaller\n"
+        f"Error: refusing to shrink {mnt} from 64.0 MiB to 32M; pass --shrink to make it smaller\n"
     )
     assert os.statvfs(mnt).f_blocks * os.statvfs(mnt).f_frsize == 64 * MIB
     r = run(shmstage_bin, "remount", "--path", str(mnt), "--size", "32M", "--shrink")

@@ -18,35 +18,36 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def test_v2_inactive_file_is_reclaimable(tmp_path):
-    """v2: memory.current 7 GiB of an 8 GiB limit, 5 GiB of it inactive page cache: 6 GiB usable."""
-    proc, cg = v2_tree(tmp_path)
-    write(cg, "kubepods/pod1/ctr/memory.max", str(8 * GIB))
-    write(cg, "kubepods/pod1/ctr/memory.current", str(7 * GIB))
-    write(
-        cg,
-        "kubepods/pod1/ctr/memory.stat",
-        f"anon {GIB}\nfile {6 * GIB}\nshmem {GIB}\ninactive_file {5 * GIB}\nactive_file 0\n",
-    )
-    got = system.cgroup_memory(str(proc), str(cg))
-    assert got.reclaimable == 5 * GIB
-    assert system.Memory(64 * GIB, 60 * GIB, got).usable == 6 * GIB
+V2_STAT = f"anon {GIB}\nfile {6 * GIB}\nshmem {GIB}\ninactive_file {5 * GIB}\nactive_file 0\n"
+V1_STAT = (
+    f"cache {3 * GIB}\nshmem {GIB}\ninactive_file {GIB}\ntotal_cache {3 * GIB}\n"
+    f"total_shmem {GIB}\ntotal_inactive_file {2 * GIB}\ntotal_active_file 0\n"
+)
 
 
-def test_v1_total_inactive_file_is_reclaimable(tmp_path):
-    """v1: total_inactive_file (hierarchical) counts; cache and shmem do not."""
-    proc, cg = v1_tree(tmp_path)
-    write(cg, "memory/docker/abc/memory.limit_in_bytes", str(4 * GIB))
-    write(cg, "memory/docker/abc/memory.usage_in_bytes", str(4 * GIB))
-    write(
-        cg,
-        "memory/docker/abc/memory.stat",
-        f"cache {3 * GIB}\nshmem {GIB}\ninactive_file {GIB}\ntotal_cache {3 * GIB}\n"
-        f"total_shmem {GIB}\ntotal_inactive_file {2 * GIB}\ntotal_active_file 0\n",
-    )
+@pytest.mark.parametrize(
+    ("version", "limit", "usage", "stat", "reclaimable", "usable"),
+    [
+        # v2: 7 of 8 GiB used, 5 GiB of it inactive page cache: 6 GiB usable
+        (2, 8 * GIB, 7 * GIB, V2_STAT, 5 * GIB, 6 * GIB),
+        # v1: total_inactive_file (hierarchical) counts; cache, shmem and the local value do not
+        (1, 4 * GIB, 4 * GIB, V1_STAT, 2 * GIB, 2 * GIB),
+    ],
+)
+def test_inactive_file_is_reclaimable(tmp_path, version, limit, usage, stat, reclaimable, usable):
+    """The headroom is limit - (usage - inactive page cache), from a fake cgroup tree."""
+    if version == 2:
+        proc, cg = v2_tree(tmp_path)
+        here, files = "kubepods/pod1/ctr", ("memory.max", "memory.current")
+    else:
+        proc, cg = v1_tree(tmp_path)
+        here, files = "memory/docker/abc", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    write(cg, f"{here}/{files[0]}", str(limit))
+    write(cg, f"{here}/{files[1]}", str(usage))
+    write(cg, f"{here}/memory.stat", stat)
     got = system.cgroup_memory(str(proc), str(cg))
-    assert got.reclaimable == 2 * GIB
-    assert system.Memory(64 * GIB, 60 * GIB, got).usable == 2 * GIB
+    assert got.reclaimable == reclaimable
+    assert system.Memory(64 * GIB, 60 * GIB, got).usable == usable
 
 
 def test_missing_memory_stat_counts_nothing_reclaimable(tmp_path):

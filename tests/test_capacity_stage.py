@@ -46,7 +46,17 @@ def used_bytes(path: Path) -> int:
 def stager(shmstage_bin, src: Path, dest: Path, *extra: str, slow: float = 0.0) -> subprocess.Popen:
     env = {**os.environ, copier.SLOW_ENV: str(slow)} if slow else None
     return subprocess.Popen(
-        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "2", "--quiet", *extra],
+        [
+            *shmstage_bin,
+            "stage",
+            str(src),
+            "--dest",
+            str(dest),
+            "--workers",
+            "2",
+            "--quiet",
+            *extra,
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
