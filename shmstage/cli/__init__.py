@@ -62,9 +62,7 @@ class ShmstageGroup(click.Group):
             sys.exit(130)
 
 
-@click.group(
-    "shmstage", cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]}
-)
+@click.group("shmstage", cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="shmstage")
 def cli() -> None:
     """Stage datasets into RAM-backed tmpfs and keep GPUs fed.
