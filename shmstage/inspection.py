@@ -50,12 +50,13 @@ class ShmInfo:
 class MemoryInfo:
     total: int  # physical RAM
     available: int  # MemAvailable
-    usable: int  # min(available, cgroup limit - cgroup usage)
+    usable: int  # min(available, cgroup limit - (cgroup usage - reclaimable page cache))
     ceiling: int  # min(RAM, cgroup limit): what a tmpfs can ever hold here
     cgroup_version: int | None  # 1, 2, None = no memory cgroup found
     cgroup_path: str | None
     cgroup_limit: int | None  # None = unlimited
     cgroup_usage: int | None
+    cgroup_reclaimable: int = 0  # inactive page cache in cgroup_usage (the kernel drops it first)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class TorchInfo:
 @dataclass(frozen=True)
 class DatasetInfo:
     path: str
-    bytes: int
+    bytes: int  # apparent size of the data (hard links once; an archive: extracted)
     files: int
     unreadable: int  # directories/files that could not be read
     mountpoint: str | None
@@ -104,6 +105,10 @@ class DatasetInfo:
     network: bool
     dest: str  # where it would be staged
     fit: capacity.Fit
+    kind: str = "dir"  # "dir" or "tar"
+    page_bytes: int = 0  # what it takes staged in dest (whole pages): the fit check's "needed"
+    inodes: int = 0  # inodes it takes staged: files, hard links, directories, symlinks
+    page_size: int = 0  # the allocation unit page_bytes was rounded to
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,15 @@ def shm_info(path: str) -> ShmInfo:
 def memory_info(mem: system.Memory) -> MemoryInfo:
     cg = mem.cgroup
     return MemoryInfo(
-        mem.total, mem.available, mem.usable, mem.ceiling, cg.version, cg.path, cg.limit, cg.usage
+        mem.total,
+        mem.available,
+        mem.usable,
+        mem.ceiling,
+        cg.version,
+        cg.path,
+        cg.limit,
+        cg.usage,
+        cg.reclaimable,
     )
 
 
@@ -211,40 +224,24 @@ def torch_info() -> TorchInfo:
 
 
 def walk(path: str) -> tuple[int, int, int]:
-    """(bytes, files, unreadable) under ``path``: regular files and symlinks to files.
-
-    Iterative ``os.scandir`` (no recursion limit, one stat per entry that
-    scandir usually answers from the directory itself); symlinked
-    directories are not followed."""
+    """(bytes, files, unreadable) under ``path``, counted by the staging estimator
+    (:func:`shmstage.stage.estimate.estimate`: lstat, hard links once, symlinks not followed)."""
     if not os.path.isdir(path):
         return os.path.getsize(path), 1, 0
-    total = files = unreadable = 0
-    stack = [path]
-    while stack:
-        here = stack.pop()
-        try:
-            with os.scandir(here) as it:
-                for entry in it:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        elif entry.is_file():
-                            total += entry.stat().st_size
-                            files += 1
-                    except OSError:
-                        unreadable += 1
-        except OSError:
-            unreadable += 1
-    return total, files, unreadable
+    from shmstage.stage.estimate import estimate
+
+    est = estimate(path)
+    return est.bytes, est.files, est.unreadable
 
 
 def default_dest(path: str) -> str:
-    """Where ``stage`` would put data: its DEFAULT_DEST for /dev/shm, else PATH/shmstage."""
+    """Where ``stage`` would put data: ``$SHMSTAGE_DEST`` or its default for /dev/shm, else
+    PATH/shmstage."""
     if os.path.normpath(path) != "/dev/shm":
         return os.path.join(path, "shmstage")
-    from shmstage.stage import DEFAULT_DEST
+    from shmstage.stage import resolve_dest
 
-    return str(DEFAULT_DEST)
+    return resolve_dest(None)
 
 
 def dataset_info(
@@ -258,16 +255,18 @@ def dataset_info(
         raise RefusedError(
             f"cannot read dataset {path}: permission denied; run as a user who can read it"
         )
+    from shmstage.stage.estimate import estimate  # the same numbers stage checks
+
     real = os.path.realpath(path)
-    size, files, unreadable = walk(real)
+    est = estimate(real, dest)
     mount = system.mount_of(real)
     disk = system.block_device(real)
     fstype = mount.fstype if mount else None
     return DatasetInfo(
         path=path,
-        bytes=size,
-        files=files,
-        unreadable=unreadable,
+        bytes=est.bytes,
+        files=est.files,
+        unreadable=est.unreadable,
         mountpoint=mount.mountpoint if mount else None,
         fstype=fstype,
         device=mount.device if mount else None,
@@ -275,7 +274,11 @@ def dataset_info(
         rotational=disk.rotational if disk else None,
         network=bool(fstype and system.is_network_fs(fstype)),
         dest=dest,
-        fit=capacity.check_fit(size, dest, reserve, memory=mem),
+        fit=capacity.check_fit(est.page_bytes, dest, reserve, memory=mem, inodes=est.inodes),
+        kind=est.kind,
+        page_bytes=est.page_bytes,
+        inodes=est.inodes,
+        page_size=est.page_size,
     )
 
 
@@ -344,6 +347,8 @@ def check_memory(mem: MemoryInfo) -> Check:
     if mem.cgroup_version is None:
         return Check("memory", OK, detail + "; no memory cgroup", None)
     used = "" if mem.cgroup_usage is None else f", {format_size(mem.cgroup_usage)} used"
+    if mem.cgroup_usage is not None and mem.cgroup_reclaimable:
+        used += f" ({format_size(mem.cgroup_reclaimable)} of it reclaimable page cache)"
     if mem.cgroup_limit is None:
         return Check("memory", OK, detail + f"; cgroup v{mem.cgroup_version} no limit{used}", None)
     detail += f"; cgroup v{mem.cgroup_version} limit {format_size(mem.cgroup_limit)}{used}"
@@ -442,7 +447,8 @@ def check_dataset(d: DatasetInfo) -> list[Check]:
     elif d.rotational is not None:
         kind.append("rotational disk" if d.rotational else "SSD")
     where = f"{d.fstype or '?'} {d.device or '?'}" + (f" ({', '.join(kind)})" if kind else "")
-    detail = f"{d.path}: {format_size(d.bytes)} in {d.files:,} files on {where}"
+    archive = " (tar archive, extracted size)" if d.kind == "tar" else ""
+    detail = f"{d.path}: {format_size(d.bytes)} in {d.files:,} files{archive} on {where}"
     if d.unreadable:
         dataset = Check(
             "dataset",
@@ -456,12 +462,13 @@ def check_dataset(d: DatasetInfo) -> list[Check]:
     if fit.fits:
         free = format_size(fit.free)
         detail = (
-            f"fits in {d.dest}: needs {format_size(fit.needed)} + {format_size(fit.reserve)} reserve, "
-            f"{free} free"
+            f"fits in {d.dest}: needs {capacity.describe(fit.needed, d.files, d.inodes)} + "
+            f"{format_size(fit.reserve)} reserve, {free} free"
         )
         return [dataset, Check("fit", OK, detail, None)]
     if fit.suggested_size:
-        advice = f"shmstage remount --size {fit.suggested_size}, then stage"
+        where = f" --path {fit.mountpoint}" if fit.mountpoint not in (None, "/dev/shm") else ""
+        advice = f"shmstage remount{where} --size {fit.suggested_size}, then stage"
     elif fit.fstype in capacity.MEMORY_BACKED:
         advice = "stage to local disk with --dest, or free memory / raise the memory limit"
     else:

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 OK, CHANGED, FAILED, SKIPPED, WOULD_CHANGE = "ok", "changed", "failed", "skipped", "would-change"
 _MIB = 1 << 20
-_PAGE = 4096
 # A manifest entry is one JSON list (path, kind, size, mtime, mode, link): ~100-200 bytes.
 _MANIFEST_BYTES_PER_FILE = 256
 
@@ -167,7 +166,7 @@ def auto_size(config: NodeConfig) -> int:
     other = system.disk_usage(shm).used
     needed = _MIB
     for ds in config.datasets:
-        size, files = footprint(ds.source)
+        size, files = footprint(ds.source, config.dest)
         needed += size + files * _MANIFEST_BYTES_PER_FILE
         if dest_on_shm and _published(ds.name, config.dest) is not None:
             other -= footprint(os.path.join(config.dest, ds.name))[0]
@@ -180,36 +179,22 @@ def auto_size(config: NodeConfig) -> int:
     return -(-(base + reserve) // _MIB) * _MIB
 
 
-def footprint(path: str) -> tuple[int, int]:
-    """(bytes the regular files under ``path`` take on a tmpfs: whole pages, hard links
-    once; number of files).  A single file counts as itself; a missing path is (0, 0)."""
-    seen: set[tuple[int, int]] = set()
-    total = files = 0
+def footprint(path: str, dest: str | None = None) -> tuple[int, int]:
+    """(bytes ``path`` takes on the tmpfs that holds ``dest``, number of files), by staging's
+    own estimator: whole pages of the kernel's page size, hard links once, an archive by its
+    extracted size.  A single other file counts as itself; a missing path is (0, 0)."""
+    from shmstage.stage.estimate import estimate, page_size, rounded
 
-    def add(st: os.stat_result) -> None:
-        nonlocal total, files
-        files += 1
-        if st.st_nlink > 1:
-            if (st.st_dev, st.st_ino) in seen:
-                return
-            seen.add((st.st_dev, st.st_ino))
-        total += -(-st.st_size // _PAGE) * _PAGE
-
+    if not os.path.lexists(path):
+        return 0, 0
     try:
-        if not os.path.isdir(path):
-            add(os.stat(path))
-            return total, files
-        stack = [path]
-        while stack:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    elif entry.is_file(follow_symlinks=False):
-                        add(entry.stat(follow_symlinks=False))
-    except OSError:
-        pass
-    return total, files
+        est = estimate(path, dest)
+    except ShmstageError:
+        try:
+            return rounded(os.stat(path).st_size, page_size(dest)), 1
+        except OSError:
+            return 0, 0
+    return est.page_bytes, est.files
 
 
 def _bytes(path: str) -> int:

@@ -6,8 +6,9 @@ import time
 
 import click
 
+from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import SIZE
+from shmstage.cli.params import SIZE_OR_PERCENT
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Progress, stage, summary
 
@@ -79,8 +80,9 @@ def _log_waiting(p: Progress) -> None:
 )
 @click.option(
     "--reserve",
-    type=SIZE,
-    help="Room to keep free for DataLoader shared memory. Default: 10% of DEST, at most 4G.",
+    type=SIZE_OR_PERCENT,
+    help="Room to keep free for DataLoader shared memory: a size, or N% of DEST's file system. "
+    "Default: 10% of DEST, at most 4G.",
 )
 @click.option(
     "--force",
@@ -110,7 +112,7 @@ def stage_cmd(
     dest: str | None,
     workers: int | None,
     verify: str,
-    reserve: int | None,
+    reserve: int | str | None,
     force: bool,
     strip_components: int,
     quiet: bool,
@@ -146,4 +148,7 @@ def stage_cmd(
         return
     if not quiet:
         log(summary(ds))
+        note = disk_note(dest)
+        if note:
+            log(note)
     click.echo(ds.path)

@@ -18,14 +18,16 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmstage.errors import RefusedError, ShmstageError
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
 from shmstage.stage import tarformat
-from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
+from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
+from shmstage.stage.plan import Tree, require_fit, scan_threads, walk
 from shmstage.stage.readahead import Readahead
+from shmstage.stage.reserve import Claim
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
 
 VERIFY_MODES = ("size", "checksum")
@@ -131,7 +133,7 @@ def stage(
     dest: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     verify: str = "size",
-    reserve: int | None = None,
+    reserve: int | str | None = None,
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
     strip_components: int = 0,
@@ -174,9 +176,22 @@ def stage(
         if progress is not None:
             progress(Progress(phase, elapsed=time.monotonic() - t0, **kw))
 
-    with _signals_raise(), store.lock(name, on_wait=lambda pid: report("waiting", holder=pid)):
+    waiting = lambda pid: report("waiting", holder=pid)  # noqa: E731
+    # The claim is this stager's share of DEST's free space (reserve.py).
+    with _signals_raise(), store.lock(name, on_wait=waiting), Claim(store.book, name) as claim:
         return _stage_locked(
-            store, source, kind, name, workers, verify, reserve, force, report, t0, strip_components
+            store,
+            source,
+            kind,
+            name,
+            workers,
+            verify,
+            reserve,
+            force,
+            report,
+            t0,
+            claim,
+            strip_components,
         )
 
 
@@ -214,6 +229,7 @@ def _stage_locked(
     force: bool,
     report: Callable[..., None],
     t0: float,
+    claim: Claim,
     strip_components: int = 0,
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
@@ -230,6 +246,7 @@ def _stage_locked(
     report("scanning")
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")
+    prev_marker = _read_marker(marker)  # put back if the fit check refuses
     copied = 0
     # A first copy reads everything anyway: start reading while the walk runs.
     ahead = (
@@ -241,7 +258,7 @@ def _stage_locked(
             entries = [list(e) for e in tree.entries]
             if same and manifest["entries"] == entries:  # type: ignore[index]
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
-            resumable = not force and _read_marker(marker) == source
+            resumable = not force and prev_marker == source
             _write_marker(marker, source)
             written: list[bool] = []
 
@@ -253,7 +270,17 @@ def _stage_locked(
 
             old = manifest if same else None
             copied = _build_dir(
-                store, name, tree, old, workers, verify, reserve, resumable, report, write_manifest
+                store,
+                name,
+                tree,
+                old,
+                workers,
+                verify,
+                reserve,
+                resumable,
+                report,
+                write_manifest,
+                claim,
             )
             if not written:
                 write_manifest()
@@ -265,11 +292,17 @@ def _stage_locked(
             if same and manifest.get("archive") == fingerprint and strip == strip_components:  # type: ignore[union-attr]
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
             archive = tarsrc.scan(source, strip_components)
-            require_fit(archive.page_bytes, len(archive.members), store.dest, reserve)
+            est = of_archive(archive, page_size(store.dest))  # the numbers inspect prints
+            claim.reserve(
+                est.page_bytes,
+                lambda pending: require_fit(
+                    est.page_bytes, est.inodes, store.dest, reserve, pending=pending
+                ),
+            )
             _write_marker(marker, source)
             store.discard(part)
             os.mkdir(part, 0o700)
-            tick = _copy_counter(report, archive.bytes, archive.files)
+            tick = claim.counting(_copy_counter(report, archive.bytes, archive.files))
             tarsrc.extract(archive, part, tick)
             st = os.stat(source)
             if [st.st_size, st.st_mtime_ns, st.st_ino] != fingerprint:
@@ -302,6 +335,9 @@ def _stage_locked(
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
         if ahead is not None:
             ahead.stop(drop=True)  # files not copied still hold the pages it read ahead
+        if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
+            _restore_marker(marker, prev_marker)  # a resumable partial included (exit 2)
+            raise
         store.discard(part)
         _remove_marker(marker)
         if (
@@ -352,6 +388,41 @@ def _remove_marker(path: str) -> None:
         os.unlink(path)
 
 
+def _restore_marker(path: str, source: str | None) -> None:
+    if source is None:
+        _remove_marker(path)
+    elif _read_marker(path) != source:
+        _write_marker(path, source)
+
+
+def _keeps(have: tuple, want: tuple | None) -> bool:
+    """A file a killed run already copied: size, mtime and mode match the source."""
+    return want is not None and want[1] == "f" and have[1] == "f" and want[2:5] == have[2:5]
+
+
+def _partial_plan(part: str, tree: Tree, resumable: bool) -> tuple[set[str], int]:
+    """Read-only: files of ``part`` a resume keeps, and the bytes the rest frees when removed."""
+    if not os.path.lexists(part):
+        return set(), 0
+    keep: set[str] = set()
+    freed = 0
+    can_keep = resumable and os.path.isdir(part) and not os.path.islink(part)
+    planned = {e[0]: e for e in tree.entries} if can_keep else {}
+    try:
+        have = walk(part, check_links=False, hardlinks=False).entries[1:]
+    except ShmstageError:
+        return set(), 0  # not a tree we can read: count nothing as freed
+    for e in have:
+        if can_keep and _keeps(e, planned.get(e[0])):
+            keep.add(e[0])
+        elif e[1] == "f":
+            with suppress(OSError):
+                st = os.lstat(os.path.join(part, e[0]))
+                if st.st_nlink == 1:  # a link shared with the published copy frees nothing
+                    freed += st.st_blocks * 512
+    return keep, freed
+
+
 def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
     """Make ``part`` ready to build into; returns files a killed earlier run already copied.
 
@@ -374,7 +445,7 @@ def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
         if kind == "d" and want is not None and want[1] == "d":
             os.chmod(path, 0o700)
             continue
-        if kind == "f" and want is not None and want[1] == "f" and want[2:5] == e[2:5]:
+        if _keeps(e, want):
             keep.add(rel)
             continue
         if kind == "d":
@@ -395,23 +466,34 @@ def _build_dir(
     resumable: bool,
     report: Callable[..., None],
     while_copying: Callable[[], None],
+    claim: Claim,
 ) -> int:
     """Build the new version of a directory source in partial/<name>; returns bytes copied."""
     part = store.partial(name)
     old_root = store.path(name)
     old = {e[0]: e for e in manifest["entries"]} if manifest else {}
-    # Check the fit before writing a byte.  What a killed run left in partial/ is counted
-    # as still to copy: it errs on the safe side.
-    jobs_bytes: list[int] = []
-    new_inodes = 0
+    # Check the fit before writing a byte, counting only what is still to be written: files
+    # a killed run already copied into partial/ are kept (their pages are in "used" already),
+    # unchanged files are hard links to the published copy, and the rest of partial/ is freed.
+    page = page_size(store.dest)
+    kept, freed = _partial_plan(part, tree, resumable)
+    needed = new_inodes = 0
     for e in tree.entries:
         if e[1] == "f":
-            o = old.get(e[0])
-            if o is not None and list(o) == list(e):
+            if e[0] in kept:
                 continue
-            jobs_bytes.append(e[2])
+            o = old.get(e[0])
+            if o is None or list(o) != list(e):
+                needed += rounded(e[2], page)
+        elif e[1] == "l" and len(os.fsencode(e[5])) + 1 > SHORT_SYMLINK:
+            needed += page
         new_inodes += 1
-    require_fit(page_bytes(jobs_bytes), new_inodes, store.dest, reserve)
+    claim.reserve(
+        needed,
+        lambda pending: require_fit(
+            needed, new_inodes, store.dest, reserve, pending=pending, freed=freed
+        ),
+    )
     keep = _prepare_partial(part, tree, resumable)
 
     src_prefix = tree.root.rstrip("/") + "/"
@@ -473,7 +555,7 @@ def _build_dir(
     finally:
         os.umask(old_umask)
     nworkers = workers or copier.default_workers()
-    tick = _copy_counter(report, total, len(jobs))
+    tick = claim.counting(_copy_counter(report, total, len(jobs)))
     copier.run(jobs, tasks, nworkers, tick, while_copying)
     for i in chunked:
         os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)

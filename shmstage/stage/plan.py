@@ -20,7 +20,8 @@ from shmstage.paths import is_within
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
-PAGE = 4096
+# tmpfs allocates whole pages of the kernel's page size (4 KiB on x86, 16/64 KiB on some arm64).
+PAGE = os.sysconf("SC_PAGE_SIZE")
 # Setuid/setgid bits are dropped from staged files: the copy belongs to whoever
 # staged it (often root), so keeping them would hand out privileges.
 FILE_MODE_MASK = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
@@ -194,19 +195,19 @@ def scan_threads(path: str) -> int:
     return 16 if mount is not None and system.is_network_fs(mount.fstype) else 1
 
 
-def require_fit(needed: int, entries: int, dest: str, reserve: int | None) -> None:
-    """Raise CapacityError (nothing written yet) unless ``needed`` bytes + reserve fit under ``dest``."""
+def require_fit(
+    needed: int,
+    entries: int,
+    dest: str,
+    reserve: int | str | None,
+    *,
+    pending: int = 0,
+    freed: int = 0,
+) -> None:
+    """Raise CapacityError (nothing written yet) unless ``needed`` bytes and ``entries`` inodes
+    + reserve fit under ``dest`` (see :func:`shmstage.capacity.check_fit`)."""
     from shmstage.capacity import check_fit  # node facts: only when something is to be written
 
-    fit = check_fit(needed, dest, reserve)
+    fit = check_fit(needed, dest, reserve, inodes=entries, pending=pending, freed=freed)
     if not fit.fits:
         raise CapacityError(f"dataset does not fit: {fit.reason}")
-    try:
-        sv = os.statvfs(dest)
-    except OSError:
-        return
-    if sv.f_files and entries > sv.f_favail:
-        raise CapacityError(
-            f"dataset does not fit: it has {entries} entries but {dest} has only {sv.f_favail} "
-            "free inodes; remount it with more (nr_inodes=) or stage elsewhere with --dest"
-        )
