@@ -221,6 +221,7 @@ def _stage_locked(
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
+    _clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
     if record is not None and record.source != source and not force:
@@ -372,6 +373,13 @@ def _publish(store: Store, name: str, new: Record, marker: str) -> None:
     _remove_marker(marker)
     if old is not None:
         _rmtree(old)
+
+
+def _clear_dead_trash(store: Store, name: str) -> None:
+    for entry in _listdir(store.trash_dir):
+        owner, pid = _trash_owner(entry)
+        if owner == name and pid is not None and not _alive(pid):
+            _rmtree(os.path.join(store.trash_dir, entry))
 
 
 def _drop_leftovers(store: Store, name: str, marker: str) -> None:

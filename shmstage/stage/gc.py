@@ -56,6 +56,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                     store.recover(name)
                 items = _items(store, name)  # after recovery
                 published = store.published(name) is not None
+                kept = False
                 for path, what in items:
                     if published and what in ("record", "manifest", "used", "lease", "lock"):
                         continue  # the dataset's own bookkeeping
@@ -64,6 +65,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                     if what == "lease":
                         fd, holders = leases.try_exclusive(store, name)
                         if holders:
+                            kept = True
                             skipped.append(
                                 Leftover(path, what, 0, f"leased by {leases.describe(holders)}")
                             )
@@ -82,7 +84,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                     removed.append(Leftover(path, what, size))
                     if not dry_run:
                         _remove(path)
-                if not published and not _items(store, name, lock=False):
+                if not published and not kept and (dry_run or not _items(store, name, lock=False)):
                     lock_path = store.lock_path(name)
                     if os.path.lexists(lock_path):
                         removed.append(Leftover(lock_path, "lock", 0))
