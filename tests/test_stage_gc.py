@@ -114,13 +114,13 @@ def test_sigkill_at_each_publish_step_is_visible_and_recoverable(
 
 def start_stopped_stager(src: Path, dest: Path) -> subprocess.Popen:
     """A real stager, stopped (SIGSTOP to it and its forked copier workers) once its partial
-    tree has files in it."""
+    tree has bytes in it."""
     proc = subprocess.Popen(
         [sys.executable, "-c", STAGER, str(src), str(dest)], start_new_session=True
     )
     part = dest / ".shmstage" / "partial" / src.name
     deadline = time.monotonic() + 60
-    while not (part.is_dir() and any(part.rglob("*.bin"))):
+    while not (part.is_dir() and any(f.stat().st_size for f in part.rglob("*.bin"))):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
             pytest.fail(f"stager ended ({proc.returncode}) before copying")

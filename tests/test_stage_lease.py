@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -249,3 +251,28 @@ def test_prepare_does_not_refresh_a_leased_dataset(tmp_path):
         assert not (dest / "ds" / "a" / "new.bin").exists()
     finally:
         kill(holder)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.root
+def test_reader_who_cannot_write_dest_can_lease(shmstage_bin):
+    """A job running as nobody leases a dataset root staged (read-only access to DEST is
+    enough); root's evict then refuses, naming that job."""
+    base = Path(tempfile.mkdtemp(prefix="shmstage-lease-"))  # tmp_path is 0700: nobody can't enter
+    try:
+        base.chmod(0o755)
+        src, dest = make_src(base / "ds"), base / "dest"
+        ds = stage(src, dest=dest)
+        drop = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+        holder = subprocess.Popen(
+            [*drop, sys.executable, "-c", HOLDER, ds.path], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout.readline().strip() == ds.path
+            r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
+            assert r.returncode == 2 and f"Error: ds is in use by pid {holder.pid} (" in r.stderr
+        finally:
+            kill(holder)
+        assert cli(shmstage_bin, "evict", "ds", "--dest", str(dest)).returncode == 0
+    finally:
+        shutil.rmtree(base)

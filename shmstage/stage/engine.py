@@ -300,8 +300,10 @@ def _stage_locked(
             ahead.stop(drop=True)  # files not copied still hold the pages it read ahead
         store.discard(part)
         _remove_marker(marker)
-        with suppress(OSError):
-            os.unlink(store.new_manifest_path(name))  # ~100 MB for ImageNet
+        nxt = store.read_next(name)
+        if nxt is None or store.published(name) != nxt:  # else it describes DEST/<name> now
+            with suppress(OSError):
+                os.unlink(store.new_manifest_path(name))  # ~100 MB for ImageNet
         if (
             isinstance(e, copier.CopyFailed)
             and e.failure.kind == "write"
@@ -873,6 +875,9 @@ def evict_report(
             continue
         try:
             with store.lock(n, wait=False):
+                # With the file in place, a lease taken from now on is seen below, or waits
+                # for us and then finds the dataset gone.
+                leases.ensure_file(store, n)
                 fd, holders = leases.try_exclusive(store, n)
                 try:
                     if holders:

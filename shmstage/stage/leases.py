@@ -13,12 +13,12 @@ import errno
 import fcntl
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.store import _NAME_RE, BOOK, Store, _check_owner
+from shmstage.stage.store import _NAME_RE, BOOK, Store, _check_owner, _mkdir_checked
 
 _COMMAND_CHARS = 120
 
@@ -74,7 +74,13 @@ def _open(path: str, *, create: bool) -> int | None:
 
 def ensure_file(store: Store, name: str) -> None:
     """Create the lease file (0644) so readers who cannot write DEST can lease it."""
-    fd = _open(lease_path(store, name), create=True)
+    if not os.path.isdir(store.lease_dir):  # a store from before leases
+        with suppress(ShmstageError):
+            _mkdir_checked(store.lease_dir, 0o755)
+    try:
+        fd = _open(lease_path(store, name), create=True)
+    except (OSError, ShmstageError):
+        return  # e.g. a read-only DEST: leasing then needs the file to exist already
     if fd is not None:
         os.close(fd)
 
@@ -118,7 +124,8 @@ def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
     while True:
         if store.published(name) is None:
             raise not_staged
-        fd = _open(path, create=True)
+        ensure_file(store, name)  # best effort: a reader who may not write DEST just opens it
+        fd = _open(path, create=False)
         if fd is None:
             raise ShmstageError(
                 f"cannot lease {name}: {path} is missing and cannot be created; "
