@@ -795,10 +795,10 @@ class Leased:
 
 @dataclass(frozen=True)
 class EvictReport:
-    evicted: tuple[str, ...]
+    evicted: tuple[str, ...]  # names removed (dry_run: that would be)
     in_use: tuple[Leased, ...] = ()  # skipped: leased by a running job (--all, --older-than)
     forced: tuple[Leased, ...] = ()  # removed anyway (force): these jobs will fail
-    dry_run: bool = False
+    dry_run: bool = False  # nothing was removed
 
 
 def evict(

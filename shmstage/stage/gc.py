@@ -20,16 +20,16 @@ from shmstage.stage.store import Busy, Store, _rmtree, check_name
 
 @dataclass(frozen=True)
 class Leftover:
-    path: str
+    path: str  # absolute
     what: str  # "partial tree", "marker", "manifest", "record", "lock", "lease", "trash", ...
-    bytes: int
+    bytes: int  # data in a tree (0 for bookkeeping files)
     reason: str = ""  # skipped: why
 
 
 @dataclass(frozen=True)
 class GcReport:
     dest: str
-    dry_run: bool
+    dry_run: bool  # nothing was removed
     removed: tuple[Leftover, ...]  # dry_run: what would be removed
     skipped: tuple[Leftover, ...]  # owned by a live process
 

@@ -28,7 +28,7 @@ class Holder:
     """A process holding a lease (from /proc/locks) and its command line."""
 
     pid: int
-    command: str
+    command: str  # its command line, shortened ("" when hidden or gone)
 
 
 class InUse(RefusedError):
