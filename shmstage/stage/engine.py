@@ -22,6 +22,7 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
+from shmstage.stage.leases import Holder
 from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
 from shmstage.stage.readahead import Readahead
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
@@ -49,11 +50,10 @@ class StagedDataset:
 class Listed(StagedDataset):
     """What ``list_staged`` returns: a dataset, and (with ``unfinished``) the leftovers too."""
 
-    # "staged"; "unfinished" (partial/<name>: a copy in progress or killed; path is the
-    # partial tree, bytes/files so far); "trash" (an old tree on its way out).
-    state: str = "staged"
+    # unfinished: path is the partial tree, bytes/files are so far; trash: an old tree
+    state: str = "staged"  # "staged", "unfinished" (in progress or killed) or "trash"
     stager_alive: bool = False  # unfinished/trash: a live process owns it
-    stager_pid: int | None = None
+    stager_pid: int | None = None  # that process
     leased_by: tuple[int, ...] = ()  # pids holding a lease (see shmstage.stage.leases)
 
 
@@ -639,7 +639,7 @@ def _leftovers(store: Store) -> list[Listed]:
 def _listdir(path: str) -> list[str]:
     try:
         return sorted(os.listdir(path))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # missing, or partial/ and trash/ (0700) of a store another user owns
         return []
 
 
@@ -790,7 +790,7 @@ class Leased:
     """A dataset jobs hold leases on, and who (see :mod:`shmstage.stage.leases`)."""
 
     name: str
-    holders: tuple[Any, ...]  # leases.Holder(pid, command)
+    holders: tuple[Holder, ...]  # the processes holding its lease
 
 
 @dataclass(frozen=True)
