@@ -50,6 +50,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         items = _items(store, name)
         if not items:
             continue
+        had_lock = os.path.lexists(store.lock_path(name))
         try:
             with store.lock(name, wait=False):
                 if not dry_run:
@@ -85,11 +86,12 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                     if not dry_run:
                         _remove(path)
                 if not published and not kept and (dry_run or not _items(store, name, lock=False)):
-                    lock_path = store.lock_path(name)
-                    if os.path.lexists(lock_path):
-                        removed.append(Leftover(lock_path, "lock", 0))
-                        if not dry_run:
-                            store.drop_lock(name)
+                    if had_lock:
+                        removed.append(Leftover(store.lock_path(name), "lock", 0))
+                    if not dry_run:
+                        store.drop_lock(name)
+                if dry_run and not had_lock:
+                    store.drop_lock(name)  # the one taking the lock just made: change nothing
         except Busy as e:
             for path, what in items:
                 if what not in ("record", "manifest", "used", "lease", "lock"):
