@@ -112,6 +112,30 @@ def test_sigkill_at_each_publish_step_is_visible_and_recoverable(
     assert skeleton(dest) == EMPTY
 
 
+@pytest.mark.parametrize("step", KILL_STEPS)
+def test_sigterm_at_each_publish_step_leaves_a_consistent_store(shmstage_bin, tmp_path, step):
+    """SIGTERM at `step` of a republish: exit 143, a complete dataset stays published (old or
+    new), no invisible tree; a re-run publishes the new version."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    (src / "a" / "0.bin").write_bytes(b"version 2")
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1", "--quiet"],
+        env={**os.environ, "SHMSTAGE_TEST_KILL_AT": f"{step}:TERM"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert r.stderr.startswith("Error: interrupted by SIGTERM") and "Traceback" not in r.stderr
+    assert trees(dest) <= {d["path"] for d in listed(shmstage_bin, dest)}
+    assert find("ds", dest=dest) is not None and verify("ds", dest=dest).ok
+    stage(src, dest=dest)
+    assert (dest / "ds" / "a" / "0.bin").read_bytes() == b"version 2"
+    assert verify("ds", dest=dest, checksum=True).ok
+    assert trees(dest) == {str(dest / "ds")}
+
+
 def start_stopped_stager(src: Path, dest: Path) -> subprocess.Popen:
     """A real stager, stopped (SIGSTOP to it and its forked copier workers) once its partial
     tree has bytes in it."""

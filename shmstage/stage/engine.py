@@ -348,10 +348,13 @@ KILL_STEPS = ("marker", "build", "manifest", "record", "exchange", "trash", "com
 
 
 def _kill_at(step: str) -> None:
-    """TEST ONLY: SIGKILL ourselves at ``step`` when $SHMSTAGE_TEST_KILL_AT names it, so the
-    tests can check that every state a kill leaves is visible and removable."""
-    if os.environ.get("SHMSTAGE_TEST_KILL_AT") == step:
+    """TEST ONLY: SIGKILL ourselves at ``step`` when $SHMSTAGE_TEST_KILL_AT names it (SIGTERM
+    for ``STEP:TERM``), so tests can check every state a kill leaves is visible and removable."""
+    want = os.environ.get("SHMSTAGE_TEST_KILL_AT")
+    if want == step:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif want == step + ":TERM":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _publish(store: Store, name: str, new: Record, marker: str) -> None:
