@@ -50,13 +50,12 @@ def trees(dest: Path) -> set[str]:
     return out
 
 
+def cli(shmstage_bin, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*shmstage_bin, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
 def listed(shmstage_bin, dest: Path) -> list[dict]:
-    r = subprocess.run(
-        [*shmstage_bin, "list", "--dest", str(dest), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = cli(shmstage_bin, "list", "--dest", str(dest), "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -72,8 +71,16 @@ def killed_stage(src: Path, dest: Path, step: str) -> None:
     assert r.returncode == -signal.SIGKILL, (step, r.returncode, r.stderr)
 
 
-@pytest.mark.parametrize("republish", [False, True], ids=["first", "republish"])
-@pytest.mark.parametrize("step", KILL_STEPS)
+# A first publish has no old tree to exchange or trash: those steps exist only on republish.
+CASES = [
+    pytest.param(step, republish, id=f"{step}-{'republish' if republish else 'first'}")
+    for republish in (False, True)
+    for step in KILL_STEPS
+    if republish or step not in ("exchange", "trash")
+]
+
+
+@pytest.mark.parametrize(("step", "republish"), CASES)
 def test_sigkill_at_each_publish_step_is_visible_and_recoverable(
     shmstage_bin, tmp_path, step, republish
 ):
@@ -84,8 +91,6 @@ def test_sigkill_at_each_publish_step_is_visible_and_recoverable(
         stage(src, dest=dest)
         (src / "a" / "0.bin").write_bytes(b"version 2")
         (src / "b" / "1.bin").unlink()
-    if step in ("exchange", "trash") and not republish:
-        pytest.skip("a first publish has no old tree to exchange or trash")
     killed_stage(src, dest, step)
     on_disk = trees(dest)
     shown = {d["path"] for d in listed(shmstage_bin, dest)}
@@ -102,12 +107,7 @@ def test_sigkill_at_each_publish_step_is_visible_and_recoverable(
 
     (src / "a" / "2.bin").write_bytes(b"version 3")
     killed_stage(src, dest, step)
-    r = subprocess.run(
-        [*shmstage_bin, "evict", "--all", "--dest", str(dest)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = cli(shmstage_bin, "evict", "--all", "--dest", str(dest))
     assert r.returncode == 0, r.stderr
     assert skeleton(dest) == EMPTY
 
@@ -119,12 +119,16 @@ def test_sigterm_at_each_publish_step_leaves_a_consistent_store(shmstage_bin, tm
     src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
     stage(src, dest=dest)
     (src / "a" / "0.bin").write_bytes(b"version 2")
-    r = subprocess.run(
-        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1", "--quiet"],
+    r = cli(
+        shmstage_bin,
+        "stage",
+        str(src),
+        "--dest",
+        str(dest),
+        "--workers",
+        "1",
+        "--quiet",
         env={**os.environ, "SHMSTAGE_TEST_KILL_AT": f"{step}:TERM"},
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert r.returncode == 128 + signal.SIGTERM, r.stderr
     assert r.stderr.startswith("Error: interrupted by SIGTERM") and "Traceback" not in r.stderr
@@ -188,12 +192,7 @@ def test_gc_during_a_live_stage_leaves_it_alone(shmstage_bin, tmp_path):
             ("unfinished", True, proc.pid)
         ]
         assert entry[0]["source"] == str(src) and entry[0]["bytes"] > 0
-        r = subprocess.run(
-            [*shmstage_bin, "gc", "--dest", str(dest), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = cli(shmstage_bin, "gc", "--dest", str(dest), "--json")
         assert r.returncode == 0, r.stderr
         report = json.loads(r.stdout)
         part = str(dest / ".shmstage" / "partial" / "ds")
@@ -214,9 +213,7 @@ def test_killed_stage_is_listed_and_gc_removes_it(shmstage_bin, tmp_path):
     other = make_src(tmp_path / "other")
     stage(other, dest=dest)
     stop(start_stopped_stager(src, dest))
-    r = subprocess.run(
-        [*shmstage_bin, "list", "--dest", str(dest)], capture_output=True, text=True, timeout=60
-    )
+    r = cli(shmstage_bin, "list", "--dest", str(dest))
     assert r.returncode == 0
     row = next(line for line in r.stdout.splitlines() if line.startswith("ds "))
     assert "unfinished, nobody working" in row and row.endswith(str(src))
@@ -237,11 +234,6 @@ def test_killed_stage_is_listed_and_gc_removes_it(shmstage_bin, tmp_path):
     assert [list((dest / ".shmstage" / d).iterdir()) for d in ("partial", "trash")] == [[], []]
     assert find("other", dest=dest) is not None  # a published dataset is never gc's business
     stage(src, dest=dest)  # a fresh stage after gc works
-    r = subprocess.run(
-        [*shmstage_bin, "evict", "--all", "--dest", str(dest)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = cli(shmstage_bin, "evict", "--all", "--dest", str(dest))
     assert r.returncode == 0 and r.stdout == "evicted: ds, other\n"
     assert skeleton(dest) == EMPTY
