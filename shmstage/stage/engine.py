@@ -21,6 +21,7 @@ from typing import Any
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.sizes import format_size
 from shmstage.stage import copy as copier
+from shmstage.stage import leases
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.leases import Holder
 from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
@@ -359,8 +360,6 @@ def _kill_at(step: str) -> None:
 
 def _publish(store: Store, name: str, new: Record, marker: str) -> None:
     """Publish partial/<name> as ``new`` (see NOTE [publish])."""
-    from shmstage.stage import leases
-
     leases.ensure_file(store, name)  # before readers can see it: a reader may not write DEST
     store.write_next(new)
     _kill_at("record")
@@ -597,8 +596,6 @@ def list_staged(
     if not os.path.lexists(store.book):
         return []
     store.open(create=False)
-    from shmstage.stage import leases
-
     out = []
     for n in store.names():
         r = store.published(n)
@@ -648,13 +645,11 @@ def _listdir(path: str) -> list[str]:
 
 def _lock_holders(store: Store, name: str) -> tuple[int, ...]:
     """Pids holding the dataset's lock (a live stager or evict), from /proc/locks."""
-    from shmstage.stage.leases import holders_of
-
     try:
         st = os.lstat(store.lock_path(name))
     except OSError:
         return ()
-    return tuple(h.pid for h in holders_of(st.st_dev, st.st_ino))
+    return tuple(h.pid for h in leases.holders_of(st.st_dev, st.st_ino))
 
 
 def _trash_owner(entry: str) -> tuple[str, int | None]:
@@ -833,8 +828,6 @@ def evict_report(
     """Remove staged datasets.  A dataset a job leases is refused by name (``leases.InUse``)
     and skipped by ``all``/``older_than`` (listed in ``in_use``), unless ``force``.
     ``all`` also runs :func:`shmstage.stage.gc.gc`: only the empty skeleton stays."""
-    from shmstage.stage import leases
-
     chosen = sum(x for x in (name is not None, bool(all), older_than is not None))
     if chosen != 1:
         raise RefusedError("evict needs exactly one of NAME, --all or --older-than")

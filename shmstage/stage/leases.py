@@ -45,9 +45,10 @@ class InUse(RefusedError):
 
 def describe(holders: tuple[Holder, ...]) -> str:
     """``pid 1234 (torchrun ...)``, several joined by commas."""
-    if not holders:
+    known = [h for h in holders if h.pid > 0]  # pid 0: locked, but not in our /proc/locks view
+    if not known:
         return "another process"
-    return ", ".join(f"pid {h.pid} ({h.command})" if h.command else f"pid {h.pid}" for h in holders)
+    return ", ".join(f"pid {h.pid} ({h.command})" if h.command else f"pid {h.pid}" for h in known)
 
 
 def lease_path(store: Store, name: str) -> str:
