@@ -272,8 +272,13 @@ def command_of(pid: int) -> str:
             raw = f.read()
     except OSError:
         return ""
-    text = " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
-    return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 4] + " ..."
+    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    if len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1][:1] != "-":
+        argv = argv[1:]  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
+    if argv:
+        argv[0] = os.path.basename(argv[0])
+    text = " ".join(argv)
+    return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 4].rstrip() + " ..."
 
 
 def unlink_locked(store: Store, name: str) -> None:
