@@ -309,7 +309,8 @@ class Store:
             return None
         if not stat.S_ISDIR(st.st_mode):
             return None
-        for record in (self.read_record(name), self.read_next(name)):
+        for read in (self.read_record, self.read_next):  # .next only during a publish
+            record = read(name)
             if record is not None and (st.st_ino, st.st_dev) == (record.root_ino, record.root_dev):
                 return record
         return None
