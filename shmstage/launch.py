@@ -420,6 +420,25 @@ def _waiting_note(request: StageRequest, log: Callable[[str], None] | None) -> A
     return note
 
 
+def _stage_leased(
+    engine: Any, request: StageRequest, dest: str | None, log: Callable[[str], None] | None
+) -> tuple[Any, Any]:
+    """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
+    it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
+    from shmstage.stage.leases import acquire
+
+    for attempt in (1, 2):
+        ds = engine.stage(
+            request.source, name=request.name, dest=dest, progress=_waiting_note(request, log)
+        )
+        try:
+            return ds, acquire(ds.name, dest)
+        except ShmstageError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def run(
     command: Sequence[str],
     *,
@@ -459,12 +478,14 @@ def run(
     evicted: list[str] = []
     returncode: int | None = None
     leftovers = 0
+    held: list[Any] = []  # a lease per staged dataset, for the job's lifetime
     try:
         if requests:
             from shmstage import stage as engine
 
             for r in requests:
-                ds = engine.stage(r.source, name=r.name, dest=dest, progress=_waiting_note(r, log))
+                ds, lease = _stage_leased(engine, r, dest, log)
+                held.append(lease)
                 staged.append(ds)
                 if log is not None:
                     log(f"{engine.summary(ds)} -> {ds.path}")
@@ -475,12 +496,18 @@ def run(
         env = job_env(staged, settings)
         returncode, leftovers = spawn([command[0], *args], env, executable=exe, log=log)
     finally:
+        for lease in held:
+            lease.release()
         if cleanup and staged:
             from shmstage import stage as engine
 
             for ds in staged:
                 if ds.changed:  # only what this run copied; a dataset others staged stays
-                    evicted.extend(engine.evict(ds.name, dest=dest))
+                    try:
+                        evicted.extend(engine.evict(ds.name, dest=dest))
+                    except engine.InUse as e:  # another job reads it: not ours to take away
+                        if log is not None:
+                            log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")
             if log is not None and evicted:
                 log(f"evicted: {', '.join(evicted)}")
     return RunResult(returncode, tuple(staged), tuple(evicted), leftovers)

@@ -37,6 +37,7 @@ __all__ = [
     "loader_kwargs",
     "make_loader",
     "seed_worker",
+    "hold_lease",
     "staged_path",
 ]
 
@@ -172,9 +173,63 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
-def make_loader(dataset: Any, batch_size: int | None = 1, **overrides: Any) -> DataLoader:
-    """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``."""
+def make_loader(
+    dataset: Any,
+    batch_size: int | None = 1,
+    *,
+    lease: str | os.PathLike[str] | bool | None = None,
+    **overrides: Any,
+) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``.
+
+    When the dataset reads a staged copy, the process takes a lease on it (held until it
+    exits) so ``shmstage evict`` refuses to remove it: ``lease=PATH`` names the staged path;
+    by default ``dataset.root`` / ``.root_dir`` / ``.data_dir`` / ``.path`` (or those of
+    ``dataset.dataset``, e.g. a ``Subset``) are looked at; ``lease=False`` takes none.
+    """
+    if lease is not False:
+        for path in [lease] if lease not in (None, True) else _dataset_paths(dataset):
+            hold_lease(path, required=lease not in (None, True))  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=batch_size, **loader_kwargs(**overrides))
+
+
+_LEASE_ATTRS = ("root", "root_dir", "data_dir", "path")
+
+
+def _dataset_paths(dataset: Any) -> list[str]:
+    out = []
+    for obj in (dataset, getattr(dataset, "dataset", None)):
+        for attr in _LEASE_ATTRS:
+            value = getattr(obj, attr, None) if obj is not None else None
+            if isinstance(value, (str, os.PathLike)):
+                out.append(os.fspath(value))
+    return out
+
+
+_held: dict[tuple[str, str], Any] = {}  # (dest, name) -> leases.Lease, for the process lifetime
+
+
+def hold_lease(path: str | os.PathLike[str], *, required: bool = True) -> bool:
+    """Lease the staged dataset ``path`` lies in until this process exits (once per dataset);
+    False when ``path`` is not in a staged copy (``required``: raise instead)."""
+    from shmstage.stage.leases import acquire, locate
+
+    where = locate(path)
+    if where is None:
+        if required:
+            raise ShmstageError(
+                f"{os.fspath(path)} is not inside a staged dataset; nothing to lease"
+            )
+        return False
+    if where not in _held:
+        try:
+            _held[where] = acquire(where[1], where[0])
+        except ShmstageError as e:
+            if required:
+                raise
+            warnings.warn(f"cannot lease {where[1]}: {e}", ShmstageWarning, stacklevel=3)
+            return False
+    return True
 
 
 # --- nested batches ---------------------------------------------------------
@@ -482,6 +537,7 @@ def staged_path(
 
     found = find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
     if found is not None:
+        hold_lease(found.path, required=False)  # so nobody evicts it while this job reads it
         return Path(found.path)
     warnings.warn(
         f"{os.fspath(source_or_name)} is not staged on this node; reading it from its source "

@@ -224,6 +224,15 @@ def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, s
             return OK, f"{os.path.join(config.dest, ds.name)} up to date"
         what = "stage" if current is False else "check and refresh"
         return WOULD_CHANGE, f"would {what} {ds.source} ({format_size(_bytes(ds.source))})"
+    from shmstage.stage import describe, holders
+
+    leased = holders(ds.name, config.dest)
+    if leased and not staged_is_current(ds.source, ds.name, config.dest):
+        # Refreshing would replace the tree a running job reads: leave it until the job ends.
+        return SKIPPED, (
+            f"{os.path.join(config.dest, ds.name)} is in use by {describe(leased)}; "
+            "not refreshed: run prepare again when the job has finished"
+        )
     result = stage(
         ds.source, name=ds.name, dest=config.dest, verify=ds.verify, reserve=config.reserve
     )

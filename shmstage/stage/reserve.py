@@ -3,9 +3,9 @@ both pass the fit check and then run the destination (and its reserve) out of sp
 
 Each live stager holds ``DEST/.shmstage/reservations/<name>``, flocked for as long as it
 runs, holding the bytes it still has to write (lowered as the copy proceeds).  The fit
-check runs under ``reservations/.lock`` and takes the live others' outstanding bytes off
+check runs under a flock of the ``reservations/`` directory itself and takes the live others' outstanding bytes off
 the free space.  A stager that dies loses its flock with its life, so its file no longer
-counts: nothing has to be cleaned up after a SIGKILL.  Reservations are per DEST: two
+counts (``gc`` removes the file later).  Reservations are per DEST: two
 DESTs on one tmpfs do not see each other's (docs/staging.md).
 """
 
@@ -20,7 +20,6 @@ from types import TracebackType
 from shmstage.errors import ShmstageError
 
 DIRNAME = "reservations"
-_STORE_LOCK = ".lock"
 _WIDTH = 20  # fixed-width numbers: one pwrite replaces the whole value
 _UPDATE_EVERY = 16 << 20  # rewrite the outstanding bytes after this many were written
 
@@ -62,11 +61,8 @@ class Claim:
     def reserve(self, needed: int, check: Callable[[int], None]) -> None:
         """Under the store-wide lock: ``check(pending)`` (raises when ``needed`` does not fit
         next to what the live others still have to write), then claim ``needed`` bytes."""
-        lock = os.open(
-            os.path.join(self.dir, _STORE_LOCK),
-            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-        )
+        # The directory is the store-wide lock: no extra file to leave behind.
+        lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             check(self._others())
@@ -102,7 +98,7 @@ class Claim:
             return 0
         for n in names:
             path = os.path.join(self.dir, n)
-            if n == _STORE_LOCK or path == self.path:
+            if path == self.path:
                 continue
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
