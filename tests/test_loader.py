@@ -476,3 +476,83 @@ def test_prefetcher_asked_for_cuda_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ShmstageError, match="^device cuda was asked for but CUDA is not available"):
         CudaPrefetcher([], device="cuda")
+
+
+class SlowPersistentSource:
+    """Like a DataLoader with persistent workers: iter() is the same iterator every epoch.
+
+    Each ``__next__`` takes up to ``slow`` seconds, ended early by ``gate``; it counts callers
+    inside it at once, and ``finished`` is set when a slow call has run to its end.
+    """
+
+    def __init__(self, slow: float = 3.0) -> None:
+        self.slow = slow
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.max_inside = 0
+        self.count = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.finished = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self.lock:
+            self.inside += 1
+            self.max_inside = max(self.max_inside, self.inside)
+            self.count += 1
+            n = self.count
+        try:
+            if n == 1:  # the first item is the slow one
+                self.entered.set()
+                if not self.gate.wait(self.slow):
+                    self.finished.set()
+            return n
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["close", "loader-close", "del"])
+def test_no_overlapping_next_across_close_and_a_new_epoch(how):
+    """close()/del return while the producer is inside next(); the next epoch waits for it."""
+    src = SlowPersistentSource()
+    before = threading.active_count()
+    bg = BackgroundLoader(src, max_prefetch=1)
+    it = iter(bg)
+    assert src.entered.wait(10)  # the producer is inside the slow next()
+    if how == "close":
+        it.close()
+    elif how == "loader-close":
+        bg.close()
+    else:
+        del it
+        gc.collect()
+    # close() and __del__ did not wait for the 3 s item: it is still being read
+    assert not src.finished.is_set() and src.inside == 1
+
+    second: list[object] = []
+    started = threading.Event()
+
+    def next_epoch() -> None:
+        started.set()
+        it2 = iter(bg)  # must wait for the old producer, not start a second one
+        second.extend(next(it2) for _ in range(3))
+        it2.close()
+
+    t = threading.Thread(target=next_epoch)
+    t.start()
+    try:
+        assert started.wait(10)
+        time.sleep(0.2)  # give a wrongly started second producer the chance to enter next()
+    finally:
+        src.gate.set()
+        t.join(20)
+    assert not t.is_alive()
+    assert src.max_inside == 1  # never two __next__ calls at once
+    assert second == [2, 3, 4]  # the old producer dropped item 1: nothing read twice or lost
+    bg.close()
+    assert wait_until(lambda: threading.active_count() == before)
