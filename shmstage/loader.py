@@ -218,7 +218,9 @@ def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
 
 # NOTE [CudaPrefetcher lifecycle]
 #
-#   __init__: one side stream for the life of the prefetcher (a stream per epoch leaks).
+#   first iter(): resolve the device (the current CUDA device *now*, not at __init__: a
+#                 prefetcher built before set_device(local_rank) must follow it) and make
+#                 one side stream on it for the prefetcher's life (one per epoch leaks).
 #
 #   __iter__:  copy(b0) on side ──┐
 #   next():    consumer.wait_stream(side); b0.record_stream(consumer); copy(b1) on side; yield b0
@@ -238,7 +240,9 @@ class CudaPrefetcher:
     Tensors anywhere in tuples, lists, dicts and namedtuples are moved; other leaves and the
     container types are kept.  Without CUDA (or with ``device="cpu"``) batches pass through
     unchanged; for another device type they are moved with a plain ``.to(device)``.
-    See NOTE [CudaPrefetcher lifecycle].
+    ``device=None`` or ``"cuda"`` means the current CUDA device *at the first iteration*, so
+    a prefetcher built before ``torch.cuda.set_device(local_rank)`` still copies to this
+    rank's GPU.  See NOTE [CudaPrefetcher lifecycle].
     """
 
     def __init__(
@@ -246,29 +250,43 @@ class CudaPrefetcher:
     ) -> None:
         self.loader = loader
         self.non_blocking = non_blocking
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        self._requested = None if device is None else torch.device(device)
+        if (
+            self._requested is not None
+            and self._requested.type == "cuda"
+            and not torch.cuda.is_available()
+        ):
             raise ShmstageError(
                 f"device {device} was asked for but CUDA is not available: "
                 "leave device=None to pass batches through on CPU"
             )
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._device: torch.device | None = None  # resolved at first use
+        self._stream: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device batches are copied to; fixed at the first iteration (or first access)."""
+        if self._device is None:
+            device = self._requested
+            if device is None:
+                device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device=device)
+            self._device = device
+        return self._device
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type == "cpu":
+        device = self.device
+        if device.type == "cpu":
             yield from self.loader
         elif self._stream is None:
             for batch in self.loader:
-                yield _map_tensors(
-                    batch, lambda t: t.to(self.device, non_blocking=self.non_blocking)
-                )
+                yield _map_tensors(batch, lambda t: t.to(device, non_blocking=self.non_blocking))
         else:
             yield from self._prefetch()
 

@@ -556,3 +556,35 @@ def test_no_overlapping_next_across_close_and_a_new_epoch(how):
     assert second == [2, 3, 4]  # the old producer dropped item 1: nothing read twice or lost
     bg.close()
     assert wait_until(lambda: threading.active_count() == before)
+
+
+def test_prefetcher_resolves_the_cuda_device_at_first_use(monkeypatch):
+    """Built while cuda:0 is current, iterated after set_device(1): it copies to cuda:1.
+
+    Pure logic (no GPU here): is_available/current_device/Stream are stand-ins.
+    """
+    current = {"index": 0}
+    streams: list[torch.device] = []
+
+    class FakeStream:
+        def __init__(self, device):
+            streams.append(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    for requested in (None, "cuda"):
+        streams.clear()
+        current["index"] = 0
+        p = CudaPrefetcher([], device=requested)  # e.g. at import time, before set_device
+        assert streams == []  # nothing bound to a device yet
+        current["index"] = 1  # torch.cuda.set_device(local_rank)
+        assert list(p) == []
+        assert p.device == torch.device("cuda", 1)
+        assert streams == [torch.device("cuda", 1)]
+        current["index"] = 0
+        assert list(p) == [] and p.device == torch.device("cuda", 1)  # fixed once resolved
+        assert len(streams) == 1  # one stream for the prefetcher's life
+    p = CudaPrefetcher([], device="cuda:1")
+    current["index"] = 0
+    assert p.device == torch.device("cuda", 1)  # an explicit index is kept
