@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import random
 import threading
 import warnings
 import weakref
@@ -36,7 +35,6 @@ __all__ = [
     "default_num_workers",
     "loader_kwargs",
     "make_loader",
-    "seed_worker",
     "staged_path",
 ]
 
@@ -114,18 +112,19 @@ def _accelerator_present() -> bool:
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed ``random`` and numpy in a loader worker from torch's per-worker seed.
+    """Deprecated, does nothing: torch's DataLoader already seeds each worker.
 
-    torch seeds each worker with base_seed + worker_id but leaves ``random`` and numpy
-    alone, so forked workers would otherwise draw identical "random" augmentations.
+    Every worker gets ``base_seed + worker_id`` for ``random`` and torch, and a seed derived
+    from both (numpy's SeedSequence scheme) for numpy (torch >= 1.9).  This function used to
+    re-seed ``random`` and numpy from ``torch.initial_seed()``, which added nothing and gave
+    numpy the same seed as ``random``.  Kept so ``worker_init_fn=seed_worker`` still works.
     """
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed)
+    warnings.warn(
+        "shmstage.loader.seed_worker is deprecated and does nothing: torch already seeds "
+        "random, torch and numpy in each DataLoader worker; drop worker_init_fn=seed_worker",
+        DeprecationWarning,
+        stacklevel=2,
+    )
 
 
 def loader_kwargs(**overrides: Any) -> dict[str, Any]:
@@ -161,7 +160,6 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
             prefetch = env_prefetch
         kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch is None else prefetch
         kwargs["persistent_workers"] = True
-        kwargs["worker_init_fn"] = seed_worker
     else:
         # DataLoader rejects these without workers; an env default does not apply either.
         for key in ("prefetch_factor", "persistent_workers"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import random
 import threading
 import time
 import traceback
@@ -96,13 +97,15 @@ def test_bad_local_world_size_is_a_clear_error(monkeypatch):
 
 
 def test_defaults_with_workers(monkeypatch, tmp_path):
-    """With workers: persistent workers, a prefetch factor in 2..4, per-worker seeding."""
+    """With workers: persistent workers, a prefetch factor in 2..4; seeding is torch's own."""
     fake_node(monkeypatch, tmp_path, 8, None)
     kw = loader_kwargs()
     assert kw["num_workers"] == 7
     assert kw["persistent_workers"] is True
     assert 2 <= kw["prefetch_factor"] <= 4
-    assert kw["worker_init_fn"] is loader.seed_worker
+    assert "worker_init_fn" not in kw  # torch seeds random/torch/numpy per worker itself
+    init = lambda worker_id: None  # noqa: E731
+    assert loader_kwargs(worker_init_fn=init)["worker_init_fn"] is init
 
 
 def test_pin_memory_follows_the_accelerator(monkeypatch):
@@ -209,9 +212,54 @@ def test_real_loader_with_workers_on_cpu():
         assert seen == list(range(20))
 
 
+class SeedProbe(Dataset):
+    """Per call in a worker: (worker id, worker seed, call number in this worker, random draw)."""
+
+    calls = 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import random
+
+        SeedProbe.calls += 1  # per worker process
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([info.id, info.seed, SeedProbe.calls, random.getrandbits(30)])
+
+
+@pytest.mark.timeout(120)
+def test_workers_keep_torchs_own_seeds():
+    """make_loader's workers draw from the seeds torch gave them (nothing re-seeds them).
+
+    torch seeds ``random`` with ``get_worker_info().seed`` in each worker, so a job can
+    reproduce a worker's draws from that public seed; a worker_init_fn that re-seeds (as
+    seed_worker did, from initial_seed() % 2**32) breaks that.
+    """
+    dl = make_loader(SeedProbe(), 1, num_workers=2)
+    first = {}
+    for (row,) in dl:
+        worker, seed, call, draw = (int(v) for v in row)
+        if call == 1:
+            first[worker] = (seed, draw)
+    assert set(first) == {0, 1}
+    for seed, draw in first.values():
+        assert draw == random.Random(seed).getrandbits(30)
+
+
+def test_seed_worker_is_a_deprecated_no_op():
+    """Old scripts passing worker_init_fn=seed_worker get a DeprecationWarning, not a re-seed."""
+    random.seed(1234)
+    expected = random.Random(1234).random()
+    with pytest.warns(DeprecationWarning, match="seed_worker is deprecated and does nothing"):
+        loader.seed_worker(0)
+    assert random.random() == expected  # random's state untouched
+    assert "seed_worker" not in loader.__all__
+
+
 @pytest.mark.timeout(120)
 def test_workers_draw_different_random_numbers():
-    """seed_worker gives each worker its own numpy/random stream (no duplicated augmentations)."""
+    """torch's per-worker seeds give each worker its own numpy/random stream."""
     dl = make_loader(RandomDataset(), 1, num_workers=2)
     first = {}
     for (row,) in dl:
