@@ -568,6 +568,45 @@ def test_slurm_signals_reach_the_job_once(shmstage_bin, tmp_path, sig, step, who
         kill_job(ready)
 
 
+def wait_status(pid: int, stopped: bool) -> None:
+    deadline = time.monotonic() + 30
+    while (psutil.Process(pid).status() == psutil.STATUS_STOPPED) != stopped:
+        assert time.monotonic() < deadline, f"{pid} never {'stopped' if stopped else 'resumed'}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_terminal_ctrl_z_stops_and_resumes_the_job(shmstage_bin, tmp_path):
+    """^Z stops shmstage and the job (in its own session); continuing shmstage resumes both."""
+    pidfile, ready = tmp_path / "pid", tmp_path / "ready"
+    master, slave = os.openpty()
+
+    def controlling_tty() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=controlling_tty,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        wait_for(ready)
+        job = int(pidfile.read_text())
+        os.write(master, b"\x1a")  # ^Z: SIGTSTP to the terminal's foreground group
+        wait_status(p.pid, stopped=True)
+        wait_status(job, stopped=True)
+        os.kill(p.pid, signal.SIGCONT)  # what the shell's `fg` sends
+        wait_status(p.pid, stopped=False)
+        wait_status(job, stopped=False)
+        p.terminate()
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+
+
 @pytest.mark.timeout(60)
 def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path):
     """If shmstage itself is SIGKILLed, the job gets SIGTERM (PR_SET_PDEATHSIG), not orphaned."""
