@@ -38,6 +38,7 @@ FORWARDED_SIGNALS = (
 LEFTOVER_GRACE = 5.0  # seconds a leftover descendant gets between SIGTERM and SIGKILL
 
 _SI_USER = 0  # si_code of a signal sent with kill()
+_SI_KERNEL = 0x80  # si_code of a signal the kernel sent, e.g. a terminal's ^C
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
@@ -233,16 +234,18 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
 #        │  sigtimedwait loop                              group), mask restored, PDEATHSIG
 #        ├─ SIGCHLD / timeout ─▶ poll(): exited? ─▶ terminate leftovers ─▶ return status
 #        ├─ SIGTSTP (^Z) ──────▶ SIGSTOP the job's group, stop ourselves; on resume SIGCONT it
-#        └─ FORWARDED signal ──▶ killpg(job, sig), once, unless slurmstepd sent it to the
+#        ├─ FORWARDED, from the terminal (si_code SI_KERNEL) ──▶ killpg(job, sig)
+#        └─ FORWARDED, sent by kill() ──▶ kill(job, sig), unless slurmstepd sent it to the
 #                                whole step (then the job got it from Slurm directly)
 #
 # - Each signal must reach the job exactly once: a second SIGINT/SIGTERM cuts torchrun's own
 #   shutdown short.  Because the job has its own session, nothing aimed at shmstage reaches
 #   it directly: not a terminal's ^C/^\/hangup (the tty signals its foreground group, which
 #   the job is not in), not `kill -- -PGID` of our group, not a kill of every process in our
-#   session.  shmstage forwards each of those once, to the job's process group, as a
-#   terminal would deliver it (`sh -c "python train.py"`: both get it).  torchrun starts
-#   its workers in sessions of their own, so it alone gets the signal and tells them.
+#   session.  shmstage forwards each of those once: to the job's process group when the
+#   terminal sent it, as the terminal would have (`sh -c "python train.py"`: both get ^C),
+#   else to the job's process alone, like `kill PID`.  torchrun starts its workers in
+#   sessions of their own, so torchrun alone gets the signal and stops them itself.
 # - A signal that reaches the job without passing through us is not ours to forward:
 #   Slurm's scancel / `--signal=USR1@T` signal every process of a step (proctrack/cgroup
 #   or linuxproc) from slurmstepd.  So a signal whose sender is slurmstepd is not forwarded,
@@ -359,7 +362,7 @@ def _run_child(
         if main_thread:
 
             def fallback(signum: int, _frame: Any) -> None:
-                _signal_job(child, signum)
+                child.send_signal(signum)
 
             for sig in FORWARDED_SIGNALS:
                 old_handlers[sig] = signal.signal(sig, fallback)
@@ -392,8 +395,10 @@ def _wait_forwarding(
             _reap_orphans(child.pid, not_ours)
         elif info.si_signo == signal.SIGTSTP:
             _suspend_with(child)
-        elif not sent_to_whole_slurm_step(info.si_code, info.si_pid):
+        elif info.si_code == _SI_KERNEL:  # from our terminal: deliver it as the tty would
             _signal_job(child, info.si_signo)
+        elif not sent_to_whole_slurm_step(info.si_code, info.si_pid, info.si_uid):
+            child.send_signal(info.si_signo)
 
 
 def _signal_job(child: subprocess.Popen[Any], sig: int) -> None:
@@ -419,7 +424,7 @@ def _suspend_with(child: subprocess.Popen[Any]) -> None:
 
 
 def sent_to_whole_slurm_step(
-    si_code: int, si_pid: int, environ: Mapping[str, str] | None = None
+    si_code: int, si_pid: int, si_uid: int, environ: Mapping[str, str] | None = None
 ) -> bool:
     """Whether a signal came from slurmstepd signalling every process of the step.
 
@@ -428,7 +433,7 @@ def sent_to_whole_slurm_step(
     slurmstepd our parent): ``--signal=B:SIG`` and ``scancel -b`` signal only that process.
     See NOTE [run: signals and the child].
     """
-    if si_code != _SI_USER or si_pid <= 0:
+    if si_code != _SI_USER or si_pid <= 0 or si_uid != 0:  # slurmstepd runs as root
         return False
     try:
         with open(f"/proc/{si_pid}/comm", encoding="utf-8", errors="replace") as f:
