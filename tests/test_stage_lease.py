@@ -47,6 +47,9 @@ def kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=30)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def cli(shmstage_bin, *args: str) -> subprocess.CompletedProcess:
