@@ -70,7 +70,10 @@ def prepare_lock(path: str | None = None, timeout: float | None = None) -> Itera
     if timeout is None:
         timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or LOCK_TIMEOUT)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except PermissionError:  # root's lock file, a non-root prepare: flock needs no write
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise ShmstageError(
             f"cannot open the prepare lock {path}: {e.strerror}; "
@@ -99,8 +102,9 @@ def prepare_lock(path: str | None = None, timeout: float | None = None) -> Itera
                     )
                     said = True
                 time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # who holds it, for the waiter's message
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the flock
