@@ -67,6 +67,8 @@ def prepare_lock(path: str | None = None, timeout: float | None = None) -> Itera
     a timer) take turns instead of interleaving.  Waits up to ``timeout`` seconds, saying on
     stderr which pid holds it; then fails."""
     path = path or os.environ.get(LOCK_ENV) or LOCK_PATH
+    if path == LOCK_PATH and not os.path.isdir(os.path.dirname(LOCK_PATH)):
+        path = "/run/" + os.path.basename(LOCK_PATH)  # containers without /run/lock
     if timeout is None:
         timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or LOCK_TIMEOUT)
     try:
