@@ -281,7 +281,8 @@ class _Checker:
         if value is None or value is _MISSING:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # `version: 9.5` reads as a number
+            # `version: 9.10` reads as the float 9.1: keep the text as written
+            return node.value
         return self.string(key, node)
 
     def abspath(self, key: str, node: _Node) -> Any:

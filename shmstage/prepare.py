@@ -7,8 +7,13 @@ failed step stops the run; what earlier steps did stays in place.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import os
-from collections.abc import Callable
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +55,75 @@ class StepFailed(ShmstageError):
     """A prepare step failed; earlier steps' changes stay."""
 
 
+LOCK_ENV = "SHMSTAGE_PREPARE_LOCK"  # the lock file (default below); for tests and odd layouts
+LOCK_PATH = "/run/lock/shmstage-prepare.lock"
+LOCK_TIMEOUT_ENV = "SHMSTAGE_PREPARE_LOCK_TIMEOUT"  # seconds to wait for another prepare
+LOCK_TIMEOUT = 3600.0
+
+
+@contextlib.contextmanager
+def prepare_lock(path: str | None = None, timeout: float | None = None) -> Iterator[None]:
+    """Hold an exclusive flock for a whole prepare: two runs on one node (an Ansible run and
+    a timer) take turns instead of interleaving.  Waits up to ``timeout`` seconds, saying on
+    stderr which pid holds it; then fails."""
+    path = path or os.environ.get(LOCK_ENV) or LOCK_PATH
+    if path == LOCK_PATH and not os.path.isdir(os.path.dirname(LOCK_PATH)):
+        path = "/run/" + os.path.basename(LOCK_PATH)  # containers without /run/lock
+    if timeout is None:
+        timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or LOCK_TIMEOUT)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except PermissionError:  # root's lock file, a non-root prepare: flock needs no write
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ShmstageError(
+            f"cannot open the prepare lock {path}: {e.strerror}; "
+            f"run as root or set {LOCK_ENV} to a writable file"
+        ) from None
+    try:
+        deadline = time.monotonic() + timeout
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                if time.monotonic() >= deadline:
+                    raise ShmstageError(
+                        f"another shmstage prepare (pid {holder}) still holds {path} after "
+                        f"{timeout:g} s; wait for it to finish, or stop it"
+                    ) from None
+                if not said:
+                    print(
+                        f"prepare: waiting for another shmstage prepare (pid {holder}) "
+                        f"holding {path}...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    said = True
+                time.sleep(0.2)
+        with contextlib.suppress(OSError):  # who holds it, for the waiter's message
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _locked(fn: Callable[..., PrepareReport]) -> Callable[..., PrepareReport]:
+    @functools.wraps(fn)
+    def run(config: NodeConfig, *, dry_run: bool = False, **kw: Any) -> PrepareReport:
+        if dry_run:
+            return fn(config, dry_run=dry_run, **kw)  # changes nothing: needs no turn
+        with prepare_lock():
+            return fn(config, dry_run=dry_run, **kw)
+
+    return run
+
+
+@_locked
 def prepare(
     config: NodeConfig,
     *,

@@ -274,7 +274,13 @@ def _with_size(options: str, size_option: str) -> str:
 
 
 def _same_mountpoint(a: str, b: str) -> bool:
-    return (a.rstrip("/") or "/") == (b.rstrip("/") or "/")
+    """Same mount point, also through a symlink (``/dev/shm -> /run/shm``)."""
+    a, b = (a.rstrip("/") or "/"), (b.rstrip("/") or "/")
+    if a == b:
+        return True
+    if not (os.path.isabs(a) and os.path.isabs(b)):
+        return False  # "none", "swap": not paths
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def edit_fstab(text: str, mountpoint: str, size_option: str, *, fstab: str = "fstab") -> str:
@@ -351,8 +357,10 @@ def _write_atomic(path: str, data: bytes, like: os.stat_result) -> None:
 
 
 def write_fstab(path: str, text: str) -> str:
-    """Replace fstab atomically with ``text``; the old content goes to ``<fstab>.shmstage.bak``.
+    """Replace fstab atomically with ``text``.
 
+    The first change keeps the fstab as it was in ``<fstab>.shmstage.bak``; later changes
+    leave that copy alone, so it stays the admin's original (delete it to take a new one).
     Returns the backup path."""
     real = os.path.realpath(path)  # a symlinked fstab stays a symlink
     try:
@@ -360,7 +368,8 @@ def write_fstab(path: str, text: str) -> str:
         with open(real, "rb") as f:
             old = f.read()
         backup = backup_path(path)
-        _write_atomic(backup, old, st)
+        if not os.path.lexists(backup):
+            _write_atomic(backup, old, st)
         _write_atomic(real, text.encode("utf-8", "surrogateescape"), st)
     except PermissionError:
         raise PermissionDenied(

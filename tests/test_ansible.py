@@ -112,10 +112,21 @@ def source_copy(dest: Path) -> Path:
 @pytest.mark.root
 @pytest.mark.slow
 def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path):
-    """Run the role twice against localhost: tmpfs resized, fstab line, config, dataset; then changed=0 (and in --check)."""
+    """Run the role twice against localhost, with ansible-core's builtin collection only:
+    tmpfs grown by shmstage prepare, the admin's fstab options kept, config, dataset; then
+    changed=0 (and in --check); a size above the ceiling fails the play with shmstage's error."""
     shm = tmpfs("32M")
     fstab = tmp_path / "fstab"
-    fstab.write_text("# test fstab\nproc /proc proc defaults 0 0\n")
+    fstab.write_text(
+        f"# test fstab\nproc /proc proc defaults 0 0\ntmpfs {shm} tmpfs rw,nosuid,nodev,noexec,size=16M 0 0\n"
+    )
+    (tmp_path / "no-collections").mkdir()
+    env = dict(
+        ansible_env(tmp_path),
+        ANSIBLE_COLLECTIONS_PATH=str(tmp_path / "no-collections"),
+        ANSIBLE_COLLECTIONS_SCAN_SYS_PATH="false",
+        SHMSTAGE_PREPARE_LOCK=str(tmp_path / "prepare.lock"),
+    )
     data = tmp_path / "src" / "images"
     data.mkdir(parents=True)
     for i in range(20):
@@ -134,21 +145,25 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
         "shmstage_datasets": [{"source": str(data), "name": "images"}],
         "shmstage_loader_num_workers": 2,
     }
-    play = [{"name": "Converge", "hosts": "localhost", "gather_facts": False,
-             "roles": [{"role": "shmstage", "vars": role_vars}]}]  # fmt: skip
-    playbook.write_text(yaml.safe_dump(play))
+
+    def write_play(**overrides) -> None:
+        play = [{"name": "Converge", "hosts": "localhost", "gather_facts": False,
+                 "roles": [{"role": "shmstage", "vars": {**role_vars, **overrides}}]}]  # fmt: skip
+        playbook.write_text(yaml.safe_dump(play))
+
+    write_play()
     cmd = [tool("ansible-playbook"), "-c", "local", "-i", "localhost,", str(playbook)]
 
-    def converge(*extra: str) -> str:
+    def converge(*extra: str, rc: int = 0) -> str:
         result = subprocess.run(
-            [*cmd, *extra], env=ansible_env(tmp_path), capture_output=True, text=True, timeout=600
+            [*cmd, *extra], env=env, capture_output=True, text=True, timeout=600
         )
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        assert result.returncode == rc, result.stdout[-4000:] + result.stderr[-2000:]
         return result.stdout
 
     first = recap(converge())
     assert first["failed"] == 0
-    assert first["changed"] >= 4  # venv, fstab, remount handler, config, prepare
+    assert first["changed"] >= 3  # venv, config, prepare (remount + fstab)
     second_out = converge()
     second = recap(second_out)
     assert second["changed"] == 0, second_out[-4000:]
@@ -160,8 +175,10 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
     # The tmpfs now has the size the role asked for, persisted in the (temporary) fstab.
     st = os.statvfs(shm)
     assert st.f_blocks * st.f_frsize == 48 << 20
-    assert f"tmpfs {shm} tmpfs rw,nosuid,nodev,size=48M 0 0" in fstab.read_text().splitlines()
-    assert fstab.read_text().startswith("# test fstab\nproc /proc proc defaults 0 0\n")
+    # shmstage rewrote only size= in the admin's line: nosuid,nodev,noexec stay.
+    assert fstab.read_text() == (
+        f"# test fstab\nproc /proc proc defaults 0 0\ntmpfs {shm} tmpfs rw,nosuid,nodev,noexec,size=48M 0 0\n"
+    )
     # The node config is valid and says what the role variables say.
     from shmstage.config import load_config
 
@@ -178,3 +195,16 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
     for f in data.iterdir():
         assert (Path(staged.path) / f.name).read_bytes() == f.read_bytes()
     assert (venv / "bin" / "shmstage").exists()
+
+    # A size above the RAM/cgroup ceiling is refused by shmstage; the play fails with its error
+    # and neither the tmpfs nor fstab changes.
+    before = fstab.read_text()
+    write_play(shmstage_shm_size="1000T")
+    out = converge(rc=2)
+    assert recap(out)["failed"] == 1
+    assert re.search(
+        r'"msg": "Error: shm-size failed: refusing to size .* to 1000T: more than', out
+    ), out[-4000:]
+    assert fstab.read_text() == before
+    st = os.statvfs(shm)
+    assert st.f_blocks * st.f_frsize == 48 << 20

@@ -283,3 +283,19 @@ def test_cli_reports_config_errors_before_running_anything(runner, cli, tmp_path
         f"Error: {f}:2: shm.size: invalid size 'lots': use bytes or a number with K, M, G, T "
         "(powers of 1024; KiB/GiB too, KB/GB are powers of 1000) or N%\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("9.10", "9.10"),
+        ("9.5", "9.5"),
+        ("10", "10"),
+        ("'9.10'", "9.10"),
+        ("9.5.0.post1", "9.5.0.post1"),
+    ],
+)
+def test_pillow_simd_version_keeps_the_text_as_written(written, expected):
+    """`version: 9.10` is read by YAML as the float 9.1; the pin must stay "9.10"."""
+    cfg = parse(f"pillow_simd:\n  enabled: true\n  version: {written}\n")
+    assert cfg.pillow_simd.version == expected

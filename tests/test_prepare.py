@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,14 @@ def statuses(report) -> list[tuple[str, str]]:
 def tmpfs_size(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_blocks * st.f_frsize
+
+
+@pytest.fixture(autouse=True)
+def private_prepare_lock(monkeypatch, tmp_path):
+    """Every test takes its own prepare lock, never the node's /run/lock one."""
+    lock = tmp_path / "prepare.lock"
+    monkeypatch.setenv("SHMSTAGE_PREPARE_LOCK", str(lock))
+    return lock
 
 
 @pytest.fixture
@@ -312,3 +322,58 @@ def test_pillow_simd_step_installs_once_then_reports_ok(runner, cli, monkeypatch
         "detail": "pillow-simd 9.5.0.post1 in /opt/train/bin/python",
     }
     assert report["changed"] is False
+
+
+HOLD_LOCK = """
+import sys
+from shmstage.prepare import prepare_lock
+with prepare_lock():
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_two_prepares_on_one_node_take_turns(tmp_path, private_prepare_lock):
+    """A second prepare waits for the one holding the lock (saying which pid), fails after the
+    timeout with one line, and runs once the first is done."""
+    data = make_dataset(tmp_path, "images", files=2)
+    config = write_config(
+        tmp_path / "node.yaml",
+        f"shm: {{path: {tmp_path}}}\ndest: {tmp_path / 'dest'}\ndatasets: [{data}]\n",
+    )
+    shmstage = [sys.executable, "-m", "shmstage", "prepare", "--config", str(config), "--json"]
+    env = dict(os.environ, SHMSTAGE_PREPARE_LOCK=str(private_prepare_lock))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    waiter = None
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        timed_out = subprocess.run(
+            shmstage, env=dict(env, SHMSTAGE_PREPARE_LOCK_TIMEOUT="0.5"), capture_output=True
+        )
+        assert timed_out.returncode == 1
+        assert timed_out.stdout == b""
+        assert timed_out.stderr.decode().splitlines()[-1] == (
+            f"Error: another shmstage prepare (pid {holder.pid}) still holds "
+            f"{private_prepare_lock} after 0.5 s; wait for it to finish, or stop it"
+        )
+        assert find("images", dest=tmp_path / "dest") is None  # nothing ran
+        waiter = subprocess.Popen(shmstage, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = waiter.stderr.readline().decode()
+        assert line == (
+            f"prepare: waiting for another shmstage prepare (pid {holder.pid}) "
+            f"holding {private_prepare_lock}...\n"
+        )
+        assert waiter.poll() is None
+        holder.stdin.close()
+        assert holder.wait(timeout=30) == 0
+        out, _ = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0
+        assert json.loads(out)["changed"] is True
+        assert find("images", dest=tmp_path / "dest") is not None
+    finally:
+        for proc in (holder, waiter):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

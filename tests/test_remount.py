@@ -111,6 +111,29 @@ def test_write_fstab_is_atomic_with_a_backup(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fstab", "fstab.shmstage.bak"]
 
 
+def test_write_fstab_keeps_the_original_once(tmp_path):
+    """A second change does not overwrite the backup: it stays the fstab before shmstage."""
+    fstab = tmp_path / "fstab"
+    fstab.write_text(FSTAB)
+    shm.write_fstab(str(fstab), FSTAB.replace("size=8G", "size=16G"))
+    backup = shm.write_fstab(str(fstab), FSTAB.replace("size=8G", "size=32G"))
+    assert Path(backup).read_text() == FSTAB
+    assert "size=32G" in fstab.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fstab", "fstab.shmstage.bak"]
+
+
+@pytest.mark.parametrize("line_names", ["target", "link"])
+def test_symlinked_mount_point_edits_its_line_instead_of_adding_one(tmp_path, line_names):
+    """/dev/shm -> /run/shm: a line for either name is the same mount; no duplicate line."""
+    (tmp_path / "run" / "shm").mkdir(parents=True)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "shm").symlink_to(tmp_path / "run" / "shm")
+    written = tmp_path / ("run/shm" if line_names == "target" else "dev/shm")
+    text = f"x / ext4 defaults 0 1\ntmpfs {written} tmpfs rw,nosuid,size=1G 0 0\n"
+    for mountpoint in (tmp_path / "dev" / "shm", tmp_path / "run" / "shm"):
+        assert shm.edit_fstab(text, str(mountpoint), "4G") == text.replace("size=1G", "size=4G")
+
+
 def test_missing_fstab_is_refused(tmp_path):
     """--persist against a file that does not exist is a refusal, not a new file."""
     with pytest.raises(RefusedError, match=r"fstab .*/nope does not exist; pass an existing file"):
