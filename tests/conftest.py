@@ -8,11 +8,13 @@ process.  Tests never touch the real /dev/shm or /etc/fstab.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,11 @@ def _enter_private_mount_namespace() -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     global PRIVATE_NS
+    # `prepare` locks /run/lock/shmstage-prepare.lock by default: tests use a lock of their own
+    if "SHMSTAGE_PREPARE_LOCK" not in os.environ:
+        lock_dir = tempfile.mkdtemp(prefix="shmstage-test-")
+        atexit.register(shutil.rmtree, lock_dir, True)
+        os.environ["SHMSTAGE_PREPARE_LOCK"] = os.path.join(lock_dir, "prepare.lock")
     if IS_ROOT and sys.platform == "linux" and not PRIVATE_NS:
         PRIVATE_NS = _enter_private_mount_namespace()
         if PRIVATE_NS:
@@ -52,7 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    need_root = pytest.mark.skip(reason="needs root and a private mount namespace (run `make test` as root)")
+    need_root = pytest.mark.skip(
+        reason="needs root and a private mount namespace (run `make test` as root)"
+    )
     need_gpu = pytest.mark.skip(reason="needs a CUDA device")
     has_cuda = _has_cuda()
     for item in items:

@@ -374,6 +374,11 @@ def test_two_prepares_on_one_node_take_turns(tmp_path, private_prepare_lock):
         assert find("images", dest=tmp_path / "dest") is not None
     finally:
         for proc in (holder, waiter):
-            if proc is not None and proc.poll() is None:
+            if proc is None:
+                continue
+            if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()

@@ -113,7 +113,7 @@ def test_dry_run_changes_nothing(runner, cli, tmpfs, tmp_path):
         "Dry run: nothing changed.\n"
         "Would run:\n"
         f"  mount -o remount,size=32M {mnt}\n"
-        f"Would change {fstab} (old copy kept as {fstab}.shmstage.bak):\n"
+        f"Would change {fstab} (the original kept as {fstab}.shmstage.bak):\n"
         f"--- {fstab}\n+++ {fstab}\n"
         "@@ -1 +1,2 @@\n"
         " UUID=1 / ext4 defaults 0 1\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from shmstage import shm
@@ -19,9 +21,13 @@ def _render(result: shm.RemountResult) -> None:
             for command in result.commands:
                 click.echo(f"  {command}")
         if result.fstab_diff:
-            click.echo(
-                f"Would change {result.fstab} (old copy kept as {shm.backup_path(result.fstab or '')}):"
+            backup = shm.backup_path(result.fstab or "")
+            kept = (
+                f"the original stays in {backup}"
+                if os.path.lexists(backup)
+                else f"the original kept as {backup}"
             )
+            click.echo(f"Would change {result.fstab} ({kept}):")
             click.echo(result.fstab_diff, nl=False)
         return
     click.echo(result.message)
