@@ -25,6 +25,17 @@ from shmstage.stage.plan import walk
 pytestmark = pytest.mark.root
 
 
+@pytest.fixture
+def tmp_path():
+    """A source directory every user can reach (pytest's own is 0700 root): a copy of a
+    source under a private directory would rightly get a restricted root (test_stage_perms)."""
+    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))
+    base.chmod(0o755)
+    yield base
+    subprocess.run(["chmod", "-R", "u+rwx", str(base)], check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
 # --- helpers -----------------------------------------------------------------------
 
 
@@ -655,7 +666,10 @@ def test_unreadable_file_is_named(request):
         message = f.read()
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 1, message
-    assert message == f"cannot read source file {src / 'secret'}: Permission denied"
+    assert message == (
+        f"cannot read source file {src / 'secret'}: Permission denied; "
+        "stage as a user who can read every file of the source"
+    )
     assert not (shm / "nobody" / "ds").exists()
 
 
