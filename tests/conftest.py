@@ -50,7 +50,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    need_root = pytest.mark.skip(reason="needs root and a private mount namespace (run `make test` as root)")
+    need_root = pytest.mark.skip(
+        reason="needs root and a private mount namespace (run `make test` as root)"
+    )
     need_gpu = pytest.mark.skip(reason="needs a CUDA device")
     has_cuda = _has_cuda()
     for item in items:
@@ -117,3 +119,42 @@ def shmstage_bin() -> list[str]:
     """Command prefix that runs the installed CLI in a subprocess."""
     exe = shutil.which("shmstage", path=os.path.dirname(sys.executable))
     return [exe] if exe else [sys.executable, "-m", "shmstage"]
+
+
+class Procs:
+    """``procs.start(argv, **popen_kwargs)`` -> a Popen that is killed and reaped at teardown.
+
+    Every test that starts a process goes through this (or a try/finally), so a failing
+    assertion never leaves a stager, a job or a worker running behind the suite."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        p = subprocess.Popen(argv, **kwargs)
+        self.started.append(p)
+        return p
+
+    def cleanup(self) -> None:
+        for p in self.started:
+            if p.poll() is None:
+                try:  # its whole group when it leads one (start_new_session=True)
+                    if os.getpgid(p.pid) == p.pid:
+                        os.killpg(p.pid, 9)
+                except OSError:
+                    pass
+                p.kill()
+        for p in self.started:
+            try:
+                p.communicate(timeout=30)  # reap, and close its pipes
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                p.wait()
+
+
+@pytest.fixture
+def procs():
+    """Start processes with ``procs.start(...)``; each is SIGKILLed (with its session's process
+    group when it leads one) and reaped when the test ends, passed or failed."""
+    p = Procs()
+    yield p
+    p.cleanup()

@@ -313,7 +313,7 @@ def test_cleanup_evicts_only_what_this_run_staged(shmstage_bin, tmp_path):
     assert engine.find("kept", dest=str(dest)) is not None
 
 
-def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path):
+def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path, procs):
     """Two runs staging the same source at once share one copy."""
     src = make_dataset(tmp_path / "src", files=50)
     dest = tmp_path / "dest"
@@ -331,12 +331,12 @@ def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path):
         "sh",
         "{staged}",
     ]
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [
+        procs.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = [p.communicate(timeout=120) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs
     assert outs[0][0] == outs[1][0] == f"{dest / 'src'}\n"
     assert [p.name for p in dest.iterdir() if not p.name.startswith(".")] == ["src"]
 
@@ -361,13 +361,13 @@ def wait_for(path: Path, timeout: float = 30.0) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
-def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig):
+def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig, procs):
     """`kill -SIG <shmstage pid>` reaches the job, its status is 128+SIG, and nothing is orphaned."""
     name = sig.name.removeprefix("SIG")
     got, pidfile, ready = tmp_path / "got", tmp_path / "pid", tmp_path / "ready"
-    p = subprocess.Popen(
+    p = procs.start(
         [*shmstage_bin, "run", "--", "sh", "-c", TRAPPING_JOB.format(sig=name), "sh", name, got, pidfile, ready],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     wait_for(ready)
     sleeper = int(pidfile.read_text())
@@ -421,11 +421,12 @@ def test_terminal_ctrl_c_is_not_delivered_twice(shmstage_bin, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path):
+def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path, procs):
     """If shmstage itself is SIGKILLed, the job gets SIGTERM (PR_SET_PDEATHSIG), not orphaned."""
     pidfile, ready = tmp_path / "pid", tmp_path / "ready"
-    p = subprocess.Popen(
-        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready]
+    p = procs.start(
+        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready],
+        start_new_session=True,
     )  # fmt: skip
     wait_for(ready)
     job = psutil.Process(int(pidfile.read_text()))
@@ -439,11 +440,12 @@ def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_orphans_of_the_job_are_reaped_while_it_runs(shmstage_bin, tmp_path):
+def test_orphans_of_the_job_are_reaped_while_it_runs(shmstage_bin, tmp_path, procs):
     """A process the job orphans is re-parented to shmstage and reaped when it exits (no zombie)."""
     pidfile = tmp_path / "pid"
-    p = subprocess.Popen(
-        [*shmstage_bin, "run", "--", "sh", "-c", '(sleep 0.2 & echo $! > "$1"); exec sleep 30', "sh", pidfile]
+    p = procs.start(
+        [*shmstage_bin, "run", "--", "sh", "-c", '(sleep 0.2 & echo $! > "$1"); exec sleep 30', "sh", pidfile],
+        start_new_session=True,
     )  # fmt: skip
     try:
         wait_for(pidfile)
