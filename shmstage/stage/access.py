@@ -12,6 +12,8 @@ import os
 import pwd
 import stat
 
+from shmstage.stage.copy import copy_owner
+
 _CLASSES = ((stat.S_IRWXU, "owner"), (stat.S_IRWXG, "group"), (stat.S_IRWXO, "other"))
 
 
@@ -79,8 +81,7 @@ def restrict_root(root: str, source: str, kind: str) -> int:
     owner of a dataset in a private home keeps reading the copy.  Returns the new mode."""
     st = os.lstat(root)
     if os.geteuid() == 0 and kind == "tar":
-        src = os.stat(source)
-        os.lchown(root, src.st_uid, src.st_gid)
+        copy_owner(root, os.stat(source))
         st = os.lstat(root)
     mode = stat.S_IMODE(st.st_mode)
     new = mode & ~denied_classes(source, kind, st.st_uid, st.st_gid)

@@ -75,6 +75,20 @@ def keeps_owner() -> bool:
     return os.geteuid() == 0
 
 
+def copy_owner(path: str | int, st: os.stat_result) -> None:
+    """chown ``path`` (or an fd) to ``st``'s owner and group, best effort: root in a user
+    namespace cannot give away to an unmapped uid (EINVAL) or lacks CAP_CHOWN (EPERM); the
+    copy then stays root's, and access.restrict_root judges the owner it really has."""
+    try:
+        if isinstance(path, int):
+            os.fchown(path, st.st_uid, st.st_gid)
+        else:
+            os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EINVAL):
+            raise
+
+
 def default_workers() -> int:
     """Copying waits on storage more than on CPUs: more workers than CPUs keep more reads
     in flight (cold disk, NFS); measured on a 2-core VM, 8-16 beat 4 on a cold tree."""
@@ -526,7 +540,7 @@ def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
                 raise _Fail(_K_CHANGED, 0, src)
             try:
                 if state.chown:
-                    os.fchown(fo, st.st_uid, st.st_gid)
+                    copy_owner(fo, st)
                 os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
             except OSError as e:
                 raise _Fail(_K_WRITE, e.errno or 0, dst) from None

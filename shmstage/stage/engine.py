@@ -443,8 +443,7 @@ def _build_dir(
             path = os.path.join(part, rel)
             os.symlink(target, path)
             if own:
-                st = os.lstat(src_prefix + rel)
-                os.lchown(path, st.st_uid, st.st_gid)
+                copier.copy_owner(path, os.lstat(src_prefix + rel))
             os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
         total = sum(j[2] for j in jobs)
         tasks, chunked = copier.make_tasks(jobs)
@@ -465,8 +464,7 @@ def _build_dir(
     copier.run(jobs, tasks, nworkers, tick, while_copying)
     for i in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
         if own:
-            st = os.stat(jobs[i][0])
-            os.chown(jobs[i][1], st.st_uid, st.st_gid, follow_symlinks=False)
+            copier.copy_owner(jobs[i][1], os.stat(jobs[i][0]))
         os.chmod(jobs[i][1], jobs[i][5], follow_symlinks=False)
         os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)
     for rel, first in hard:
@@ -483,8 +481,7 @@ def _build_dir(
     for rel, mode, mtime, atime in reversed(dirs):  # children first: they touch the parent's mtime
         path = os.path.join(part, rel) if rel != "." else part
         if own:
-            st = os.lstat(src_prefix + rel if rel != "." else tree.root)
-            os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
+            copier.copy_owner(path, os.lstat(src_prefix + rel if rel != "." else tree.root))
         os.chmod(path, mode)
         os.utime(path, ns=(atime, mtime), follow_symlinks=False)
     return total
