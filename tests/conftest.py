@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,20 @@ def tmpfs(tmp_path: Path):
     t = Tmpfs(tmp_path / "mnt")
     yield t
     t.cleanup()
+
+
+@pytest.fixture
+def open_tmpfs():
+    """``open_tmpfs("16M")`` -> a tmpfs (mode 1777) every user can reach, for tests that run
+    shmstage as another user (pytest's tmp_path is root's, 0700).  Root + private namespace."""
+    if not (IS_ROOT and PRIVATE_NS):
+        pytest.skip("needs root and a private mount namespace")
+    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))
+    base.chmod(0o755)
+    t = Tmpfs(base)
+    yield t
+    t.cleanup()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

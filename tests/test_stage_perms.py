@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,19 +31,9 @@ def as_user(uid: int, gid: int | None = None) -> list[str]:
 
 
 @pytest.fixture
-def world():
-    """A tmpfs every user can reach (/tmp/<0755 dir>/shm, mode 1777); unmounted at teardown."""
-    base = Path(tempfile.mkdtemp(prefix="shmstage-perms-"))
-    base.chmod(0o755)
-    mnt = base / "shm"
-    mnt.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=600M,mode=1777", "tmpfs", str(mnt)], check=True
-    )
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-    mnt.rmdir()
-    base.rmdir()
+def world(open_tmpfs):
+    """A tmpfs every user can reach, room for a chunked file and its copy."""
+    return open_tmpfs("600M")
 
 
 def own(path: Path, uid: int) -> None:
