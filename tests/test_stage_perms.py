@@ -232,3 +232,20 @@ def test_world_readable_source_stays_world_readable(world, shmstage_bin):
         assert done.returncode == 0, done.stderr
         assert (dest / "pub").stat().st_mode & 0o777 == 0o755
         assert can_read(NOBODY, dest / "pub" / "sub" / "f")
+
+
+def test_restaging_an_unchanged_source_follows_its_path(world, shmstage_bin):
+    """Nothing to copy, but a directory above the source closed (then opened): the copy follows."""
+    src = world / "gate" / "pub"
+    src.mkdir(parents=True)
+    (src / "f").write_text("x\n")
+    dest = world / "dest"
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    modes = []
+    for gate in (0o755, 0o700, 0o755):
+        (world / "gate").chmod(gate)
+        done = subprocess.run(argv, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        modes.append((dest / "pub").stat().st_mode & 0o777)
+    assert modes == [0o755, 0o700, 0o755]
+    assert can_read(NOBODY, dest / "pub" / "f")

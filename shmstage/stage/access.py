@@ -73,19 +73,21 @@ def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
     return clear
 
 
-def restrict_root(root: str, source: str, kind: str) -> int:
+def restrict_root(root: str, source: str, kind: str, mode: int | None = None) -> int:
     """Clear on ``root`` (the built copy of ``source``) what its source path denies.
 
     As root, the copy of a tar archive's root gets the archive's owner and group first
     (a directory's tree already carries its source's ownership, see the copier), so the
-    owner of a dataset in a private home keeps reading the copy.  Returns the new mode."""
+    owner of a dataset in a private home keeps reading the copy.  ``mode``: the unrestricted
+    mode to start from (the manifest's, when re-checking a published copy whose source path
+    may have opened or closed since); default: root's own.  Returns the new mode."""
     st = os.lstat(root)
     if os.geteuid() == 0 and kind == "tar":
         copy_owner(root, os.stat(source))
         st = os.lstat(root)
-    mode = stat.S_IMODE(st.st_mode)
-    new = mode & ~denied_classes(source, kind, st.st_uid, st.st_gid)
-    if new != mode:
+    now = stat.S_IMODE(st.st_mode)
+    new = (now if mode is None else mode) & ~denied_classes(source, kind, st.st_uid, st.st_gid)
+    if new != now:
         os.chmod(root, new, follow_symlinks=False)
     return new
 

@@ -232,6 +232,7 @@ def _stage_locked(
             tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
             if same and manifest["entries"] == entries:  # type: ignore[index]
+                _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
             resumable = not force and _read_marker(marker) == source
             _write_marker(marker, source)
@@ -254,6 +255,7 @@ def _stage_locked(
             st = os.stat(source)
             fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
             if same and manifest.get("archive") == fingerprint:  # type: ignore[union-attr]
+                _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
             archive = tarsrc.scan(source)
             require_fit(archive.page_bytes, len(archive.members), store.dest, reserve)
@@ -314,6 +316,14 @@ def _stage_locked(
     finally:
         if ahead is not None:
             ahead.stop(drop=False)  # on success the copier has dropped every file's pages
+
+
+def _recheck_access(
+    store: Store, name: str, source: str, kind: str, manifest: dict[str, Any] | None
+) -> None:
+    """An unchanged source: its path may have opened or closed since the copy was made."""
+    with suppress(OSError, KeyError, IndexError, TypeError):  # best effort: not our copy, ...
+        access.restrict_root(store.path(name), source, kind, manifest["entries"][0][4])  # type: ignore[index]
 
 
 def _write_marker(path: str, source: str) -> None:
