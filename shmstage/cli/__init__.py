@@ -75,8 +75,8 @@ class ShmstageGroup(click.Group):
         module_name, attr = target.split(":")
         module = importlib.import_module(f"{__name__}.{module_name}")
         cmd = getattr(module, attr)
-        if ctx.auto_envvar_prefix is not None:
-            name_envvars(cmd, f"{ctx.auto_envvar_prefix}_{cmd_name.replace('-', '_').upper()}")
+        # always (not only under main()'s auto_envvar_prefix): the same variables in tests
+        name_envvars(cmd, f"SHMSTAGE_{cmd_name.replace('-', '_').upper()}")
         return cmd
 
     def invoke(self, ctx: click.Context) -> Any:
