@@ -249,3 +249,46 @@ def test_restaging_an_unchanged_source_follows_its_path(world, shmstage_bin):
         modes.append((dest / "pub").stat().st_mode & 0o777)
     assert modes == [0o755, 0o700, 0o755]
     assert can_read(NOBODY, dest / "pub" / "f")
+
+
+def test_restage_does_not_link_what_the_owner_planted_in_the_copy(world, shmstage_bin):
+    """Root keeps alice's ownership, so alice can swap a folder of her copy for a symlink into
+    another private dataset; root's next incremental stage must not hard-link from there."""
+    home = private_home(world)
+    dest = world / "dest"
+    other = world / "bob" / "data" / "sub"  # a private dataset with a look-alike file
+    other.mkdir(parents=True)
+    shutil.copy2(home / "data" / "sub" / "f", other / "f")
+    (other / "f").write_text("bob's!\n")  # same size as alice's
+    st = (home / "data" / "sub" / "f").stat()
+    os.utime(other / "f", ns=(st.st_atime_ns, st.st_mtime_ns))
+    (world / "bob").chmod(0o700)
+    stage = [*shmstage_bin, "stage", "--dest", str(dest), "--quiet"]
+    for src in (world / "bob" / "data", home / "data"):
+        done = subprocess.run([*stage, str(src), "--name", src.parent.name], capture_output=True)
+        assert done.returncode == 0, done.stderr
+    plant = f"cd {dest / 'alice'} && mv sub sub.old && ln -s {dest / 'bob' / 'sub'} sub"
+    done = subprocess.run([*as_user(ALICE), "sh", "-c", plant], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (home / "data" / "new").write_text("a change, so the next stage is incremental\n")
+    done = subprocess.run([*stage, str(home / "data"), "--name", "alice"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    staged = dest / "alice" / "sub" / "f"
+    assert not staged.is_symlink() and staged.read_text() == "alice's\n"
+    assert staged.stat().st_ino != (dest / "bob" / "sub" / "f").stat().st_ino
+
+
+def test_restage_copies_a_file_deleted_from_the_published_copy(world, shmstage_bin):
+    """A user who deleted a file from their staged copy can still stage the changed source."""
+    src, dest = world / "src", world / "dest"
+    read_only_tree(src, big=False)
+    (src / "top").write_text("top\n")
+    own(src, NOBODY)
+    argv = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    assert subprocess.run(argv, capture_output=True).returncode == 0
+    rm = subprocess.run([*as_user(NOBODY), "rm", str(dest / "src" / "top")])
+    assert rm.returncode == 0
+    (src / "new").write_text("x")
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (dest / "src" / "top").read_text() == "top\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -378,6 +379,28 @@ def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
     return keep
 
 
+def _link_unchanged(old: str, job: copier.Job, own: bool) -> bool:
+    """Hard-link the published ``old`` file as ``job``'s copy if it is still what the manifest
+    and the source say; False (nothing linked) if not.
+
+    The published tree may belong to the source's owner (root keeps owners), who can swap
+    a directory in it for a symlink: the check runs on the link made in our private
+    partial/ tree, so what it accepts is what gets published."""
+    try:
+        os.link(old, job[1], follow_symlinks=False)
+    except OSError:
+        return False
+    st = os.lstat(job[1])
+    same = (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) == (job[2], job[3], job[5])
+    ok = stat.S_ISREG(st.st_mode) and same
+    if ok and own:
+        src = os.lstat(job[0])
+        ok = (st.st_uid, st.st_gid) == (src.st_uid, src.st_gid)
+    if not ok:
+        os.unlink(job[1])
+    return ok
+
+
 def _build_dir(
     store: Store,
     name: str,
@@ -411,7 +434,7 @@ def _build_dir(
     src_prefix = tree.root.rstrip("/") + "/"
     part_prefix = part + "/"
     jobs: list[copier.Job] = []
-    reuse: list[str] = []
+    reuse: list[copier.Job] = []
     links: list[list[Any]] = []
     hard: list[list[Any]] = []
     dirs: list[tuple[str, int, int, int]] = []
@@ -429,26 +452,26 @@ def _build_dir(
                 if rel in keep:
                     continue
                 o = old.get(rel)
+                job = (
+                    src_prefix + rel,  # plain concatenation: 1M joins cost seconds
+                    part_prefix + rel,
+                    size,
+                    mtime,
+                    atime,
+                    mode,
+                    rel,
+                )
                 if o is not None and list(o) == list(e):
-                    reuse.append(rel)
+                    reuse.append(job)
                 else:
-                    jobs.append(
-                        (
-                            src_prefix + rel,  # plain concatenation: 1M joins cost seconds
-                            part_prefix + rel,
-                            size,
-                            mtime,
-                            atime,
-                            mode,
-                            rel,
-                        )
-                    )
+                    jobs.append(job)
             elif kind == "l":
                 links.append([rel, extra, mtime])
             else:
                 hard.append([rel, extra])
-        for rel in reuse:  # unchanged since the published version: share its pages
-            os.link(os.path.join(old_root, rel), os.path.join(part, rel), follow_symlinks=False)
+        for job in reuse:  # unchanged since the published version: share its pages
+            if not _link_unchanged(os.path.join(old_root, job[6]), job, own):
+                jobs.append(job)  # gone or not what we published: copy it again
         for rel, target, mtime in links:
             path = os.path.join(part, rel)
             os.symlink(target, path)
