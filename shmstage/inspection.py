@@ -50,12 +50,13 @@ class ShmInfo:
 class MemoryInfo:
     total: int  # physical RAM
     available: int  # MemAvailable
-    usable: int  # min(available, cgroup limit - cgroup usage)
+    usable: int  # min(available, cgroup limit - (cgroup usage - reclaimable page cache))
     ceiling: int  # min(RAM, cgroup limit): what a tmpfs can ever hold here
     cgroup_version: int | None  # 1, 2, None = no memory cgroup found
     cgroup_path: str | None
     cgroup_limit: int | None  # None = unlimited
     cgroup_usage: int | None
+    cgroup_reclaimable: int = 0  # inactive page cache in cgroup_usage (the kernel drops it first)
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,11 @@ class PillowInfo:
     flavor: str  # Pillow | pillow-simd | conflict | none | unknown
     version: str | None
     libjpeg_turbo: bool | None
-    avx2_build: bool | None
+    avx2_build: bool | None  # what shmstage's build record says was asked for
     ok: bool
     next_step: str | None
+    avx2: str = "unverified"  # verified | absent | unverified: AVX2 code in PIL/_imaging
+    avx2_instructions: int | None = None  # how many objdump found
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class TorchInfo:
 @dataclass(frozen=True)
 class DatasetInfo:
     path: str
-    bytes: int
+    bytes: int  # apparent size of the data (hard links once; an archive: extracted)
     files: int
     unreadable: int  # directories/files that could not be read
     mountpoint: str | None
@@ -102,6 +105,10 @@ class DatasetInfo:
     network: bool
     dest: str  # where it would be staged
     fit: capacity.Fit
+    kind: str = "dir"  # "dir" or "tar"
+    page_bytes: int = 0  # what it takes staged in dest (whole pages): the fit check's "needed"
+    inodes: int = 0  # inodes it takes staged: files, hard links, directories, symlinks
+    page_size: int = 0  # the allocation unit page_bytes was rounded to
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,15 @@ def shm_info(path: str) -> ShmInfo:
 def memory_info(mem: system.Memory) -> MemoryInfo:
     cg = mem.cgroup
     return MemoryInfo(
-        mem.total, mem.available, mem.usable, mem.ceiling, cg.version, cg.path, cg.limit, cg.usage
+        mem.total,
+        mem.available,
+        mem.usable,
+        mem.ceiling,
+        cg.version,
+        cg.path,
+        cg.limit,
+        cg.usage,
+        cg.reclaimable,
     )
 
 
@@ -168,15 +183,22 @@ def cpu_info() -> CpuInfo:
 
 
 def pillow_info() -> PillowInfo:
-    try:
-        pillow = importlib.import_module("shmstage.pillow")
-    except ImportError:  # not installed alongside this version
-        return PillowInfo("unknown", None, None, None, False, None)
+    from shmstage import pillow
+
     try:
         st = pillow.check()
     except Exception as e:  # a broken PIL must not break the whole report
         return PillowInfo("unknown", None, None, None, False, f"could not check Pillow: {e}")
-    return PillowInfo(st.flavor, st.version, st.libjpeg_turbo, st.avx2_build, st.ok, st.next_step)
+    return PillowInfo(
+        st.flavor,
+        st.version,
+        st.libjpeg_turbo,
+        st.avx2_build,
+        st.ok,
+        st.next_step,
+        st.avx2,
+        st.avx2_instructions,
+    )
 
 
 def torch_info() -> TorchInfo:
@@ -202,42 +224,24 @@ def torch_info() -> TorchInfo:
 
 
 def walk(path: str) -> tuple[int, int, int]:
-    """(bytes, files, unreadable) under ``path``: regular files and symlinks to files.
-
-    Iterative ``os.scandir`` (no recursion limit, one stat per entry that
-    scandir usually answers from the directory itself); symlinked
-    directories are not followed."""
+    """(bytes, files, unreadable) under ``path``, counted by the staging estimator
+    (:func:`shmstage.stage.estimate.estimate`: lstat, hard links once, symlinks not followed)."""
     if not os.path.isdir(path):
         return os.path.getsize(path), 1, 0
-    total = files = unreadable = 0
-    stack = [path]
-    while stack:
-        here = stack.pop()
-        try:
-            with os.scandir(here) as it:
-                for entry in it:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        elif entry.is_file():
-                            total += entry.stat().st_size
-                            files += 1
-                    except OSError:
-                        unreadable += 1
-        except OSError:
-            unreadable += 1
-    return total, files, unreadable
+    from shmstage.stage.estimate import estimate
+
+    est = estimate(path)
+    return est.bytes, est.files, est.unreadable
 
 
 def default_dest(path: str) -> str:
-    """Where ``stage`` would put data: its DEFAULT_DEST for /dev/shm, else PATH/shmstage."""
+    """Where ``stage`` would put data: ``$SHMSTAGE_DEST`` or its default for /dev/shm, else
+    PATH/shmstage."""
     if os.path.normpath(path) != "/dev/shm":
         return os.path.join(path, "shmstage")
-    try:
-        from shmstage.stage import DEFAULT_DEST
-    except ImportError:
-        return os.environ.get("SHMSTAGE_DEST", "/dev/shm/shmstage")
-    return str(DEFAULT_DEST)
+    from shmstage.stage import resolve_dest
+
+    return resolve_dest(None)
 
 
 def dataset_info(
@@ -251,16 +255,18 @@ def dataset_info(
         raise RefusedError(
             f"cannot read dataset {path}: permission denied; run as a user who can read it"
         )
+    from shmstage.stage.estimate import estimate  # the same numbers stage checks
+
     real = os.path.realpath(path)
-    size, files, unreadable = walk(real)
+    est = estimate(real, dest)
     mount = system.mount_of(real)
     disk = system.block_device(real)
     fstype = mount.fstype if mount else None
     return DatasetInfo(
         path=path,
-        bytes=size,
-        files=files,
-        unreadable=unreadable,
+        bytes=est.bytes,
+        files=est.files,
+        unreadable=est.unreadable,
         mountpoint=mount.mountpoint if mount else None,
         fstype=fstype,
         device=mount.device if mount else None,
@@ -268,7 +274,11 @@ def dataset_info(
         rotational=disk.rotational if disk else None,
         network=bool(fstype and system.is_network_fs(fstype)),
         dest=dest,
-        fit=capacity.check_fit(size, dest, reserve, memory=mem),
+        fit=capacity.check_fit(est.page_bytes, dest, reserve, memory=mem, inodes=est.inodes),
+        kind=est.kind,
+        page_bytes=est.page_bytes,
+        inodes=est.inodes,
+        page_size=est.page_size,
     )
 
 
@@ -337,6 +347,8 @@ def check_memory(mem: MemoryInfo) -> Check:
     if mem.cgroup_version is None:
         return Check("memory", OK, detail + "; no memory cgroup", None)
     used = "" if mem.cgroup_usage is None else f", {format_size(mem.cgroup_usage)} used"
+    if mem.cgroup_usage is not None and mem.cgroup_reclaimable:
+        used += f" ({format_size(mem.cgroup_reclaimable)} of it reclaimable page cache)"
     if mem.cgroup_limit is None:
         return Check("memory", OK, detail + f"; cgroup v{mem.cgroup_version} no limit{used}", None)
     detail += f"; cgroup v{mem.cgroup_version} limit {format_size(mem.cgroup_limit)}{used}"
@@ -386,7 +398,8 @@ def check_pillow(p: PillowInfo) -> Check:
         return Check("pillow", WARN, "no Pillow installed", p.next_step)
     detail = (
         f"{p.flavor} {p.version or '?'}, libjpeg-turbo {_yes(p.libjpeg_turbo)}, "
-        f"AVX2 build {_yes(p.avx2_build)}"
+        f"AVX2 build {_yes(p.avx2_build)}, AVX2 code {p.avx2}"
+        + (f" ({p.avx2_instructions} instructions)" if p.avx2_instructions is not None else "")
     )
     return Check("pillow", OK if p.ok else WARN, detail, None if p.ok else p.next_step)
 
@@ -434,7 +447,8 @@ def check_dataset(d: DatasetInfo) -> list[Check]:
     elif d.rotational is not None:
         kind.append("rotational disk" if d.rotational else "SSD")
     where = f"{d.fstype or '?'} {d.device or '?'}" + (f" ({', '.join(kind)})" if kind else "")
-    detail = f"{d.path}: {format_size(d.bytes)} in {d.files:,} files on {where}"
+    archive = " (tar archive, extracted size)" if d.kind == "tar" else ""
+    detail = f"{d.path}: {format_size(d.bytes)} in {d.files:,} files{archive} on {where}"
     if d.unreadable:
         dataset = Check(
             "dataset",
@@ -448,12 +462,13 @@ def check_dataset(d: DatasetInfo) -> list[Check]:
     if fit.fits:
         free = format_size(fit.free)
         detail = (
-            f"fits in {d.dest}: needs {format_size(fit.needed)} + {format_size(fit.reserve)} reserve, "
-            f"{free} free"
+            f"fits in {d.dest}: needs {capacity.describe(fit.needed, d.files, d.inodes)} + "
+            f"{format_size(fit.reserve)} reserve, {free} free"
         )
         return [dataset, Check("fit", OK, detail, None)]
     if fit.suggested_size:
-        advice = f"shmstage remount --size {fit.suggested_size}, then stage"
+        where = f" --path {fit.mountpoint}" if fit.mountpoint not in (None, "/dev/shm") else ""
+        advice = f"shmstage remount{where} --size {fit.suggested_size}, then stage"
     elif fit.fstype in capacity.MEMORY_BACKED:
         advice = "stage to local disk with --dest, or free memory / raise the memory limit"
     else:

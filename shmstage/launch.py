@@ -1,8 +1,9 @@
 """``shmstage run``: stage the data, fill ``{staged}`` into the command, start it, forward signals.
 
-The job runs as a child in our process group (Ctrl-C in a terminal reaches both); signals
-sent to shmstage alone (``kill PID``, a pod's SIGTERM) are forwarded to it, and its exit
-status becomes ours (128+N when a signal killed it).  No process is left behind.
+The job runs in its own session, so every signal reaches it once: through shmstage, which
+forwards what it gets (``kill PID``, ``kill -- -PGID``, a terminal's Ctrl-C, a pod's SIGTERM),
+or, for a Slurm step-wide signal, from Slurm itself.  Its exit status becomes ours (128+N
+when a signal killed it).  No process is left behind.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 import psutil
 
+from shmstage._libc import load_libc
 from shmstage.errors import RefusedError, ShmstageError
 
 # Signals a launcher must pass on: torchrun shuts its workers down on INT/TERM, jobs
@@ -36,8 +38,8 @@ FORWARDED_SIGNALS = (
 )
 LEFTOVER_GRACE = 5.0  # seconds a leftover descendant gets between SIGTERM and SIGKILL
 
-# si_code of a signal the kernel sent, e.g. a terminal's ^C to its foreground process group
-_SI_KERNEL = 0x80
+_SI_USER = 0  # si_code of a signal sent with kill()
+_SI_KERNEL = 0x80  # si_code of a signal the kernel sent, e.g. a terminal's ^C
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
@@ -121,10 +123,8 @@ def _placeholders(args: Sequence[str]) -> list[tuple[str, str, str | None]]:
 
 def stage_name(request: StageRequest) -> str | None:
     """The name the staging engine will use for ``request`` (checked when explicit)."""
-    try:
-        from shmstage.stage.store import check_name, name_for
-    except ImportError:  # an engine without these helpers: names are known after staging
-        return request.name
+    from shmstage.stage.store import check_name, name_for
+
     return check_name(request.name) if request.name is not None else name_for(request.source)
 
 
@@ -240,14 +240,27 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
 
 # NOTE [run: signals and the child]
 #
-#   shmstage (blocks FORWARDED + SIGCHLD) ── Popen ──▶ child (mask restored, PDEATHSIG=TERM)
-#        │  sigtimedwait loop
+#   shmstage (blocks FORWARDED + TSTP + CHLD) ── Popen ──▶ child: setsid() (own session and
+#        │  sigtimedwait loop                              group), mask restored, PDEATHSIG
 #        ├─ SIGCHLD / timeout ─▶ poll(): exited? ─▶ terminate leftovers ─▶ return status
-#        └─ FORWARDED signal ──▶ kill(child, sig), unless the kernel sent it (a terminal's
-#                                ^C/^\ or hangup goes to the whole foreground group, so the
-#                                child already has it: a second SIGINT would cut torchrun's
-#                                own shutdown short)
+#        ├─ SIGTSTP (^Z) ──────▶ SIGSTOP the job's group, stop ourselves; on resume SIGCONT it
+#        ├─ FORWARDED, from the terminal (si_code SI_KERNEL) ──▶ killpg(job, sig)
+#        └─ FORWARDED, sent by kill() ──▶ kill(job, sig), unless slurmstepd sent it to the
+#                                whole step (then the job got it from Slurm directly)
 #
+# - Each signal must reach the job exactly once: a second SIGINT/SIGTERM cuts torchrun's own
+#   shutdown short.  Because the job has its own session, nothing aimed at shmstage reaches
+#   it directly: not a terminal's ^C/^\/hangup (the tty signals its foreground group, which
+#   the job is not in), not `kill -- -PGID` of our group, not a kill of every process in our
+#   session.  shmstage forwards each of those once: to the job's process group when the
+#   terminal sent it, as the terminal would have (`sh -c "python train.py"`: both get ^C),
+#   else to the job's process alone, like `kill PID`.  torchrun starts its workers in
+#   sessions of their own, so torchrun alone gets the signal and stops them itself.
+# - A signal that reaches the job without passing through us is not ours to forward:
+#   Slurm's scancel / `--signal=USR1@T` signal every process of a step (proctrack/cgroup
+#   or linuxproc) from slurmstepd.  So a signal whose sender is slurmstepd is not forwarded,
+#   except when shmstage is the batch shell itself (`exec shmstage run ...` in an sbatch
+#   script, no SLURM_STEP_ID): `--signal=B:USR1` and `scancel -b` reach only that process.
 # - The signals are blocked before the fork, so none is lost between spawn and wait; the
 #   child unblocks them in preexec_fn.  Python handlers stay installed as a fallback for a
 #   signal delivered to another thread (which does not block it).
@@ -258,7 +271,7 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
 
 def _libc() -> Any:
     try:
-        return ctypes.CDLL(None, use_errno=True)
+        return load_libc()
     except OSError:  # not Linux / no libc: prctl features are skipped
         return None
 
@@ -337,7 +350,7 @@ def _run_child(
     not_ours: set[int],
 ) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
-    watched = {*FORWARDED_SIGNALS, signal.SIGCHLD}
+    watched = {*FORWARDED_SIGNALS, signal.SIGTSTP, signal.SIGCHLD}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if main_thread else set()
     old_handlers: dict[int, Any] = {}
     child: subprocess.Popen[Any] | None = None
@@ -348,6 +361,7 @@ def _run_child(
                 executable=executable,
                 env=None if env is None else dict(env),
                 preexec_fn=_child_setup(old_mask, os.getpid()),
+                start_new_session=True,  # see NOTE [run: signals and the child]
             )
         except FileNotFoundError:
             if executable is not None and os.path.exists(executable):  # a #! line's interpreter
@@ -383,20 +397,64 @@ def _run_child(
 def _wait_forwarding(
     child: subprocess.Popen[Any], watched: set[signal.Signals], not_ours: set[int]
 ) -> None:
-    try:
-        child_pgid: int | None = os.getpgid(child.pid)
-    except ProcessLookupError:
-        child_pgid = None
     while child.poll() is None:
         info = signal.sigtimedwait(watched, 0.5)
         if info is None:
             continue
         if info.si_signo == signal.SIGCHLD:
             _reap_orphans(child.pid, not_ours)
-            continue
-        from_terminal = info.si_code == _SI_KERNEL and child_pgid == os.getpgrp()
-        if not from_terminal:
+        elif info.si_signo == signal.SIGTSTP:
+            _suspend_with(child)
+        elif info.si_code == _SI_KERNEL:  # from our terminal: deliver it as the tty would
+            _signal_job(child, info.si_signo)
+        elif not sent_to_whole_slurm_step(info.si_code, info.si_pid, info.si_uid):
             child.send_signal(info.si_signo)
+
+
+def _signal_job(child: subprocess.Popen[Any], sig: int) -> None:
+    """Send ``sig`` to the job's process group (its own, from setsid), or the job alone."""
+    if child.returncode is not None:
+        return
+    try:
+        os.killpg(child.pid, sig)  # the job leads its own group (setsid)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, sig)
+
+
+def _suspend_with(child: subprocess.Popen[Any]) -> None:
+    """^Z: stop the job's group, then ourselves; resume it when we are continued.
+
+    SIGSTOP, not SIGTSTP: the job's group has no terminal (its own session), and the kernel
+    drops SIGTSTP sent to such an orphaned group.
+    """
+    _signal_job(child, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)  # returns when our shell sends SIGCONT (fg / bg)
+    _signal_job(child, signal.SIGCONT)
+
+
+def sent_to_whole_slurm_step(
+    si_code: int, si_pid: int, si_uid: int, environ: Mapping[str, str] | None = None
+) -> bool:
+    """Whether a signal came from slurmstepd signalling every process of the step.
+
+    Then the job received it from Slurm too, and forwarding it would deliver it twice.  Not
+    so when shmstage is the batch shell (the batch step, without SLURM_STEP_ID, and
+    slurmstepd our parent): ``--signal=B:SIG`` and ``scancel -b`` signal only that process.
+    See NOTE [run: signals and the child].
+    """
+    if si_code != _SI_USER or si_pid <= 0 or si_uid != 0:  # slurmstepd runs as root
+        return False
+    try:
+        with open(f"/proc/{si_pid}/comm", encoding="utf-8", errors="replace") as f:
+            sender = f.read().strip()
+    except OSError:
+        return False
+    if sender != "slurmstepd":
+        return False
+    environ = os.environ if environ is None else environ
+    batch_shell = not environ.get("SLURM_STEP_ID", "").isdigit() and os.getppid() == si_pid
+    return not batch_shell
 
 
 def _reap_orphans(job: int, not_ours: set[int]) -> None:
@@ -430,6 +488,25 @@ def _waiting_note(request: StageRequest, log: Callable[[str], None] | None) -> A
             log(f"waiting for another process{holder} staging {request.source}")
 
     return note
+
+
+def _stage_leased(
+    engine: Any, request: StageRequest, dest: str | None, log: Callable[[str], None] | None
+) -> tuple[Any, Any]:
+    """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
+    it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
+    from shmstage.stage.leases import acquire
+
+    for attempt in (1, 2):
+        ds = engine.stage(
+            request.source, name=request.name, dest=dest, progress=_waiting_note(request, log)
+        )
+        try:
+            return ds, acquire(ds.name, dest)
+        except ShmstageError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def run(
@@ -471,12 +548,14 @@ def run(
     evicted: list[str] = []
     returncode: int | None = None
     leftovers = 0
+    held: list[Any] = []  # a lease per staged dataset, for the job's lifetime
     try:
         if requests:
             from shmstage import stage as engine
 
             for r in requests:
-                ds = engine.stage(r.source, name=r.name, dest=dest, progress=_waiting_note(r, log))
+                ds, lease = _stage_leased(engine, r, dest, log)
+                held.append(lease)
                 staged.append(ds)
                 if log is not None:
                     log(f"{engine.summary(ds)} -> {ds.path}")
@@ -489,12 +568,18 @@ def run(
         env = job_env(staged, settings)
         returncode, leftovers = spawn([command[0], *args], env, executable=exe, log=log)
     finally:
+        for lease in held:
+            lease.release()
         if cleanup and staged:
             from shmstage import stage as engine
 
             for ds in staged:
                 if ds.changed:  # only what this run copied; a dataset others staged stays
-                    evicted.extend(engine.evict(ds.name, dest=dest))
+                    try:
+                        evicted.extend(engine.evict(ds.name, dest=dest))
+                    except engine.InUse as e:  # another job reads it: not ours to take away
+                        if log is not None:
+                            log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")
             if log is not None and evicted:
                 log(f"evicted: {', '.join(evicted)}")
     return RunResult(returncode, tuple(staged), tuple(evicted), leftovers)

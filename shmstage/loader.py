@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import random
 import threading
 import warnings
 import weakref
@@ -36,7 +35,7 @@ __all__ = [
     "default_num_workers",
     "loader_kwargs",
     "make_loader",
-    "seed_worker",
+    "hold_lease",
     "staged_path",
 ]
 
@@ -114,18 +113,19 @@ def _accelerator_present() -> bool:
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed ``random`` and numpy in a loader worker from torch's per-worker seed.
+    """Deprecated, does nothing: torch's DataLoader already seeds each worker.
 
-    torch seeds each worker with base_seed + worker_id but leaves ``random`` and numpy
-    alone, so forked workers would otherwise draw identical "random" augmentations.
+    Every worker gets ``base_seed + worker_id`` for ``random`` and torch, and a seed derived
+    from both (numpy's SeedSequence scheme) for numpy (torch >= 1.9).  This function used to
+    re-seed ``random`` and numpy from ``torch.initial_seed()``, which added nothing and gave
+    numpy the same seed as ``random``.  Kept so ``worker_init_fn=seed_worker`` still works.
     """
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed)
+    warnings.warn(
+        "shmstage.loader.seed_worker is deprecated and does nothing: torch already seeds "
+        "random, torch and numpy in each DataLoader worker; drop worker_init_fn=seed_worker",
+        DeprecationWarning,
+        stacklevel=2,
+    )
 
 
 def loader_kwargs(**overrides: Any) -> dict[str, Any]:
@@ -161,7 +161,6 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
             prefetch = env_prefetch
         kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch is None else prefetch
         kwargs["persistent_workers"] = True
-        kwargs["worker_init_fn"] = seed_worker
     else:
         # DataLoader rejects these without workers; an env default does not apply either.
         for key in ("prefetch_factor", "persistent_workers"):
@@ -172,9 +171,63 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
-def make_loader(dataset: Any, batch_size: int | None = 1, **overrides: Any) -> DataLoader:
-    """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``."""
+def make_loader(
+    dataset: Any,
+    batch_size: int | None = 1,
+    *,
+    lease: str | os.PathLike[str] | bool | None = None,
+    **overrides: Any,
+) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``.
+
+    When the dataset reads a staged copy, the process takes a lease on it (held until it
+    exits) so ``shmstage evict`` refuses to remove it: ``lease=PATH`` names the staged path;
+    by default ``dataset.root`` / ``.root_dir`` / ``.data_dir`` / ``.path`` (or those of
+    ``dataset.dataset``, e.g. a ``Subset``) are looked at; ``lease=False`` takes none.
+    """
+    if lease is not False:
+        for path in [lease] if lease not in (None, True) else _dataset_paths(dataset):
+            hold_lease(path, required=lease not in (None, True))  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=batch_size, **loader_kwargs(**overrides))
+
+
+_LEASE_ATTRS = ("root", "root_dir", "data_dir", "path")
+
+
+def _dataset_paths(dataset: Any) -> list[str]:
+    out = []
+    for obj in (dataset, getattr(dataset, "dataset", None)):
+        for attr in _LEASE_ATTRS:
+            value = getattr(obj, attr, None) if obj is not None else None
+            if isinstance(value, (str, os.PathLike)):
+                out.append(os.fspath(value))
+    return out
+
+
+_held: dict[tuple[str, str], Any] = {}  # (dest, name) -> leases.Lease, for the process lifetime
+
+
+def hold_lease(path: str | os.PathLike[str], *, required: bool = True) -> bool:
+    """Lease the staged dataset ``path`` lies in until this process exits (once per dataset);
+    False when ``path`` is not in a staged copy (``required``: raise instead)."""
+    from shmstage.stage.leases import acquire, locate
+
+    where = locate(path)
+    if where is None:
+        if required:
+            raise ShmstageError(
+                f"{os.fspath(path)} is not inside a staged dataset; nothing to lease"
+            )
+        return False
+    if where not in _held:
+        try:
+            _held[where] = acquire(where[1], where[0])
+        except ShmstageError as e:
+            if required:
+                raise
+            warnings.warn(f"cannot lease {where[1]}: {e}", ShmstageWarning, stacklevel=3)
+            return False
+    return True
 
 
 # --- nested batches ---------------------------------------------------------
@@ -218,7 +271,9 @@ def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
 
 # NOTE [CudaPrefetcher lifecycle]
 #
-#   __init__: one side stream for the life of the prefetcher (a stream per epoch leaks).
+#   first iter(): resolve the device (the current CUDA device *now*, not at __init__: a
+#                 prefetcher built before set_device(local_rank) must follow it) and make
+#                 one side stream on it for the prefetcher's life (one per epoch leaks).
 #
 #   __iter__:  copy(b0) on side ──┐
 #   next():    consumer.wait_stream(side); b0.record_stream(consumer); copy(b1) on side; yield b0
@@ -238,7 +293,9 @@ class CudaPrefetcher:
     Tensors anywhere in tuples, lists, dicts and namedtuples are moved; other leaves and the
     container types are kept.  Without CUDA (or with ``device="cpu"``) batches pass through
     unchanged; for another device type they are moved with a plain ``.to(device)``.
-    See NOTE [CudaPrefetcher lifecycle].
+    ``device=None`` or ``"cuda"`` means the current CUDA device *at the first iteration*, so
+    a prefetcher built before ``torch.cuda.set_device(local_rank)`` still copies to this
+    rank's GPU.  See NOTE [CudaPrefetcher lifecycle].
     """
 
     def __init__(
@@ -246,29 +303,43 @@ class CudaPrefetcher:
     ) -> None:
         self.loader = loader
         self.non_blocking = non_blocking
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        self._requested = None if device is None else torch.device(device)
+        if (
+            self._requested is not None
+            and self._requested.type == "cuda"
+            and not torch.cuda.is_available()
+        ):
             raise ShmstageError(
                 f"device {device} was asked for but CUDA is not available: "
                 "leave device=None to pass batches through on CPU"
             )
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._device: torch.device | None = None  # resolved at first use
+        self._stream: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device batches are copied to; fixed at the first iteration (or first access)."""
+        if self._device is None:
+            device = self._requested
+            if device is None:
+                device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device=device)
+            self._device = device
+        return self._device
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type == "cpu":
+        device = self.device
+        if device.type == "cpu":
             yield from self.loader
         elif self._stream is None:
             for batch in self.loader:
-                yield _map_tensors(
-                    batch, lambda t: t.to(self.device, non_blocking=self.non_blocking)
-                )
+                yield _map_tensors(batch, lambda t: t.to(device, non_blocking=self.non_blocking))
         else:
             yield from self._prefetch()
 
@@ -298,28 +369,40 @@ class CudaPrefetcher:
 
 # --- BackgroundLoader -------------------------------------------------------
 
-# NOTE [BackgroundLoader lifecycle]
+# NOTE [ BackgroundLoader lifecycle ]
 #
-#   consumer thread                          producer thread (daemon, one per iter())
+#   consumer thread                          producer thread (daemon, one per epoch)
 #   ───────────────                          ────────────────────────────────────────
-#   iter(bg) ── start ────────────────────▶  it = iter(source)
-#   next()  ◀── q.get(timeout) ◀── put ────  for item in it: put(item) until done/stop
+#   iter(bg): join the previous producer
+#             (it was told to stop) ─ start ─▶ it = iter(source)
+#   next()  ◀── q.get(timeout) ◀── put ────  for item in it: put(item), retried while not done
 #   next()  ◀── _End ──────────────────────  put(_End)                  (normal end)
 #   next()  ◀── _Raised(exc) ──────────────  put(_Raised(exc))          (source raised)
 #           raise exc (its own traceback)
-#   close() ── stop.set(); drain q ───────▶  put() sees stop, returns; it.close() runs
-#           join(timeout)                    the generator's `finally` in this thread
+#   close() ── done.set(); drain q ───────▶  put() sees done, gives up; it.close() runs the
+#           join(short timeout); return      generator's `finally` in this thread; exit
+#   __del__ ── done.set() only ───────────▶  (same)
 #
-# - The queue is bounded (max_prefetch), so a fast producer cannot hold more than that.
-# - put() waits with a timeout and re-checks `stop`, so it never blocks forever on a
-#   consumer that went away; get() likewise re-checks the thread so a consumer never hangs.
+# - One producer at a time: the next iter() joins the previous epoch's producer before it
+#   starts a new one.  With persistent_workers (make_loader's default) iter(DataLoader)
+#   returns the same iterator every epoch, so two producers would call its __next__ at
+#   once.  The old producer was told to stop; the wait is the rest of the one item it is
+#   reading (it cannot be interrupted inside next(source)).
+# - close() must not stall a training loop: it sets `done`, drains the queue (waking a
+#   producer blocked in put) and joins for at most join_timeout (0.1 s by default); a
+#   producer still inside next(source) then finishes on its own and exits.
+# - __del__ only sets `done`: it may run in any thread, even the producer's (GC), where
+#   taking the queue's lock or joining could deadlock.  The producer notices within _POLL.
+# - The queue is bounded (max_prefetch); put() and get() use timeouts and re-check `done`
+#   / the thread, so neither side blocks forever on a peer that went away.
 # - End and errors travel as private sentinels, so a `None` item is just an item.
 # - The producer closes its own iterator: a running generator cannot be closed from
 #   another thread ("generator already executing").
-# - The thread holds no reference to the iterator object, so dropping it (GC) calls
-#   close() via __del__; a new iter() closes the previous epoch.  close() is idempotent.
+# - The producer holds no reference to the epoch object, so dropping it (GC) stops it.
+#   close() is idempotent, on the epoch and on the loader.
 
-_POLL = 0.05  # seconds between stop checks
+_POLL = 0.05  # seconds between `done` checks
+DEFAULT_JOIN_TIMEOUT = 0.1  # seconds close() waits for the producer before returning
 
 
 class _End:
@@ -331,8 +414,8 @@ class _Raised:
         self.exc = exc
 
 
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
+def _put(q: queue.Queue[Any], item: Any, done: threading.Event) -> bool:
+    while not done.is_set():
         try:
             q.put(item, timeout=_POLL)
             return True
@@ -341,16 +424,18 @@ def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def _produce(source: Iterable[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
+def _produce(source: Iterable[Any], q: queue.Queue[Any], done: threading.Event) -> None:
     it: Iterator[Any] | None = None
     try:
         it = iter(source)
         for item in it:
-            if not _put(q, item, stop):
+            if not _put(q, item, done):
                 return
-        _put(q, _End, stop)
+            if done.is_set():  # told to stop: do not start another next(source)
+                return
+        _put(q, _End, done)
     except BaseException as exc:  # sent across: the consumer re-raises it
-        _put(q, _Raised(exc), stop)
+        _put(q, _Raised(exc), done)
     finally:
         close = getattr(it, "close", None)
         if close is not None:
@@ -363,12 +448,12 @@ class _BackgroundIterator:
 
     def __init__(self, source: Iterable[Any], max_prefetch: int, join_timeout: float) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_prefetch)
-        self._stop = threading.Event()
-        self._done = False
+        self._done = threading.Event()
+        self._finished = False
         self._join_timeout = join_timeout
         self._thread = threading.Thread(
             target=_produce,
-            args=(source, self._queue, self._stop),
+            args=(source, self._queue, self._done),
             name="shmstage-background",
             daemon=True,
         )
@@ -378,7 +463,7 @@ class _BackgroundIterator:
         return self
 
     def __next__(self) -> Any:
-        if self._done:
+        if self._finished:
             raise StopIteration
         while True:
             try:
@@ -397,9 +482,13 @@ class _BackgroundIterator:
         return item
 
     def close(self) -> None:
-        """Stop the producer, run the source's ``finally``, and join the thread (idempotent)."""
-        self._done = True
-        self._stop.set()
+        """Tell the producer to stop and wait briefly for it (idempotent, never blocks long).
+
+        A producer still inside ``next(source)`` finishes that item on its own, then runs the
+        source's ``finally`` and exits; the next ``iter()`` of the loader waits for it.
+        """
+        self._finished = True
+        self._done.set()
         try:
             while True:  # wake a producer blocked in put()
                 self._queue.get_nowait()
@@ -415,47 +504,65 @@ class _BackgroundIterator:
         self.close()
 
     def __del__(self) -> None:
-        # plain try: module globals (contextlib) may already be gone at interpreter exit
-        try:  # noqa: SIM105
-            self.close()
-        except Exception:
-            pass
+        # signal only: no lock, no join (see NOTE [ BackgroundLoader lifecycle ])
+        done = getattr(self, "_done", None)
+        if done is not None:
+            done.set()
 
 
 class BackgroundLoader:
     """Iterate ``iterable`` in a background thread, up to ``max_prefetch`` items ahead.
 
-    Each ``iter()`` starts one daemon thread (closing the previous epoch's); an exception in
-    the source is re-raised in the consumer with its type and traceback; ``None`` items pass
-    through; ``close()``, leaving a ``with`` block or dropping the iterator stops the thread and
-    runs the source generator's ``finally``.  See NOTE [BackgroundLoader lifecycle].
+    Each ``iter()`` stops the previous epoch, waits until its producer thread has exited
+    (at most the rest of the item it is reading) and starts one daemon thread, so the
+    source is never read by two threads at once.  An exception in the source is re-raised
+    in the consumer with its type and traceback; ``None`` items pass through; ``close()``,
+    leaving a ``with`` block or dropping the iterator stops the thread and runs the source
+    generator's ``finally``; ``close()`` waits at most ``join_timeout`` seconds.
+    See NOTE [ BackgroundLoader lifecycle ].
     """
 
     def __init__(
-        self, iterable: Iterable[Any], max_prefetch: int = 2, join_timeout: float = 5.0
+        self,
+        iterable: Iterable[Any],
+        max_prefetch: int = 2,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     ) -> None:
         if max_prefetch < 1:
             raise ShmstageError(f"max_prefetch={max_prefetch}: use an integer >= 1")
+        if join_timeout < 0:
+            raise ShmstageError(f"join_timeout={join_timeout}: use a number of seconds >= 0")
         self.iterable = iterable
         self.max_prefetch = max_prefetch
         self.join_timeout = join_timeout
         self._current: weakref.ref[_BackgroundIterator] | None = None
+        # the last producer and its `done` event: strong references to these (not to the
+        # epoch, which may be dropped) let iter() and close() reach a producer still running
+        self._producer: tuple[threading.Thread, threading.Event] | None = None
 
     def __iter__(self) -> _BackgroundIterator:
         self.close()
+        if self._producer is not None:
+            thread, _ = self._producer
+            if thread is not threading.current_thread():
+                thread.join()  # told to stop; finishing the item it is reading
+            self._producer = None
         epoch = _BackgroundIterator(self.iterable, self.max_prefetch, self.join_timeout)
         self._current = weakref.ref(epoch)
+        self._producer = (epoch._thread, epoch._done)
         return epoch
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Stop the current epoch's thread, if any (idempotent)."""
+        """Stop the current epoch's thread, if any (idempotent; waits at most join_timeout)."""
         epoch = self._current() if self._current is not None else None
         self._current = None
         if epoch is not None:
             epoch.close()
+        elif self._producer is not None:  # the epoch was dropped: its producer may live on
+            self._producer[1].set()
 
     def __enter__(self) -> BackgroundLoader:
         return self
@@ -482,6 +589,7 @@ def staged_path(
 
     found = find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
     if found is not None:
+        hold_lease(found.path, required=False)  # so nobody evicts it while this job reads it
         return Path(found.path)
     warnings.warn(
         f"{os.fspath(source_or_name)} is not staged on this node; reading it from its source "

@@ -16,6 +16,7 @@ from shmstage import system
 from shmstage.capacity import MEMORY_BACKED, RESERVE_CAP
 from shmstage.config import DatasetConfig, NodeConfig
 from shmstage.errors import ShmstageError
+from shmstage.paths import is_within
 from shmstage.sizes import format_size
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 
 OK, CHANGED, FAILED, SKIPPED, WOULD_CHANGE = "ok", "changed", "failed", "skipped", "would-change"
 _MIB = 1 << 20
-_PAGE = 4096
 # A manifest entry is one JSON list (path, kind, size, mtime, mode, link): ~100-200 bytes.
 _MANIFEST_BYTES_PER_FILE = 256
 
@@ -162,11 +162,11 @@ def auto_size(config: NodeConfig) -> int:
     Copies already staged are taken out of "what it holds" and put back as sources, so a
     converged node gets the same answer again (prepare stays idempotent)."""
     shm = config.shm.path
-    dest_on_shm = _under(config.dest, shm)
+    dest_on_shm = is_within(os.path.realpath(config.dest), os.path.realpath(shm))
     other = system.disk_usage(shm).used
     needed = _MIB
     for ds in config.datasets:
-        size, files = footprint(ds.source)
+        size, files = footprint(ds.source, config.dest)
         needed += size + files * _MANIFEST_BYTES_PER_FILE
         if dest_on_shm and _published(ds.name, config.dest) is not None:
             other -= footprint(os.path.join(config.dest, ds.name))[0]
@@ -179,36 +179,22 @@ def auto_size(config: NodeConfig) -> int:
     return -(-(base + reserve) // _MIB) * _MIB
 
 
-def footprint(path: str) -> tuple[int, int]:
-    """(bytes the regular files under ``path`` take on a tmpfs: whole pages, hard links
-    once; number of files).  A single file counts as itself; a missing path is (0, 0)."""
-    seen: set[tuple[int, int]] = set()
-    total = files = 0
+def footprint(path: str, dest: str | None = None) -> tuple[int, int]:
+    """(bytes ``path`` takes on the tmpfs that holds ``dest``, number of files), by staging's
+    own estimator: whole pages of the kernel's page size, hard links once, an archive by its
+    extracted size.  A single other file counts as itself; a missing path is (0, 0)."""
+    from shmstage.stage.estimate import estimate, page_size, rounded
 
-    def add(st: os.stat_result) -> None:
-        nonlocal total, files
-        files += 1
-        if st.st_nlink > 1:
-            if (st.st_dev, st.st_ino) in seen:
-                return
-            seen.add((st.st_dev, st.st_ino))
-        total += -(-st.st_size // _PAGE) * _PAGE
-
+    if not os.path.lexists(path):
+        return 0, 0
     try:
-        if not os.path.isdir(path):
-            add(os.stat(path))
-            return total, files
-        stack = [path]
-        while stack:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    elif entry.is_file(follow_symlinks=False):
-                        add(entry.stat(follow_symlinks=False))
-    except OSError:
-        pass
-    return total, files
+        est = estimate(path, dest)
+    except ShmstageError:
+        try:
+            return rounded(os.stat(path).st_size, page_size(dest)), 1
+        except OSError:
+            return 0, 0
+    return est.page_bytes, est.files
 
 
 def _bytes(path: str) -> int:
@@ -225,11 +211,6 @@ def _published(name: str, dest: str) -> Any:
     return store.open(create=False).published(name)
 
 
-def _under(path: str, root: str) -> bool:
-    path, root = os.path.realpath(path), os.path.realpath(root)
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, str]:
     from shmstage.stage import stage
 
@@ -243,6 +224,15 @@ def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, s
             return OK, f"{os.path.join(config.dest, ds.name)} up to date"
         what = "stage" if current is False else "check and refresh"
         return WOULD_CHANGE, f"would {what} {ds.source} ({format_size(_bytes(ds.source))})"
+    from shmstage.stage import describe, holders
+
+    leased = holders(ds.name, config.dest)
+    if leased and not staged_is_current(ds.source, ds.name, config.dest):
+        # Refreshing would replace the tree a running job reads: leave it until the job ends.
+        return SKIPPED, (
+            f"{os.path.join(config.dest, ds.name)} is in use by {describe(leased)}; "
+            "not refreshed: run prepare again when the job has finished"
+        )
     result = stage(
         ds.source, name=ds.name, dest=config.dest, verify=ds.verify, reserve=config.reserve
     )

@@ -130,6 +130,7 @@ def plan_remount(
     persist: bool = False,
     fstab: str = "/etc/fstab",
     force: bool = False,
+    shrink: bool = False,
     memory: system.Memory | None = None,
     proc: str = "/proc",
 ) -> RemountPlan:
@@ -137,7 +138,8 @@ def plan_remount(
 
     ``size`` is bytes, ``"64G"``-style, or ``"N%"`` of the memory this node/cgroup
     can hold (``system.memory().ceiling``).  Raises :class:`RefusedError` (exit 2)
-    for a shrink below what is used, a size beyond RAM/the cgroup limit without
+    for a shrink below what is used, any shrink without ``shrink`` (``--size 75%`` on a
+    bigger tmpfs is easy to type by mistake), a size beyond RAM/the cgroup limit without
     ``force``, or a path that is not a tmpfs mount point."""
     mount = _tmpfs_mount(path, proc)
     mem = memory if memory is not None else system.memory()
@@ -166,6 +168,14 @@ def plan_remount(
             f"free space first (e.g. `shmstage evict`) or choose at least {mount_size(_round_up(used, _MIB))}"
         )
     warnings: list[str] = []
+    if new < _round_up(current, PAGE_SIZE):
+        if not shrink:
+            of = f" ({requested} of {format_size(ceiling)})" if is_percent(requested) else ""
+            raise RefusedError(
+                f"refusing to shrink {where} from {format_size(current)} to {option}{of}; "
+                "pass --shrink to make it smaller"
+            )
+        warnings.append(f"shrinks {where} from {format_size(current)} to {option} (--shrink)")
     if new > ceiling:
         if not force:
             raise RefusedError(

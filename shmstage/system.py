@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from shmstage.paths import is_within
+
 _UNLIMITED = 1 << 62  # cgroup v1 reports "no limit" as ~2^63 rounded to a page
 
 
@@ -47,7 +49,11 @@ class CgroupMemory:
     version: int | None  # 1, 2, or None when no memory controller is found
     path: str | None
     limit: int | None  # bytes, None = unlimited
-    usage: int | None
+    usage: int | None  # charged bytes, page cache included
+    # Page cache the kernel drops before it would OOM-kill for the limit: inactive_file
+    # (v2 memory.stat; v1 total_inactive_file, hierarchical).  tmpfs/shmem pages sit on the
+    # anon LRU, never here (measured on 6.18: a tmpfs write raises shmem and inactive_anon).
+    reclaimable: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,9 @@ class Memory:
         """Memory this process's cgroup can still get: min(node available, cgroup headroom)."""
         if self.cgroup.limit is None:
             return self.available
-        headroom = max(0, self.cgroup.limit - (self.cgroup.usage or 0))
+        # The same rule as docker stats and the kubelet's working set: usage - inactive_file.
+        working_set = max(0, (self.cgroup.usage or 0) - self.cgroup.reclaimable)
+        headroom = max(0, self.cgroup.limit - working_set)
         return min(self.available, headroom)
 
     @property
@@ -148,9 +156,7 @@ def mount_of(path: str | os.PathLike[str], proc: str = "/proc") -> Mount | None:
     best: Mount | None = None
     for m in mounts(proc):
         mp = m.mountpoint
-        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and (
-            best is None or len(mp) >= len(best.mountpoint)
-        ):
+        if is_within(real, mp) and (best is None or len(mp) >= len(best.mountpoint)):
             best = m
     return best
 
@@ -212,7 +218,11 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
         dirs = _ancestors(root, paths[""])
         limits = [v for d in dirs if (v := _read_int(d / "memory.max")) is not None]
         return CgroupMemory(
-            2, paths[""], min(limits) if limits else None, _read_int(dirs[0] / "memory.current")
+            2,
+            paths[""],
+            min(limits) if limits else None,
+            _read_int(dirs[0] / "memory.current"),
+            _stat_value(_read(dirs[0] / "memory.stat"), "inactive_file"),
         )
     if "memory" in paths and (root / "memory").is_dir():
         dirs = _ancestors(root / "memory", paths["memory"])
@@ -227,8 +237,18 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
             paths["memory"],
             min(limits) if limits else None,
             _read_int(dirs[0] / "memory.usage_in_bytes"),
+            _stat_value(stat, "total_inactive_file"),
         )
     return CgroupMemory(None, None, None, None)
+
+
+def _stat_value(text: str | None, key: str) -> int:
+    """One counter of a memory.stat file; 0 when absent."""
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(" ")
+        if k == key and v.strip().isdigit():
+            return int(v)
+    return 0
 
 
 def _cpu_max(text: str | None) -> float | None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from shmstage._libc import load_libc
+
 CLONE_NEWNS = 0x00020000
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -28,7 +30,7 @@ PRIVATE_NS = False
 
 
 def _enter_private_mount_namespace() -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = load_libc()
     libc.unshare.argtypes = [ctypes.c_int]
     libc.mount.argtypes = [
         ctypes.c_char_p,

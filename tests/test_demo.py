@@ -149,7 +149,7 @@ def test_demo_too_few_images_is_a_usage_error(runner, cli) -> None:
 
 def test_choose_dest_falls_back_when_the_default_is_not_writable(tmp_path, monkeypatch) -> None:
     """A non-root user who cannot write the default destination stages elsewhere, and is told why."""
-    from shmstage import demo
+    from shmstage.demo import steps as demo
 
     default = tmp_path / "locked" / "shmstage"
     monkeypatch.setenv("SHMSTAGE_DEST", str(default))
@@ -163,7 +163,7 @@ def test_choose_dest_falls_back_when_the_default_is_not_writable(tmp_path, monke
 
 def test_choose_dest_uses_the_default_when_it_fits(tmp_path, monkeypatch) -> None:
     """The default destination (SHMSTAGE_DEST here) is used as is when writable and big enough."""
-    from shmstage import demo
+    from shmstage.demo import steps as demo
 
     monkeypatch.setenv("SHMSTAGE_DEST", str(tmp_path / "shmstage"))
     assert demo.choose_dest(1 << 20, str(tmp_path / "work")) == (str(tmp_path / "shmstage"), None)
@@ -290,7 +290,7 @@ def test_slow_source_without_root_defaults_to_unthrottled() -> None:
     """Not root and no --slow-source: no throttle, and the reason the table's note gives."""
     import contextlib
 
-    from shmstage import demo
+    from shmstage.demo import steps as demo
 
     with contextlib.ExitStack() as stack:
         assert demo.slow_source_throttle(stack, "/", 0, True)[1].reason == "--slow-source 0"

@@ -94,4 +94,4 @@ def test_inspect_fit_row_suggests_the_remount(runner, cli, tmpfs, tmp_path, monk
         doc["dataset"]["fit"]["fits"] is False and doc["dataset"]["fit"]["suggested_size"] == "1G"
     )
     assert doc["checks"][-1]["verdict"] == "FAIL"
-    assert doc["next_step"] == "shmstage remount --size 1G, then stage"
+    assert doc["next_step"] == f"shmstage remount --path {mnt} --size 1G, then stage"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import random
 import threading
 import time
 import traceback
@@ -96,13 +97,15 @@ def test_bad_local_world_size_is_a_clear_error(monkeypatch):
 
 
 def test_defaults_with_workers(monkeypatch, tmp_path):
-    """With workers: persistent workers, a prefetch factor in 2..4, per-worker seeding."""
+    """With workers: persistent workers, a prefetch factor in 2..4; seeding is torch's own."""
     fake_node(monkeypatch, tmp_path, 8, None)
     kw = loader_kwargs()
     assert kw["num_workers"] == 7
     assert kw["persistent_workers"] is True
     assert 2 <= kw["prefetch_factor"] <= 4
-    assert kw["worker_init_fn"] is loader.seed_worker
+    assert "worker_init_fn" not in kw  # torch seeds random/torch/numpy per worker itself
+    init = lambda worker_id: None  # noqa: E731
+    assert loader_kwargs(worker_init_fn=init)["worker_init_fn"] is init
 
 
 def test_pin_memory_follows_the_accelerator(monkeypatch):
@@ -209,9 +212,54 @@ def test_real_loader_with_workers_on_cpu():
         assert seen == list(range(20))
 
 
+class SeedProbe(Dataset):
+    """Per call in a worker: (worker id, worker seed, call number in this worker, random draw)."""
+
+    calls = 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import random
+
+        SeedProbe.calls += 1  # per worker process
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([info.id, info.seed, SeedProbe.calls, random.getrandbits(30)])
+
+
+@pytest.mark.timeout(120)
+def test_workers_keep_torchs_own_seeds():
+    """make_loader's workers draw from the seeds torch gave them (nothing re-seeds them).
+
+    torch seeds ``random`` with ``get_worker_info().seed`` in each worker, so a job can
+    reproduce a worker's draws from that public seed; a worker_init_fn that re-seeds (as
+    seed_worker did, from initial_seed() % 2**32) breaks that.
+    """
+    dl = make_loader(SeedProbe(), 1, num_workers=2)
+    first = {}
+    for (row,) in dl:
+        worker, seed, call, draw = (int(v) for v in row)
+        if call == 1:
+            first[worker] = (seed, draw)
+    assert set(first) == {0, 1}
+    for seed, draw in first.values():
+        assert draw == random.Random(seed).getrandbits(30)
+
+
+def test_seed_worker_is_a_deprecated_no_op():
+    """Old scripts passing worker_init_fn=seed_worker get a DeprecationWarning, not a re-seed."""
+    random.seed(1234)
+    expected = random.Random(1234).random()
+    with pytest.warns(DeprecationWarning, match="seed_worker is deprecated and does nothing"):
+        loader.seed_worker(0)
+    assert random.random() == expected  # random's state untouched
+    assert "seed_worker" not in loader.__all__
+
+
 @pytest.mark.timeout(120)
 def test_workers_draw_different_random_numbers():
-    """seed_worker gives each worker its own numpy/random stream (no duplicated augmentations)."""
+    """torch's per-worker seeds give each worker its own numpy/random stream."""
     dl = make_loader(RandomDataset(), 1, num_workers=2)
     first = {}
     for (row,) in dl:
@@ -476,3 +524,115 @@ def test_prefetcher_asked_for_cuda_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ShmstageError, match="^device cuda was asked for but CUDA is not available"):
         CudaPrefetcher([], device="cuda")
+
+
+class SlowPersistentSource:
+    """Like a DataLoader with persistent workers: iter() is the same iterator every epoch.
+
+    Each ``__next__`` takes up to ``slow`` seconds, ended early by ``gate``; it counts callers
+    inside it at once, and ``finished`` is set when a slow call has run to its end.
+    """
+
+    def __init__(self, slow: float = 3.0) -> None:
+        self.slow = slow
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.max_inside = 0
+        self.count = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.finished = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self.lock:
+            self.inside += 1
+            self.max_inside = max(self.max_inside, self.inside)
+            self.count += 1
+            n = self.count
+        try:
+            if n == 1:  # the first item is the slow one
+                self.entered.set()
+                if not self.gate.wait(self.slow):
+                    self.finished.set()
+            return n
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["close", "loader-close", "del"])
+def test_no_overlapping_next_across_close_and_a_new_epoch(how):
+    """close()/del return while the producer is inside next(); the next epoch waits for it."""
+    src = SlowPersistentSource()
+    before = threading.active_count()
+    bg = BackgroundLoader(src, max_prefetch=1)
+    it = iter(bg)
+    assert src.entered.wait(10)  # the producer is inside the slow next()
+    if how == "close":
+        it.close()
+    elif how == "loader-close":
+        bg.close()
+    else:
+        del it
+        gc.collect()
+    # close() and __del__ did not wait for the 3 s item: it is still being read
+    assert not src.finished.is_set() and src.inside == 1
+
+    second: list[object] = []
+    started = threading.Event()
+
+    def next_epoch() -> None:
+        started.set()
+        it2 = iter(bg)  # must wait for the old producer, not start a second one
+        second.extend(next(it2) for _ in range(3))
+        it2.close()
+
+    t = threading.Thread(target=next_epoch)
+    t.start()
+    try:
+        assert started.wait(10)
+        time.sleep(0.2)  # give a wrongly started second producer the chance to enter next()
+    finally:
+        src.gate.set()
+        t.join(20)
+    assert not t.is_alive()
+    assert src.max_inside == 1  # never two __next__ calls at once
+    assert second == [2, 3, 4]  # the old producer dropped item 1: nothing read twice or lost
+    bg.close()
+    assert wait_until(lambda: threading.active_count() == before)
+
+
+def test_prefetcher_resolves_the_cuda_device_at_first_use(monkeypatch):
+    """Built while cuda:0 is current, iterated after set_device(1): it copies to cuda:1.
+
+    Pure logic (no GPU here): is_available/current_device/Stream are stand-ins.
+    """
+    current = {"index": 0}
+    streams: list[torch.device] = []
+
+    class FakeStream:
+        def __init__(self, device):
+            streams.append(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    for requested in (None, "cuda"):
+        streams.clear()
+        current["index"] = 0
+        p = CudaPrefetcher([], device=requested)  # e.g. at import time, before set_device
+        assert streams == []  # nothing bound to a device yet
+        current["index"] = 1  # torch.cuda.set_device(local_rank)
+        assert list(p) == []
+        assert p.device == torch.device("cuda", 1)
+        assert streams == [torch.device("cuda", 1)]
+        current["index"] = 0
+        assert list(p) == [] and p.device == torch.device("cuda", 1)  # fixed once resolved
+        assert len(streams) == 1  # one stream for the prefetcher's life
+    p = CudaPrefetcher([], device="cuda:1")
+    current["index"] = 0
+    assert p.device == torch.device("cuda", 1)  # an explicit index is kept

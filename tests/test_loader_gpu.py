@@ -56,16 +56,40 @@ def test_values_structure_and_one_stream():
         for i in range(5)
     ]
     p = CudaPrefetcher(batches, device="cuda")
-    stream = p._stream
+    assert p._stream is None  # made at first use, on the device current then
+    streams = []
     for _ in range(2):
         got = list(p)
-        assert p._stream is stream
+        streams.append(p._stream)
         assert len(got) == 5
         for g, w in zip(got, batches):
             assert g["x"].is_cuda and torch.equal(g["x"].cpu(), w["x"])
             assert (
                 torch.equal(g["y"][0].cpu(), w["y"][0]) and g["y"][1] == "tag" and g["n"] == w["n"]
             )
+    assert streams[0] is streams[1] is not None
+    assert streams[0].device == torch.device("cuda", torch.cuda.current_device())
+
+
+def test_device_follows_set_device_after_construction():
+    """Built before torch.cuda.set_device(1) (as in a module-level setup): copies go to cuda:1."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    before = torch.cuda.current_device()
+    try:
+        torch.cuda.set_device(0)
+        p = CudaPrefetcher(pinned_small(3))
+        torch.cuda.set_device(1)  # what each rank does with LOCAL_RANK
+        got = list(p)
+        assert [g.device for g in got] == [torch.device("cuda", 1)] * 3
+        assert p.device == torch.device("cuda", 1) and p._stream.device == p.device
+        assert [float(g[0]) for g in got] == [1.0, 2.0, 3.0]
+    finally:
+        torch.cuda.set_device(before)
+
+
+def pinned_small(count: int) -> list[torch.Tensor]:
+    return [torch.full((1024,), float(i + 1)).pin_memory() for i in range(count)]
 
 
 def test_make_loader_pins_on_gpu():

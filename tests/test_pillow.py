@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,8 +60,8 @@ def simd_facts(avx2=True, **over):
     return facts(version="12.1.1.post0", **over)
 
 
-def status(f, cpu_avx2=True, hint=" --python /venv/bin/python"):
-    return pillow.status_from_facts(f, cpu_avx2, hint)
+def status(f, cpu_avx2=True, hint=" --python /venv/bin/python", scan=pillow.NOT_SCANNED):
+    return pillow.status_from_facts(f, cpu_avx2, hint, scan)
 
 
 # --- check -------------------------------------------------------------------
@@ -169,8 +171,6 @@ def test_check_in_process_matches_probe_in_subprocess():
 
 def test_check_does_not_import_pil_at_import_time():
     """Importing shmstage.pillow must not import PIL (the CLI stays fast)."""
-    import subprocess
-
     code = "import sys, shmstage.pillow; print('PIL' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -622,3 +622,85 @@ def test_record_is_written_next_to_pil(tmp_path):
     )
     assert status(simd_facts(record=raw)).avx2_build is True
     assert not list(Path(tmp_path / "PIL").iterdir())
+
+
+# --- AVX2 in the binary (issue 15 item 5) -------------------------------------
+
+needs_objdump = pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump (binutils)")
+
+
+def test_stock_pillow_binary_has_no_avx2_code():
+    """The disassembly of stock Pillow's real _imaging shows no AVX2: check() says "absent"."""
+    s = pillow.check(sys.executable)
+    if s.flavor != "Pillow" or not shutil.which("objdump"):
+        pytest.skip("needs stock Pillow in the test interpreter and objdump")
+    assert (s.avx2, s.avx2_instructions, s.avx2_reason) == ("absent", 0, None)
+
+
+@needs_objdump
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler")
+@pytest.mark.parametrize("flags, state", [(["-mavx2"], "verified"), (["-msse4.1"], "absent")])
+def test_scan_tells_a_real_avx2_binary_from_an_sse4_one(tmp_path, flags, state):
+    """The same C loop compiled with -mavx2 scans "verified" (counted), with -msse4.1 "absent"."""
+    src = tmp_path / "loop.c"
+    src.write_text(
+        "void add(int *restrict a, const int *restrict b, int n)"
+        "{ for (int i = 0; i < n; i++) a[i] = a[i] * 3 + b[i]; }\n"
+    )
+    so = tmp_path / "loop.so"
+    subprocess.run(["cc", "-O3", "-shared", "-fPIC", *flags, "-o", so, src], check=True)
+    scan = pillow.scan_avx2(str(so))
+    assert scan.state == state
+    assert (scan.instructions > 0) is (state == "verified")
+
+
+def test_scan_without_objdump_is_unverified_never_avx2(monkeypatch, tmp_path):
+    """No objdump on PATH: "unverified" with the reason, not a guess from the record."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    scan = pillow.scan_avx2(sys.executable)
+    assert scan == pillow.Avx2Scan("unverified", None, "objdump not found; install binutils")
+    s = status(simd_facts(), scan=scan)
+    assert (s.avx2, s.avx2_reason, s.avx2_build) == ("unverified", scan.reason, True)
+
+
+def test_count_avx2_counts_integer_ymm_ops_only():
+    """Integer ops on ymm and AVX2-only mnemonics count; xmm/SSE and AVX1 float ymm ops do not."""
+    listing = [
+        "0000000000001000 <add>:",
+        "    1000:\tvpaddd %ymm1,%ymm0,%ymm0",
+        "    1004:\tvpbroadcastd %xmm2,%xmm3",
+        "    1008:\tvextracti128 $0x1,%ymm0,%xmm1",
+        "    100c:\tvaddps %ymm1,%ymm0,%ymm0",
+        "    1010:\tvperm2f128 $0x1,%ymm1,%ymm0,%ymm0",
+        "    1014:\tpaddd  %xmm1,%xmm0",
+        "    1018:\tvpaddd %xmm1,%xmm0,%xmm0",
+    ]
+    assert pillow.count_avx2(listing) == 3
+
+
+def test_record_claiming_avx2_is_checked_against_the_binary():
+    """A record saying avx2 (because the plan asked) is not believed when the binary has none."""
+    absent = pillow.Avx2Scan("absent", 0)
+    s = status(simd_facts(), scan=absent)
+    assert (s.avx2_build, s.avx2, s.avx2_active()) == (True, "absent", False)
+    assert s.next_step.startswith("the build record says AVX2 but PIL/_imaging contains no AVX2")
+    plan = pillow.build_plan(DEBIAN, s, system_deps=False)
+    assert plan.nothing_to_do is False and plan.avx2 is True
+
+
+def test_verified_avx2_code_without_record_needs_nothing_and_sigills_without_cpu():
+    """AVX2 code in the binary counts without a record; on a CPU without AVX2 it is not ok."""
+    verified = pillow.Avx2Scan("verified", 8120)
+    s = status(simd_facts(record=None), scan=verified)
+    assert (s.ok, s.avx2_build, s.next_step) == (True, None, "nothing to do")
+    s = status(simd_facts(record=None), cpu_avx2=False, scan=verified)
+    assert s.ok is False and s.next_step.endswith("--no-avx2")
+
+
+def test_cli_check_reports_avx2_code(runner, cli, monkeypatch):
+    """--check shows the AVX2 code verdict in the table and as typed fields in --json."""
+    fake_check(monkeypatch, status(simd_facts(), scan=pillow.Avx2Scan("verified", 8120)))
+    result = runner.invoke(cli, ["pillow-simd", "--check"])
+    assert "AVX2 code      verified (8120 AVX2 instructions in PIL/_imaging)" in result.stdout
+    doc = json.loads(runner.invoke(cli, ["pillow-simd", "--check", "--json"]).stdout)
+    assert (doc["avx2"], doc["avx2_instructions"], doc["avx2_reason"]) == ("verified", 8120, None)

@@ -108,6 +108,8 @@ def test_install_then_check_then_noop(venv, shmstage_bin):
     status = json.loads(check.stdout)
     assert (status["flavor"], status["ok"], status["libjpeg_turbo"]) == ("pillow-simd", True, True)
     assert status["avx2_build"] is cpu_avx2
+    if shutil.which("objdump"):  # the binary itself, not the record's word
+        assert status["avx2"] == ("verified" if cpu_avx2 else "absent")
     assert status["pillow_version"] is None
     assert pil_version(venv) == status["simd_version"]
 

@@ -46,10 +46,10 @@ def test_same_size_is_nothing_to_do(runner, cli, tmpfs):
 
 
 def test_shrink_keeps_data_when_it_fits(runner, cli, tmpfs):
-    """Shrinking to a size still above what is used works and keeps the files."""
+    """Shrinking (with --shrink) to a size still above what is used works and keeps the files."""
     mnt = tmpfs("64M")
     fill(mnt, 8)
-    result = runner.invoke(cli, ["remount", "--path", str(mnt), "--size", "16M"])
+    result = runner.invoke(cli, ["remount", "--path", str(mnt), "--size", "16M", "--shrink"])
     assert result.exit_code == 0, result.output
     assert size_of(mnt) == 16 * MIB
     assert (mnt / "data").stat().st_size == 8 * MIB

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -382,7 +383,7 @@ def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig, procs):
 
 @pytest.mark.timeout(60)
 def test_terminal_ctrl_c_is_not_delivered_twice(shmstage_bin, tmp_path):
-    """^C on a terminal reaches the job once (from the tty), not again through shmstage."""
+    """^C on a terminal reaches the job once (forwarded by shmstage: the job is not in the tty's group)."""
     job = tmp_path / "job.py"
     job.write_text(
         "import pathlib, signal, sys, time\n"
@@ -411,13 +412,238 @@ def test_terminal_ctrl_c_is_not_delivered_twice(shmstage_bin, tmp_path):
     os.close(slave)
     try:
         wait_for(ready)
-        os.write(master, b"\x03")  # the tty sends SIGINT to its foreground group: shmstage + job
+        os.write(master, b"\x03")  # the tty sends SIGINT to its foreground group
         assert p.wait(timeout=30) == 0
     finally:
         if p.poll() is None:
             p.kill()
         os.close(master)
     assert count.read_text() == "1"
+
+
+COUNTING_JOB = """
+import os, pathlib, signal, sys, time
+counts = {"TERM": 0, "USR1": 0}
+def count(signum, frame):
+    counts[signal.Signals(signum).name[3:]] += 1
+    pathlib.Path(sys.argv[1]).write_text(repr(counts))
+def done(signum, frame):
+    # signals are handled in number order (USR1=10 < USR2=12 < TERM=15): a USR1 sent before
+    # this USR2 is counted already; for TERM, wait a moment more (see the test)
+    pathlib.Path(sys.argv[2]).write_text(repr(counts))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, count)
+signal.signal(signal.SIGUSR1, count)
+signal.signal(signal.SIGUSR2, done)
+pathlib.Path(sys.argv[3]).write_text(str(os.getpid()))
+time.sleep(120)  # a safety net: the test ends it with USR2, or kills it
+"""
+
+# A stand-in for slurmstepd: named so in /proc/PID/comm, it starts `shmstage run` (as a
+# step's task or the batch shell) and, on a line on stdin, signals either every process
+# of the step ("all SIG": scancel, --signal=SIG@T) or the batch shell alone ("shell SIG":
+# --signal=B:SIG, scancel -b).
+FAKE_SLURMSTEPD = """
+import ctypes, os, signal, subprocess, sys
+import psutil
+ctypes.CDLL(None).prctl(15, b"slurmstepd", 0, 0, 0)  # PR_SET_NAME
+task = subprocess.Popen(sys.argv[1:], start_new_session=True)
+print(task.pid, flush=True)
+for line in sys.stdin:
+    who, sig = line.split()
+    procs = [task.pid] + [p.pid for p in psutil.Process(task.pid).children(recursive=True)]
+    for pid in procs if who == "all" else [task.pid]:
+        os.kill(pid, signal.Signals["SIG" + sig])
+    print("sent", flush=True)
+sys.exit(task.wait())
+"""
+
+
+def start_counting_job(shmstage_bin, tmp_path, prefix=(), env=None):
+    job = tmp_path / "job.py"
+    job.write_text(COUNTING_JOB)
+    counts, final, ready = tmp_path / "counts", tmp_path / "final", tmp_path / "ready"
+    cmd = [*prefix, *shmstage_bin, "run", "--", sys.executable, str(job), str(counts), str(final), str(ready)]  # fmt: skip
+    return cmd, counts, final, ready
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` is pending on process ``pid`` (sent, not yet delivered)."""
+    fields = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    mask = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return bool(mask & (1 << (sig - 1)))
+
+
+def settle(pid: int, sig: int) -> None:
+    """Wait until ``sig`` is no longer pending on ``pid``, and its Python handler had time to run."""
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and pending(pid, sig):
+        assert time.monotonic() < deadline, f"signal {sig} stays pending on {pid}"
+        time.sleep(0.01)
+    time.sleep(0.3)  # delivered: the job's Python-level handler runs at its next bytecode
+
+
+def deliver_and_count(
+    shmstage_pid: int, job_pid: int, send, sig: str, counts: Path, final: Path
+) -> dict:
+    """Deliver ``sig`` with ``send()`` while shmstage is stopped, then let it forward; count.
+
+    Two deliveries that overlap in time merge into one (a pending signal is not queued
+    twice), which would hide a duplicate: so shmstage is stopped while the signal is sent,
+    a direct delivery to the job is handled first, and only then may shmstage forward.
+    """
+    signum = signal.Signals["SIG" + sig]
+    os.kill(shmstage_pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(shmstage_pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        send(signum)
+        settle(job_pid, signum)  # a direct delivery, if any, is counted now
+    finally:
+        os.kill(shmstage_pid, signal.SIGCONT)
+    settle(shmstage_pid, signum)  # shmstage took it (and forwarded it, or not)
+    settle(job_pid, signum)
+    deadline = time.monotonic() + 30
+    while not (counts.exists() and f"'{sig}': 0" not in counts.read_text()):
+        assert time.monotonic() < deadline, "the signal never reached the job"
+        time.sleep(0.02)
+    os.kill(shmstage_pid, signal.SIGUSR2)  # ends the job: it writes what it counted
+    wait_for(final)
+    return eval(final.read_text())  # noqa: S307 - our own repr of a dict of ints
+
+
+def kill_job(ready: Path) -> None:
+    with contextlib.suppress(ValueError, OSError):
+        os.kill(int(ready.read_text()), signal.SIGKILL)
+
+
+def kill_session(sid: int, sig: int) -> None:
+    """What a session-wide sender does: signal every process whose session is ``sid``."""
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid:
+                os.kill(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+@pytest.mark.parametrize("how", ["pid", "group", "session"])
+def test_each_signal_reaches_the_job_once(shmstage_bin, tmp_path, how, sig):
+    """kill PID, kill -- -PGID and a kill of every process in shmstage's session: one delivery."""
+    cmd, counts, final, ready = start_counting_job(shmstage_bin, tmp_path)
+    p = subprocess.Popen(cmd, start_new_session=True)  # shmstage leads its group and session
+    try:
+        wait_for(ready)
+        send = {
+            "pid": lambda signum: os.kill(p.pid, signum),
+            "group": lambda signum: os.killpg(p.pid, signum),
+            "session": lambda signum: kill_session(p.pid, signum),
+        }[how]
+        got = deliver_and_count(p.pid, int(ready.read_text()), send, sig, counts, final)
+        assert got[sig] == 1, got
+        assert p.wait(timeout=30) == 0  # the job's status
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        kill_job(ready)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+@pytest.mark.parametrize(
+    "step, who, in_script",
+    [("0", "all", False), (None, "all", True), (None, "shell", False)],
+    ids=["srun-step-wide", "batch-script-step-wide", "batch-shell-only"],
+)
+def test_slurm_signals_reach_the_job_once(shmstage_bin, tmp_path, sig, step, who, in_script):
+    """slurmstepd signalling every process of the step, or only the batch shell: one delivery.
+
+    srun-step-wide: `srun shmstage run ...`, then scancel / --signal=SIG@T.
+    batch-script-step-wide: an sbatch script runs `shmstage run ...`, then scancel --full.
+    batch-shell-only: the script did `exec shmstage run ...`, then --signal=B:SIG.
+    """
+    script = ("sh", "-c", '"$@"; exit $?', "sh") if in_script else ()
+    cmd, counts, final, ready = start_counting_job(shmstage_bin, tmp_path, prefix=script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    if step is not None:
+        env["SLURM_STEP_ID"] = step
+    stepd = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SLURMSTEPD, *cmd],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        task = int(stepd.stdout.readline())
+        wait_for(ready)
+        shmstage_pid = psutil.Process(task).children()[0].pid if in_script else task
+
+        def send(signum: int) -> None:
+            stepd.stdin.write(f"{who} {sig}\n")
+            stepd.stdin.flush()
+            assert stepd.stdout.readline() == "sent\n"
+
+        got = deliver_and_count(shmstage_pid, int(ready.read_text()), send, sig, counts, final)
+        assert got[sig] == 1, got
+        stepd.stdin.close()
+        stepd.wait(timeout=30)  # (the sh of a batch script died of SIG: shmstage is orphaned)
+    finally:
+        with contextlib.suppress(psutil.Error, NameError):
+            psutil.Process(shmstage_pid).kill()  # orphaned when the script's sh died
+        if stepd.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(stepd.pid).children(recursive=True):
+                    child.kill()
+            stepd.kill()
+        stepd.wait()
+        stepd.stdout.close()
+        if not stepd.stdin.closed:
+            stepd.stdin.close()
+        kill_job(ready)
+
+
+def wait_status(pid: int, stopped: bool) -> None:
+    deadline = time.monotonic() + 30
+    while (psutil.Process(pid).status() == psutil.STATUS_STOPPED) != stopped:
+        assert time.monotonic() < deadline, f"{pid} never {'stopped' if stopped else 'resumed'}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_terminal_ctrl_z_stops_and_resumes_the_job(shmstage_bin, tmp_path):
+    """^Z stops shmstage and the job (in its own session); continuing shmstage resumes both."""
+    pidfile, ready = tmp_path / "pid", tmp_path / "ready"
+    master, slave = os.openpty()
+
+    def controlling_tty() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=controlling_tty,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        wait_for(ready)
+        job = int(pidfile.read_text())
+        os.write(master, b"\x1a")  # ^Z: SIGTSTP to the terminal's foreground group
+        wait_status(p.pid, stopped=True)
+        wait_status(job, stopped=True)
+        os.kill(p.pid, signal.SIGCONT)  # what the shell's `fg` sends
+        wait_status(p.pid, stopped=False)
+        wait_status(job, stopped=False)
+        p.terminate()
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
 
 
 @pytest.mark.timeout(60)

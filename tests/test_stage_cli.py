@@ -86,8 +86,8 @@ def test_plain_file_source_error(runner, cli, tmp_path):
     r = runner.invoke(cli, ["stage", str(tmp_path / "x.txt"), "--dest", str(tmp_path / "d")])
     assert r.exit_code == 2
     assert r.stderr == (
-        f"Error: source {tmp_path / 'x.txt'} is neither a directory nor a tar archive "
-        "(.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)\n"
+        f"Error: source {tmp_path / 'x.txt'} is not a tar archive (unknown data); "
+        "stage a directory or a tar archive (plain, gzip, bzip2 or xz)\n"
     )
 
 
@@ -135,9 +135,11 @@ def test_list_and_json(runner, cli, tmp_path):
         "STAGED",
         "LAST",
         "USED",
+        "STATE",
         "SOURCE",
     ]
     assert r.stdout.splitlines()[2].split()[:4] == ["ds", "7.8", "KiB", "3"]
+    assert r.stdout.splitlines()[2].split()[-2:] == ["staged", str(tmp_path / "ds")]
     docs = json.loads(runner.invoke(cli, ["list", "--dest", str(dest), "--json"]).stdout)
     assert [(d["name"], d["files"], d["source"]) for d in docs] == [("ds", 3, str(tmp_path / "ds"))]
 
@@ -188,7 +190,7 @@ def test_evict_cli(runner, cli, tmp_path):
     r = runner.invoke(cli, ["evict", "ds", "--dest", str(dest)])
     assert r.exit_code == 0 and r.stdout == "evicted: ds\n" and not (dest / "ds").exists()
     r = runner.invoke(cli, ["evict", "--older-than", "1d", "--dest", str(dest), "--json"])
-    assert json.loads(r.stdout) == []
+    assert json.loads(r.stdout)["evicted"] == []
 
 
 @pytest.mark.root

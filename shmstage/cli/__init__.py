@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "list": "staged_cmd:list_cmd",
     "verify": "staged_cmd:verify_cmd",
     "evict": "staged_cmd:evict_cmd",
+    "gc": "staged_cmd:gc_cmd",
     "prepare": "prepare_cmd:prepare_cmd",
     "bench": "bench_cmd:bench_cmd",
     "demo": "demo_cmd:demo_cmd",

@@ -27,13 +27,14 @@ JSON_RESULTS: dict[str, str] = {
     "bench loader": "shmstage.bench.loader:LoaderBenchReport",
     "bench stage": "shmstage.bench.stage:StageBenchResult",
     "demo": "shmstage.demo:DemoReport",
-    "list": "shmstage.stage.engine:StagedDataset[]",
+    "evict": "shmstage.stage.engine:EvictReport",
+    "gc": "shmstage.stage.gc:GcReport",
+    "list": "shmstage.stage.engine:Listed[]",
     "stage": "shmstage.stage.engine:StagedDataset",
     "verify": "shmstage.stage.engine:VerifyReport",
     "pillow-simd": "shmstage.pillow:PillowStatus",
 }
 JSON_ELSEWHERE: dict[str, str] = {
-    "evict": "a JSON array of the names evicted",
     "inspect": "the report described in [inspect.md](inspect.md)",
     "prepare": "the report described in [config.md](config.md)",
     "remount": "the result described in [remount.md](remount.md#json)",

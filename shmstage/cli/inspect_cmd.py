@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from shmstage.cli.output import emit, json_option, table, verdict
-from shmstage.cli.params import SIZE
+from shmstage.cli.params import SIZE_OR_PERCENT
 from shmstage.inspection import NodeReport, inspect_node
 
 
@@ -36,13 +36,14 @@ def _render(report: NodeReport) -> None:
     "--dest",
     metavar="DIR",
     default=None,
-    help="Staging destination for the fit check.  [default: stage's default for /dev/shm, else PATH/shmstage]",
+    envvar="SHMSTAGE_DEST",
+    help="Staging destination for the fit check.  [default: $SHMSTAGE_DEST or stage's default for /dev/shm, else PATH/shmstage]",
 )
 @click.option(
     "--reserve",
-    type=SIZE,
+    type=SIZE_OR_PERCENT,
     default=None,
-    help="Space to keep free after staging.  [default: 10% of the tmpfs, at most 4G]",
+    help="Space to keep free after staging: a size, or N% of the destination's size.  [default: 10% of the tmpfs, at most 4G]",
 )
 @json_option
 @click.pass_context
@@ -51,7 +52,7 @@ def inspect_cmd(
     path: str,
     dataset: str | None,
     dest: str | None,
-    reserve: int | None,
+    reserve: int | str | None,
     as_json: bool,
 ) -> None:
     """Check the node: tmpfs, memory, CPUs, Pillow, torch, fit.

@@ -26,6 +26,7 @@ def render_status(status: pillow.PillowStatus) -> None:
         ("installed", ", ".join(_dists(status)) or "-"),
         ("libjpeg-turbo", _yes(status.libjpeg_turbo)),
         ("AVX2 build", build),
+        ("AVX2 code", avx2_code(status)),
         ("CPU AVX2", _yes(status.cpu_avx2)),
     ]
     if status.import_error:
@@ -34,6 +35,13 @@ def render_status(status: pillow.PillowStatus) -> None:
         rows.append(("require pillow", ", ".join(status.dependents)))
     click.echo(table(rows))
     click.echo(f"{verdict('OK' if status.ok else 'FAIL')}: {status.next_step}")
+
+
+def avx2_code(status: pillow.PillowStatus) -> str:
+    """The disassembly verdict on PIL/_imaging, for the table."""
+    if status.avx2 == "unverified":
+        return f"unverified ({status.avx2_reason})"
+    return f"{status.avx2} ({status.avx2_instructions} AVX2 instructions in PIL/_imaging)"
 
 
 def _dists(status: pillow.PillowStatus) -> list[str]:

@@ -56,6 +56,11 @@ def _render(result: shm.RemountResult) -> None:
 @click.option(
     "--force", is_flag=True, help="Allow a size beyond physical RAM or the cgroup memory limit."
 )
+@click.option(
+    "--shrink",
+    is_flag=True,
+    help="Allow a size smaller than the tmpfs is now (never below what it holds).",
+)
 @json_option
 def remount_cmd(
     size: str | int,
@@ -64,6 +69,7 @@ def remount_cmd(
     fstab: str | None,
     dry_run: bool,
     force: bool,
+    shrink: bool,
     as_json: bool,
 ) -> None:
     """Resize /dev/shm (or any tmpfs), optionally in fstab too.
@@ -74,7 +80,8 @@ def remount_cmd(
       shmstage remount --size 75% --persist       # 75% of RAM (or the cgroup limit), in fstab too
       shmstage remount --size 32G --dry-run       # show the command and fstab diff only
 
-    Refuses (exit 2, nothing changed) to shrink below what is in use, to go
+    Refuses (exit 2, nothing changed) to shrink without --shrink (a size such
+    as 75% can be smaller than a big /dev/shm), below what is in use, to go
     beyond RAM or the cgroup memory limit without --force, and to touch a path
     that is not a tmpfs mount point.  Needs root (CAP_SYS_ADMIN); inside a
     container set the size at start instead (docker run --shm-size, or a
@@ -82,6 +89,8 @@ def remount_cmd(
     """
     if fstab is not None and not persist:
         raise click.UsageError("--fstab only applies with --persist")
-    plan = shm.plan_remount(size, path, persist=persist, fstab=fstab or "/etc/fstab", force=force)
+    plan = shm.plan_remount(
+        size, path, persist=persist, fstab=fstab or "/etc/fstab", force=force, shrink=shrink
+    )
     result = shm.plan_result(plan, dry_run=True) if dry_run else shm.apply_remount(plan)
     emit(result, as_json, _render)

@@ -6,8 +6,9 @@ import time
 
 import click
 
+from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import SIZE
+from shmstage.cli.params import SIZE_OR_PERCENT
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Progress, stage, summary
 
@@ -79,13 +80,22 @@ def _log_waiting(p: Progress) -> None:
 )
 @click.option(
     "--reserve",
-    type=SIZE,
-    help="Room to keep free for DataLoader shared memory. Default: 10% of DEST, at most 4G.",
+    type=SIZE_OR_PERCENT,
+    help="Room to keep free for DataLoader shared memory: a size, or N% of DEST's file system. "
+    "Default: 10% of DEST, at most 4G.",
 )
 @click.option(
     "--force",
     is_flag=True,
     help="Copy everything again, and replace a dataset of the same name from another source.",
+)
+@click.option(
+    "--strip-components",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Tar archives only: drop the first N path components of every member, like tar's "
+    "option (1 turns an archive of one top folder into that folder's contents).",
 )
 @click.option(
     "--quiet",
@@ -102,8 +112,9 @@ def stage_cmd(
     dest: str | None,
     workers: int | None,
     verify: str,
-    reserve: int | None,
+    reserve: int | str | None,
     force: bool,
+    strip_components: int,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -127,6 +138,7 @@ def stage_cmd(
             reserve=reserve,
             force=force,
             progress=progress,
+            strip_components=strip_components,
         )
     finally:
         if bar is not None:
@@ -136,4 +148,7 @@ def stage_cmd(
         return
     if not quiet:
         log(summary(ds))
+        note = disk_note(dest)
+        if note:
+            log(note)
     click.echo(ds.path)

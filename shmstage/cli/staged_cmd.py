@@ -1,4 +1,4 @@
-"""``shmstage list``, ``verify`` and ``evict``: look after staged datasets."""
+"""``shmstage list``, ``verify``, ``evict`` and ``gc``: look after staged datasets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,18 @@ import click
 from shmstage.cli.output import emit, json_option, table, verdict
 from shmstage.cli.params import AGE
 from shmstage.sizes import format_size
-from shmstage.stage import DEFAULT_DEST, StagedDataset, VerifyReport, evict, list_staged, verify
+from shmstage.stage import (
+    DEFAULT_DEST,
+    EvictReport,
+    GcReport,
+    Listed,
+    VerifyReport,
+    evict_report,
+    gc,
+    list_staged,
+    verify,
+)
+from shmstage.stage.leases import describe
 
 _DEST_HELP = f"Where staged datasets live. Default: {DEFAULT_DEST} (or $SHMSTAGE_DEST)."
 
@@ -19,23 +30,47 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
-def _render_list(items: list[StagedDataset]) -> None:
+def _render_list(items: list[Listed]) -> None:
     if not items:
         click.echo("nothing staged")
         return
     rows = [
-        (d.name, format_size(d.bytes), d.files, _when(d.staged_at), _when(d.last_used), d.source)
+        (
+            d.name,
+            format_size(d.bytes),
+            d.files,
+            _when(d.staged_at),
+            _when(d.last_used),
+            _state(d),
+            d.source or "-",
+        )
         for d in items
     ]
-    click.echo(table(rows, headers=("NAME", "SIZE", "FILES", "STAGED", "LAST USED", "SOURCE")))
+    click.echo(
+        table(rows, headers=("NAME", "SIZE", "FILES", "STAGED", "LAST USED", "STATE", "SOURCE"))
+    )
+    if any(d.state != "staged" and not d.stager_alive for d in items):
+        click.echo("(`shmstage gc` removes what no live process owns)", err=True)
+
+
+def _state(d: Listed) -> str:
+    if d.state == "staged":
+        return "in use by " + ",".join(map(str, d.leased_by)) if d.leased_by else "staged"
+    if d.stager_alive:
+        return f"{d.state}, pid {d.stager_pid} working"
+    return f"{d.state}, nobody working"
 
 
 @click.command("list")
 @click.option("--dest", envvar="SHMSTAGE_DEST", help=_DEST_HELP)
 @json_option
 def list_cmd(dest: str | None, as_json: bool) -> None:
-    """List staged datasets: name, size, files, when staged and last used, source."""
-    emit(list_staged(dest), as_json, _render_list)
+    """List staged datasets, copies in progress or left by killed runs, and old trees in trash.
+
+    STATE is staged, in use by PIDS (jobs holding a lease), unfinished (a partial copy:
+    SIZE and FILES so far, and whether its stager is alive) or trash.
+    """
+    emit(list_staged(dest, unfinished=True), as_json, _render_list)
 
 
 def _render_verify(report: VerifyReport) -> None:
@@ -76,6 +111,11 @@ def verify_cmd(name: str, checksum: bool, dest: str | None, as_json: bool) -> No
 )
 @click.option("--dest", envvar="SHMSTAGE_DEST", help=_DEST_HELP)
 @click.option("--dry-run", is_flag=True, help="Show what would be evicted; remove nothing.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Also remove datasets a running job leases (that job fails reading files that are gone).",
+)
 @json_option
 def evict_cmd(
     name: str | None,
@@ -83,15 +123,61 @@ def evict_cmd(
     older_than: float | None,
     dest: str | None,
     dry_run: bool,
+    force: bool,
     as_json: bool,
 ) -> None:
-    """Remove staged datasets: NAME, --all, or --older-than AGE (frees their RAM)."""
+    """Remove staged datasets: NAME, --all, or --older-than AGE (frees their RAM).
+
+    A dataset a running job leases (`shmstage run`, `shmstage.lease()`, `make_loader`) is
+    refused (NAME: exit 2) or skipped with a note (--all, --older-than) unless --force.
+    """
     if sum((name is not None, all_, older_than is not None)) != 1:
         raise click.UsageError("give exactly one of NAME, --all or --older-than")
-    names = evict(name, dest=dest, all=all_, older_than=older_than, dry_run=dry_run)
+    report = evict_report(
+        name, dest=dest, all=all_, older_than=older_than, dry_run=dry_run, force=force
+    )
+    for leased in report.in_use:
+        click.echo(
+            f"note: {leased.name} is in use by {describe(leased.holders)}; left in place "
+            "(pass --force to remove it anyway)",
+            err=True,
+        )
+    for leased in report.forced:
+        click.echo(
+            f"warning: evicted {leased.name} while in use by {describe(leased.holders)}: "
+            "that job will fail reading files that are gone",
+            err=True,
+        )
 
-    def render(evicted: list[str]) -> None:
+    def render(r: EvictReport) -> None:
         word = "would evict" if dry_run else "evicted"
-        click.echo(f"{word}: {', '.join(evicted)}" if evicted else "nothing to evict")
+        click.echo(f"{word}: {', '.join(r.evicted)}" if r.evicted else "nothing to evict")
 
-    emit(names, as_json, render)
+    emit(report, as_json, render)
+
+
+def _render_gc(report: GcReport) -> None:
+    word = "would remove" if report.dry_run else "removed"
+    for item in report.removed:
+        size = f" ({format_size(item.bytes)})" if item.bytes else ""
+        click.echo(f"{word} {item.what}: {item.path}{size}")
+    for item in report.skipped:
+        click.echo(f"kept {item.what}: {item.path} ({item.reason})")
+    if not report.removed:
+        click.echo("nothing to remove")
+    else:
+        click.echo(f"{word} {len(report.removed)} leftover(s), {format_size(report.bytes)}")
+
+
+@click.command("gc")
+@click.option("--dest", envvar="SHMSTAGE_DEST", help=_DEST_HELP)
+@click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
+@json_option
+def gc_cmd(dest: str | None, dry_run: bool, as_json: bool) -> None:
+    """Remove what killed or failed runs left behind, but nothing a live process owns.
+
+    Partial trees, .NAME.json.new manifests, markers, half-written files, lock and lease
+    files of removed datasets, records whose tree is gone, and trash. Safe while others stage:
+    a dataset whose lock is held is skipped.
+    """
+    emit(gc(dest, dry_run=dry_run), as_json, _render_gc)

@@ -12,6 +12,10 @@ Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
     DEST/.shmstage/partial/<name>/        the next version being built (0700; resumed after
                                           a crash, removed on any handled failure)
     DEST/.shmstage/trash/                 old versions on their way out
+    DEST/.shmstage/leases/<name>.lease    shared flock held by each job reading <name>
+                                          (see :mod:`shmstage.stage.leases`)
+    DEST/.shmstage/reservations/<name>    bytes a live stager still has to write, flocked
+                                          while it runs (see :mod:`shmstage.stage.reserve`)
 
 A dataset is published when DEST/<name> exists and its inode matches the one in
 its meta record; :func:`find` and :func:`list_staged` return only such copies.
@@ -26,28 +30,46 @@ from __future__ import annotations
 
 from shmstage.stage.engine import (
     Difference,
+    EvictReport,
     Interrupted,
+    Leased,
+    Listed,
     Progress,
     StagedDataset,
     VerifyReport,
     evict,
+    evict_report,
     find,
     list_staged,
     stage,
     summary,
     verify,
 )
+from shmstage.stage.gc import GcReport, Leftover, gc
+from shmstage.stage.leases import Holder, InUse, describe, holders, lease
 from shmstage.stage.store import DEFAULT_DEST, resolve_dest
 
 __all__ = [
     "DEFAULT_DEST",
     "Difference",
+    "EvictReport",
+    "GcReport",
+    "Holder",
+    "InUse",
     "Interrupted",
+    "Leased",
+    "Listed",
+    "Leftover",
+    "describe",
     "Progress",
     "StagedDataset",
     "VerifyReport",
     "evict",
+    "evict_report",
     "find",
+    "gc",
+    "holders",
+    "lease",
     "list_staged",
     "resolve_dest",
     "stage",

@@ -26,7 +26,6 @@ NOTE [copier lifecycle]
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
@@ -38,6 +37,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel)
@@ -388,7 +388,7 @@ def _worker(
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     parent = os.getppid()
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = load_libc()
         libc.prctl(
             _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0
         )  # die with the parent, even on SIGKILL

@@ -19,13 +19,17 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmstage.errors import RefusedError, ShmstageError
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.paths import is_within
 from shmstage.sizes import format_size
-from shmstage.stage import access
+from shmstage.stage import access, leases, tarformat
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
-from shmstage.stage.plan import Tree, page_bytes, require_fit, scan_threads, walk
+from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
+from shmstage.stage.leases import Holder
+from shmstage.stage.plan import Tree, require_fit, scan_threads, walk
 from shmstage.stage.readahead import Readahead
+from shmstage.stage.reserve import Claim
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
 
 VERIFY_MODES = ("size", "checksum")
@@ -45,6 +49,17 @@ class StagedDataset:
     changed: bool = False  # this call copied something
     copied_bytes: int = 0
     seconds: float = 0.0  # this call's wall time (list(): the last staging's)
+
+
+@dataclass(frozen=True)
+class Listed(StagedDataset):
+    """What ``list_staged`` returns: a dataset, and (with ``unfinished``) the leftovers too."""
+
+    # unfinished: path is the partial tree, bytes/files are so far; trash: an old tree
+    state: str = "staged"  # "staged", "unfinished" (in progress or killed) or "trash"
+    stager_alive: bool = False  # unfinished/trash: a live process owns it
+    stager_pid: int | None = None  # that process
+    leased_by: tuple[int, ...] = ()  # pids holding a lease (see shmstage.stage.leases)
 
 
 @dataclass(frozen=True)
@@ -131,11 +146,15 @@ def stage(
     dest: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     verify: str = "size",
-    reserve: int | None = None,
+    reserve: int | str | None = None,
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
+    strip_components: int = 0,
 ) -> StagedDataset:
-    """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy."""
+    """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
+
+    ``strip_components`` drops that many leading path components of an archive's
+    members, like ``tar --strip-components``."""
     t0 = time.monotonic()
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
@@ -145,18 +164,22 @@ def stage(
     source = os.path.realpath(raw)
     if not os.path.exists(source):
         raise RefusedError(f"source {raw} does not exist")
+    if strip_components < 0:
+        raise RefusedError(f"invalid --strip-components {strip_components}: must be 0 or more")
     if os.path.isdir(source):
         kind = "dir"
-    elif tarsrc.is_archive(source):
-        kind = "tar"
+        if strip_components:
+            raise RefusedError(
+                f"--strip-components applies to tar archives, and {raw} is a directory; "
+                "stage the subdirectory you want instead"
+            )
     else:
-        raise RefusedError(
-            f"source {raw} is neither a directory nor a tar archive (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)"
-        )
+        tarformat.detect(source, raw)  # by content, not name; says what else the file is
+        kind = "tar"
     name = check_name(name) if name is not None else name_for(source)
     store = Store(dest)
     real_dest = os.path.realpath(store.dest)
-    if _within(real_dest, source) or (kind == "dir" and _within(source, real_dest)):
+    if is_within(real_dest, source) or (kind == "dir" and is_within(source, real_dest)):
         raise RefusedError(
             f"source {raw} and destination {store.dest} overlap; stage to a separate directory"
         )
@@ -166,12 +189,23 @@ def stage(
         if progress is not None:
             progress(Progress(phase, elapsed=time.monotonic() - t0, **kw))
 
-    with _signals_raise(), store.lock(name, on_wait=lambda pid: report("waiting", holder=pid)):
-        return _stage_locked(store, source, kind, name, workers, verify, reserve, force, report, t0)
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
+    waiting = lambda pid: report("waiting", holder=pid)  # noqa: E731
+    # The claim is this stager's share of DEST's free space (reserve.py).
+    with _signals_raise(), store.lock(name, on_wait=waiting), Claim(store.book, name) as claim:
+        return _stage_locked(
+            store,
+            source,
+            kind,
+            name,
+            workers,
+            verify,
+            reserve,
+            force,
+            report,
+            t0,
+            claim,
+            strip_components,
+        )
 
 
 @contextmanager
@@ -208,12 +242,14 @@ def _stage_locked(
     force: bool,
     report: Callable[..., None],
     t0: float,
+    claim: Claim,
+    strip_components: int = 0,
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
+    store.recover(name)  # finish a publish a kill interrupted
+    _clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
-    manifest = store.read_manifest(name) if record else None
-    if manifest is not None and manifest.get("root") != [record.root_ino, record.root_dev]:  # type: ignore[union-attr]
-        manifest = None
+    manifest = store.manifest_for(record) if record else None
     if record is not None and record.source != source and not force:
         raise RefusedError(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
@@ -223,6 +259,7 @@ def _stage_locked(
     report("scanning")
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")
+    prev_marker = _read_marker(marker)  # put back if the fit check refuses
     copied = 0
     # A first copy reads everything anyway: start reading while the walk runs.
     ahead = (
@@ -233,10 +270,12 @@ def _stage_locked(
             tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
             if same and manifest["entries"] == entries:  # type: ignore[index]
+                _drop_leftovers(store, name, marker)
                 _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
-            resumable = not force and _read_marker(marker) == source
+            resumable = not force and prev_marker == source
             _write_marker(marker, source)
+            _kill_at("marker")
             written: list[bool] = []
 
             def write_manifest() -> None:  # runs while the workers copy
@@ -247,50 +286,82 @@ def _stage_locked(
 
             old = manifest if same else None
             copied = _build_dir(
-                store, name, tree, old, workers, verify, reserve, resumable, report, write_manifest
+                store,
+                name,
+                tree,
+                old,
+                workers,
+                verify,
+                reserve,
+                resumable,
+                report,
+                write_manifest,
+                claim,
             )
+            _kill_at("build")
             if not written:
                 write_manifest()
             data_bytes, files = tree.bytes, tree.files
         else:
             st = os.stat(source)
             fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
-            if same and manifest.get("archive") == fingerprint:  # type: ignore[union-attr]
+            strip = manifest.get("strip_components", 0) if manifest else 0  # part of the key
+            if same and manifest.get("archive") == fingerprint and strip == strip_components:  # type: ignore[union-attr]
+                _drop_leftovers(store, name, marker)
                 _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
-            archive = tarsrc.scan(source)
-            require_fit(archive.page_bytes, len(archive.members), store.dest, reserve)
+            archive = tarsrc.scan(source, strip_components)
+            est = of_archive(archive, page_size(store.dest))  # the numbers inspect prints
+            claim.reserve(
+                est.page_bytes,
+                lambda pending: require_fit(
+                    est.page_bytes, est.inodes, store.dest, reserve, pending=pending
+                ),
+            )
             _write_marker(marker, source)
             store.discard(part)
             os.mkdir(part, 0o700)
-            tick = _copy_counter(report, archive.bytes, archive.files)
+            tick = claim.counting(_copy_counter(report, archive.bytes, archive.files))
             tarsrc.extract(archive, part, tick)
+            st = os.stat(source)
+            if [st.st_size, st.st_mtime_ns, st.st_ino] != fingerprint:
+                raise ShmstageError(
+                    f"cannot read tar archive {source}: it changed while it was being staged; "
+                    "re-run when it is stable"
+                )
             tree = walk(part)  # also catches links that escape only in combination
             entries = [list(e) for e in tree.entries]
             data_bytes, files = tree.bytes, tree.files
             copied = archive.bytes
             root = os.lstat(part)
             data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
-            store.prepare_manifest(name, {**data, "archive": fingerprint})
+            store.prepare_manifest(
+                name, {**data, "archive": fingerprint, "strip_components": strip_components}
+            )
+        _kill_at("manifest")
         report("publishing")
         access.restrict_root(part, source, kind)  # no reader the source path shuts out
         root = os.lstat(part)
-        store.publish(name)
-        store.commit_manifest(name)
         now = time.time()
         seconds = time.monotonic() - t0
         new = Record(
             name, source, kind, data_bytes, files, now, now, seconds, root.st_ino, root.st_dev
         )
-        store.write_record(new)
-        _remove_marker(marker)
+        _publish(store, name, new, marker)
         return _dataset(new, store, changed=True, copied_bytes=copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
         if ahead is not None:
             ahead.stop(drop=True)  # files not copied still hold the pages it read ahead
+        if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
+            _restore_marker(marker, prev_marker)  # a resumable partial included (exit 2)
+            raise
         store.discard(part)
         _remove_marker(marker)
+        nxt = store.read_next(name)
+        if nxt is None or store.published(name) != nxt:  # else it describes DEST/<name> now
+            with suppress(OSError):
+                os.unlink(store.new_manifest_path(name))  # ~100 MB for ImageNet
         if (
             isinstance(e, copier.CopyFailed)
             and e.failure.kind == "write"
@@ -327,6 +398,67 @@ def _recheck_access(
         access.restrict_root(store.path(name), source, kind, manifest["entries"][0][4])  # type: ignore[index]
 
 
+# NOTE [publish]: publish and record are one step a kill cannot split.
+#
+#   build partial/<name> -> manifests/.<name>.json.new -> meta/.<name>.next.json (the new
+#   tree's inode: renameat2 keeps it) -> exchange (DEST/<name> <-> partial/<name>) -> old
+#   tree to trash -> commit manifest -> meta/<name>.json -> drop .next -> drop marker -> rm trash
+#
+# Before the exchange DEST/<name> matches the old record, after it the .next one, so
+# ``published`` (and ``list``, ``find``, leases) sees a complete dataset at every instant;
+# the next locked operation (stage, evict, gc) runs ``Store.recover`` to finish the step.
+# A partial tree, a marker, a stale .new manifest or a trash tree left by a kill shows in
+# ``list`` (unfinished / trash) and ``gc`` or ``evict`` removes it.
+
+KILL_STEPS = ("marker", "build", "manifest", "record", "exchange", "trash", "commit", "final")
+
+
+def _kill_at(step: str) -> None:
+    """TEST ONLY: SIGKILL ourselves at ``step`` when $SHMSTAGE_TEST_KILL_AT names it (SIGTERM
+    for ``STEP:TERM``), so tests can check every state a kill leaves is visible and removable."""
+    want = os.environ.get("SHMSTAGE_TEST_KILL_AT")
+    if want == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif want == step + ":TERM":
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _publish(store: Store, name: str, new: Record, marker: str) -> None:
+    """Publish partial/<name> as ``new`` (see NOTE [publish])."""
+    leases.ensure_file(store, name)  # before readers can see it: a reader may not write DEST
+    store.write_next(new)
+    _kill_at("record")
+    old = store.publish(name)
+    _kill_at("exchange")
+    if old is not None:
+        old = store.to_trash(old)
+        _kill_at("trash")
+    store.commit_manifest(name)
+    _kill_at("commit")
+    store.write_record(new)
+    _kill_at("final")
+    with suppress(FileNotFoundError):
+        os.unlink(store.next_path(name))
+    _remove_marker(marker)
+    if old is not None:
+        _rmtree(old)
+
+
+def _clear_dead_trash(store: Store, name: str) -> None:
+    for entry in _listdir(store.trash_dir):
+        owner, pid = _trash_owner(entry)
+        if owner == name and pid is not None and not _alive(pid):
+            _rmtree(os.path.join(store.trash_dir, entry))
+
+
+def _drop_leftovers(store: Store, name: str, marker: str) -> None:
+    """The published copy is current: what a killed run left in partial/ is of no use."""
+    store.discard(store.partial(name))
+    _remove_marker(marker)
+    with suppress(FileNotFoundError):
+        os.unlink(store.new_manifest_path(name))
+
+
 def _write_marker(path: str, source: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -345,6 +477,41 @@ def _read_marker(path: str) -> str | None:
 def _remove_marker(path: str) -> None:
     with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _restore_marker(path: str, source: str | None) -> None:
+    if source is None:
+        _remove_marker(path)
+    elif _read_marker(path) != source:
+        _write_marker(path, source)
+
+
+def _keeps(have: tuple, want: tuple | None) -> bool:
+    """A file a killed run already copied: size, mtime and mode match the source."""
+    return want is not None and want[1] == "f" and have[1] == "f" and want[2:5] == have[2:5]
+
+
+def _partial_plan(part: str, tree: Tree, resumable: bool) -> tuple[set[str], int]:
+    """Read-only: files of ``part`` a resume keeps, and the bytes the rest frees when removed."""
+    if not os.path.lexists(part):
+        return set(), 0
+    keep: set[str] = set()
+    freed = 0
+    can_keep = resumable and os.path.isdir(part) and not os.path.islink(part)
+    planned = {e[0]: e for e in tree.entries} if can_keep else {}
+    try:
+        have = walk(part, check_links=False, hardlinks=False).entries[1:]
+    except ShmstageError:
+        return set(), 0  # not a tree we can read: count nothing as freed
+    for e in have:
+        if can_keep and _keeps(e, planned.get(e[0])):
+            keep.add(e[0])
+        elif e[1] == "f":
+            with suppress(OSError):
+                st = os.lstat(os.path.join(part, e[0]))
+                if st.st_nlink == 1:  # a link shared with the published copy frees nothing
+                    freed += st.st_blocks * 512
+    return keep, freed
 
 
 def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
@@ -369,7 +536,7 @@ def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
         if kind == "d" and want is not None and want[1] == "d":
             os.chmod(path, 0o700)
             continue
-        if kind == "f" and want is not None and want[1] == "f" and want[2:5] == e[2:5]:
+        if _keeps(e, want):
             keep.add(rel)
             continue
         if kind == "d":
@@ -412,23 +579,34 @@ def _build_dir(
     resumable: bool,
     report: Callable[..., None],
     while_copying: Callable[[], None],
+    claim: Claim,
 ) -> int:
     """Build the new version of a directory source in partial/<name>; returns bytes copied."""
     part = store.partial(name)
     old_root = store.path(name)
     old = {e[0]: e for e in manifest["entries"]} if manifest else {}
-    # Check the fit before writing a byte.  What a killed run left in partial/ is counted
-    # as still to copy: it errs on the safe side.
-    jobs_bytes: list[int] = []
-    new_inodes = 0
+    # Check the fit before writing a byte, counting only what is still to be written: files
+    # a killed run already copied into partial/ are kept (their pages are in "used" already),
+    # unchanged files are hard links to the published copy, and the rest of partial/ is freed.
+    page = page_size(store.dest)
+    kept, freed = _partial_plan(part, tree, resumable)
+    needed = new_inodes = 0
     for e in tree.entries:
         if e[1] == "f":
-            o = old.get(e[0])
-            if o is not None and list(o) == list(e):
+            if e[0] in kept:
                 continue
-            jobs_bytes.append(e[2])
+            o = old.get(e[0])
+            if o is None or list(o) != list(e):
+                needed += rounded(e[2], page)
+        elif e[1] == "l" and len(os.fsencode(e[5])) + 1 > SHORT_SYMLINK:
+            needed += page
         new_inodes += 1
-    require_fit(page_bytes(jobs_bytes), new_inodes, store.dest, reserve)
+    claim.reserve(
+        needed,
+        lambda pending: require_fit(
+            needed, new_inodes, store.dest, reserve, pending=pending, freed=freed
+        ),
+    )
     keep = _prepare_partial(part, tree, resumable)
 
     src_prefix = tree.root.rstrip("/") + "/"
@@ -493,7 +671,7 @@ def _build_dir(
     finally:
         os.umask(old_umask)
     nworkers = workers or copier.default_workers()
-    tick = _copy_counter(report, total, len(jobs))
+    tick = claim.counting(_copy_counter(report, total, len(jobs)))
     copier.run(jobs, tasks, nworkers, tick, while_copying)
     for i in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
         if own:
@@ -550,8 +728,11 @@ def find(
     return _dataset(store.touch(record), store)
 
 
-def list_staged(dest: str | os.PathLike[str] | None = None) -> list[StagedDataset]:
-    """Every complete published dataset under DEST, by name."""
+def list_staged(
+    dest: str | os.PathLike[str] | None = None, *, unfinished: bool = False
+) -> list[Listed]:
+    """Every complete published dataset under DEST, by name; with ``unfinished``, also the
+    partial copies (in progress or left by a killed run) and old trees still in trash."""
     store = Store(dest)
     if not os.path.lexists(store.book):
         return []
@@ -560,8 +741,92 @@ def list_staged(dest: str | os.PathLike[str] | None = None) -> list[StagedDatase
     for n in store.names():
         r = store.published(n)
         if r is not None:
-            out.append(_dataset(r, store, seconds=r.seconds))
+            leased = tuple(h.pid for h in leases.holders(n, store.dest))
+            out.append(Listed(**_dataset(r, store, seconds=r.seconds).__dict__, leased_by=leased))
+    if unfinished:
+        out.extend(_leftovers(store))
     return out
+
+
+def _leftovers(store: Store) -> list[Listed]:
+    out = []
+    for entry in _listdir(store.partial_dir):
+        path = os.path.join(store.partial_dir, entry)
+        if entry.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        source = _read_marker(os.path.join(store.partial_dir, f".{entry}.source")) or ""
+        pids = _lock_holders(store, entry)
+        size, files = _tree_size(path)
+        out.append(
+            Listed(
+                entry, source, path, size, files, 0.0, 0.0, state="unfinished",
+                stager_alive=bool(pids), stager_pid=pids[0] if pids else None,
+            )
+        )  # fmt: skip
+    for entry in _listdir(store.trash_dir):
+        path = os.path.join(store.trash_dir, entry)
+        name, pid = _trash_owner(entry)
+        size, files = _tree_size(path)
+        alive = pid is not None and _alive(pid)
+        out.append(
+            Listed(
+                name, "", path, size, files, 0.0, 0.0, state="trash",
+                stager_alive=alive, stager_pid=pid if alive else None,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:  # missing, or partial/ and trash/ (0700) of a store another user owns
+        return []
+
+
+def _lock_holders(store: Store, name: str) -> tuple[int, ...]:
+    """Pids holding the dataset's lock (a live stager or evict), from /proc/locks."""
+    try:
+        st = os.lstat(store.lock_path(name))
+    except OSError:
+        return ()
+    return tuple(h.pid for h in leases.holders_of(st.st_dev, st.st_ino))
+
+
+def _trash_owner(entry: str) -> tuple[str, int | None]:
+    """trash/<name>.<pid>.<ns> -> (name, pid)."""
+    parts = entry.rsplit(".", 2)
+    if len(parts) == 3 and parts[1].isdigit():
+        return parts[0], int(parts[1])
+    return entry, None
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _tree_size(path: str) -> tuple[int, int]:
+    """Bytes and files in a tree so far (regular files' sizes)."""
+    size = files = 0
+    stack = [path]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            size += e.stat(follow_symlinks=False).st_size
+                            files += 1
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    if os.path.isfile(path) and not os.path.islink(path):
+        with suppress(OSError):
+            return os.lstat(path).st_size, 1
+    return size, files
 
 
 # --- verify -------------------------------------------------------------------------------
@@ -581,12 +846,8 @@ def verify(
         if os.path.lexists(store.book)
         else None
     )
-    manifest = store.read_manifest(name) if record else None
-    if (
-        record is None
-        or manifest is None
-        or manifest.get("root") != [record.root_ino, record.root_dev]
-    ):
+    manifest = store.manifest_for(record) if record else None
+    if record is None or manifest is None:
         raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
     path = store.path(name)
     expected = {e[0]: _norm(e) for e in manifest["entries"]}
@@ -609,7 +870,7 @@ def verify(
         if record.kind == "tar":
             if not os.path.isfile(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
-            bad = tarsrc.compare(record.source, path)
+            bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
         else:
             if not os.path.isdir(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
@@ -665,6 +926,22 @@ def _what_changed(want: list[Any], have: list[Any]) -> str:
 # --- evict --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Leased:
+    """A dataset jobs hold leases on, and who (see :mod:`shmstage.stage.leases`)."""
+
+    name: str
+    holders: tuple[Holder, ...]  # the processes holding its lease
+
+
+@dataclass(frozen=True)
+class EvictReport:
+    evicted: tuple[str, ...]  # names removed (dry_run: that would be)
+    in_use: tuple[Leased, ...] = ()  # skipped: leased by a running job (--all, --older-than)
+    forced: tuple[Leased, ...] = ()  # removed anyway (force): these jobs will fail
+    dry_run: bool = False  # nothing was removed
+
+
 def evict(
     name: str | None = None,
     *,
@@ -672,8 +949,28 @@ def evict(
     all: bool = False,
     older_than: float | None = None,
     dry_run: bool = False,
+    force: bool = False,
 ) -> list[str]:
-    """Remove staged datasets (one by name, all, or those unused for ``older_than`` seconds)."""
+    """Remove staged datasets (one by name, all, or those unused for ``older_than`` seconds);
+    returns the names removed.  See :func:`evict_report` for what was skipped."""
+    report = evict_report(
+        name, dest=dest, all=all, older_than=older_than, dry_run=dry_run, force=force
+    )
+    return list(report.evicted)
+
+
+def evict_report(
+    name: str | None = None,
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    all: bool = False,
+    older_than: float | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+) -> EvictReport:
+    """Remove staged datasets.  A dataset a job leases is refused by name (``leases.InUse``)
+    and skipped by ``all``/``older_than`` (listed in ``in_use``), unless ``force``.
+    ``all`` also runs :func:`shmstage.stage.gc.gc`: only the empty skeleton stays."""
     chosen = sum(x for x in (name is not None, bool(all), older_than is not None))
     if chosen != 1:
         raise RefusedError("evict needs exactly one of NAME, --all or --older-than")
@@ -681,12 +978,13 @@ def evict(
     if not os.path.lexists(store.book):
         if name is not None:
             raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
-        return []
+        return EvictReport((), dry_run=dry_run)
     store.open(create=False)
     if name is not None:
         check_name(name)
         if not (
             store.read_record(name)
+            or store.read_next(name)
             or os.path.lexists(store.path(name))
             or os.path.lexists(store.partial(name))
         ):
@@ -696,32 +994,60 @@ def evict(
         now = time.time()
         targets = []
         for n in store.names():
-            r = store.read_record(n)
+            r = store.read_record(n) or store.read_next(n)
             if r is None:
                 continue
             if all or now - max(r.last_used, r.staged_at) >= (older_than or 0):
                 targets.append(n)
-    evicted = []
+    evicted: list[str] = []
+    in_use: list[Leased] = []
+    forced: list[Leased] = []
     for n in targets:
         if dry_run:
-            evicted.append(n)
+            holders = leases.holders(n, store.dest)
+            if holders and not force:
+                if name is not None:
+                    raise leases.InUse(n, holders)
+                in_use.append(Leased(n, holders))
+            else:
+                evicted.append(n)
             continue
         try:
             with store.lock(n, wait=False):
-                store.check_published(n)
-                store.discard(store.path(n))
-                store.discard(store.partial(n))
-                _remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
-                store.forget(n)
-                store.drop_lock(n)  # nothing of the dataset is left behind
+                # With the file in place, a lease taken from now on is seen below, or waits
+                # for us and then finds the dataset gone.
+                leases.ensure_file(store, n)
+                fd, holders = leases.try_exclusive(store, n)
+                try:
+                    if holders:
+                        if not force:
+                            raise leases.InUse(n, holders)
+                        forced.append(Leased(n, holders))
+                    store.check_published(n)
+                    store.discard(store.path(n))
+                    store.discard(store.partial(n))
+                    _remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
+                    store.forget(n)
+                    leases.unlink_locked(store, n)
+                    store.drop_lock(n)  # nothing of the dataset is left behind
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+        except leases.InUse as e:
+            if name is not None:
+                raise
+            in_use.append(Leased(n, e.holders))
+            continue
         except RefusedError:
             if name is not None:
                 raise
             continue  # being staged right now: in use, not ours to remove
         evicted.append(n)
     if all and not dry_run:
-        store.clear_trash()
-    return evicted
+        from shmstage.stage.gc import gc
+
+        gc(store.dest)  # leftovers of killed runs: partial trees, markers, trash, stale files
+    return EvictReport(tuple(evicted), tuple(in_use), tuple(forced), dry_run)
 
 
 def summary(ds: StagedDataset) -> str:

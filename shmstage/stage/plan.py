@@ -16,10 +16,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.paths import is_within
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
-PAGE = 4096
+# tmpfs allocates whole pages of the kernel's page size (4 KiB on x86, 16/64 KiB on some arm64).
+PAGE = os.sysconf("SC_PAGE_SIZE")
 # Setuid/setgid bits are dropped from staged files: the copy belongs to whoever
 # staged it (often root), so keeping them would hand out privileges.
 FILE_MODE_MASK = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
@@ -46,10 +48,6 @@ def _kind_name(mode: int) -> str:
     return "special file"
 
 
-def _inside(real_root: str, path: str) -> bool:
-    return path == real_root or path.startswith(real_root.rstrip("/") + "/")
-
-
 def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     """The target to store for symlink ``rel`` (absolute in-tree targets become
     relative), or None when it resolves outside the tree."""
@@ -57,7 +55,7 @@ def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     # realpath resolves through other links like the kernel would, so
     # `a -> .` plus `b -> a/..` is caught; loops stay inside and are kept as links.
     resolved = os.path.realpath(abs_link)
-    if not _inside(real_root, resolved):
+    if not is_within(resolved, real_root):
         return None
     if os.path.isabs(target):
         return os.path.relpath(resolved, os.path.realpath(os.path.dirname(abs_link)))
@@ -197,19 +195,19 @@ def scan_threads(path: str) -> int:
     return 16 if mount is not None and system.is_network_fs(mount.fstype) else 1
 
 
-def require_fit(needed: int, entries: int, dest: str, reserve: int | None) -> None:
-    """Raise CapacityError (nothing written yet) unless ``needed`` bytes + reserve fit under ``dest``."""
+def require_fit(
+    needed: int,
+    entries: int,
+    dest: str,
+    reserve: int | str | None,
+    *,
+    pending: int = 0,
+    freed: int = 0,
+) -> None:
+    """Raise CapacityError (nothing written yet) unless ``needed`` bytes and ``entries`` inodes
+    + reserve fit under ``dest`` (see :func:`shmstage.capacity.check_fit`)."""
     from shmstage.capacity import check_fit  # node facts: only when something is to be written
 
-    fit = check_fit(needed, dest, reserve)
+    fit = check_fit(needed, dest, reserve, inodes=entries, pending=pending, freed=freed)
     if not fit.fits:
         raise CapacityError(f"dataset does not fit: {fit.reason}")
-    try:
-        sv = os.statvfs(dest)
-    except OSError:
-        return
-    if sv.f_files and entries > sv.f_favail:
-        raise CapacityError(
-            f"dataset does not fit: it has {entries} entries but {dest} has only {sv.f_favail} "
-            "free inodes; remount it with more (nr_inodes=) or stage elsewhere with --dest"
-        )

@@ -10,6 +10,7 @@ pages as it copies it, so only a copy that did not complete needs ``stop(drop=Tr
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import threading
 
@@ -45,6 +46,10 @@ class Readahead:
             os.close(fd)
 
     def _run(self) -> None:
+        # Stop signals belong to the main thread: one the kernel hands to this thread would
+        # still run the main thread's Python handler at its next bytecode, possibly inside
+        # fork()'s at-fork hooks while the copier starts its workers with them blocked.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         left = self.budget
         pending = [self.root]
         while pending and left > 0 and not self._stop.is_set():

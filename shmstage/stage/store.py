@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+from shmstage._libc import load_libc
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 
 DEFAULT_DEST = "/dev/shm/shmstage"
@@ -91,6 +92,8 @@ class Store:
         self.lock_dir = os.path.join(self.book, "locks")
         self.partial_dir = os.path.join(self.book, "partial")
         self.trash_dir = os.path.join(self.book, "trash")
+        self.lease_dir = os.path.join(self.book, "leases")
+        self.reservation_dir = os.path.join(self.book, "reservations")
 
     # --- paths ----------------------------------------------------------------
 
@@ -125,6 +128,8 @@ class Store:
             (self.lock_dir, 0o755),
             (self.partial_dir, 0o700),
             (self.trash_dir, 0o700),
+            (self.lease_dir, 0o755),
+            (self.reservation_dir, 0o755),
         ):
             if create:
                 _mkdir_checked(path, mode)
@@ -232,37 +237,89 @@ class Store:
 
     def prepare_manifest(self, name: str, data: dict[str, Any]) -> str:
         """Write the next version's manifest beside the current one; :meth:`commit_manifest` swaps it in."""
-        path = os.path.join(self.manifest_dir, f".{name}.json.new")
+        path = self.new_manifest_path(name)
         _write_json(path, {"format": FORMAT, **data})
         return path
 
+    def new_manifest_path(self, name: str) -> str:
+        return os.path.join(self.manifest_dir, f".{name}.json.new")
+
     def commit_manifest(self, name: str) -> None:
-        os.rename(os.path.join(self.manifest_dir, f".{name}.json.new"), self.manifest_path(name))
+        os.rename(self.new_manifest_path(name), self.manifest_path(name))
+
+    def manifest_for(self, record: Record) -> dict[str, Any] | None:
+        """The manifest of exactly the tree ``record`` describes: the committed one, or the
+        next one while a publish is between its exchange and its commit (see ``recover``)."""
+        want = [record.root_ino, record.root_dev]
+        for path in (self.manifest_path(record.name), self.new_manifest_path(record.name)):
+            data = _read_json(path)
+            if data and data.get("format") == FORMAT and data.get("root") == want:
+                return data
+        return None
+
+    # A publish writes the next version's record to meta/.<name>.next.json BEFORE the
+    # exchange, so whichever tree DEST/<name> is when a kill lands, one record matches it
+    # (``published``) and ``recover`` can finish the step.  See NOTE [publish] in engine.py.
+
+    def next_path(self, name: str) -> str:
+        return os.path.join(self.meta_dir, f".{name}.next.json")
+
+    def write_next(self, record: Record) -> None:
+        _write_json(self.next_path(record.name), {"format": FORMAT, **record.__dict__})
+
+    def read_next(self, name: str) -> Record | None:
+        data = _read_json(self.next_path(name))
+        if not data or data.get("format") != FORMAT:
+            return None
+        try:
+            return Record(**{k: data[k] for k in Record.__dataclass_fields__})
+        except (KeyError, TypeError):
+            return None
+
+    def recover(self, name: str) -> None:
+        """Finish or undo a publish a kill interrupted; call while holding the dataset's lock."""
+        nxt = self.read_next(name)
+        if nxt is None:
+            return
+        try:
+            st = os.lstat(self.path(name))
+            root = (st.st_ino, st.st_dev)
+        except OSError:
+            root = None
+        if root == (nxt.root_ino, nxt.root_dev):
+            # The exchange happened: roll forward.
+            data = _read_json(self.new_manifest_path(name))
+            if data and data.get("root") == [nxt.root_ino, nxt.root_dev]:
+                self.commit_manifest(name)
+            self.write_record(nxt)
+        with suppress(FileNotFoundError):
+            os.unlink(self.next_path(name))
 
     def names(self) -> list[str]:
+        """Every dataset with a record (or a publish in flight)."""
         try:
             listing = os.listdir(self.meta_dir)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(
-            n[: -len(".json")] for n in listing if n.endswith(".json") and not n.startswith(".")
-        )
+        out = {n[: -len(".json")] for n in listing if n.endswith(".json") and n[:1] != "."}
+        out |= {
+            n[1 : -len(".next.json")] for n in listing if n.endswith(".next.json") and n[:1] == "."
+        }
+        return sorted(out)
 
     def published(self, name: str) -> Record | None:
         """The record of ``name`` if DEST/<name> is exactly the tree it describes."""
-        record = self.read_record(name)
-        if record is None:
-            return None
         try:
             st = os.lstat(self.path(name))
         except OSError:
             return None
-        if not stat.S_ISDIR(st.st_mode) or (st.st_ino, st.st_dev) != (
-            record.root_ino,
-            record.root_dev,
-        ):
+        if not stat.S_ISDIR(st.st_mode):
             return None
-        return record
+        for read in (self.read_record, self.read_next):  # .next only during a publish
+            record = read(name)
+            if record is not None and (st.st_ino, st.st_dev) == (record.root_ino, record.root_dev):
+                return record
+        return None
 
     def _used_path(self, name: str) -> str:
         return os.path.join(self.meta_dir, f".{name}.used")
@@ -287,23 +344,34 @@ class Store:
 
     # --- publish and remove ---------------------------------------------------
 
-    def publish(self, name: str) -> None:
-        """Move partial/<name> to DEST/<name> in one step; an old version goes to trash."""
+    def publish(self, name: str) -> str | None:
+        """Move partial/<name> to DEST/<name> in one step; returns where the old version now
+        is (partial/<name> or in trash), for the caller to remove, or None."""
         new, target = self.partial(name), self.path(name)
         if not os.path.lexists(target):
             if _renameat2(new, target, _RENAME_NOREPLACE):
-                return
+                return None
             os.rename(new, target)
-            return
+            return None
         if _renameat2(new, target, _RENAME_EXCHANGE):
-            self.discard(new)  # the old version now sits where the new one was built
-            return
+            return new  # the old version now sits where the new one was built
         # No RENAME_EXCHANGE (old kernel, some file systems): readers see no dataset
         # for an instant, never a half tree.
         old = self._trash_path(name)
         os.rename(target, old)
         os.rename(new, target)
-        _rmtree(old)
+        return old
+
+    def to_trash(self, path: str) -> str:
+        """Rename a tree we own into trash (it vanishes at once); returns where it went."""
+        if not os.path.lexists(path) or os.path.dirname(path) == self.trash_dir:
+            return path
+        old = self._trash_path(os.path.basename(path))
+        try:
+            os.rename(path, old)
+        except OSError:
+            return path
+        return old
 
     def discard(self, path: str) -> None:
         """Remove a tree we own: rename it into trash first so it vanishes at once."""
@@ -324,7 +392,13 @@ class Store:
             pass
 
     def forget(self, name: str) -> None:
-        for path in (self.meta_path(name), self.manifest_path(name), self._used_path(name)):
+        for path in (
+            self.meta_path(name),
+            self.next_path(name),
+            self.manifest_path(name),
+            self.new_manifest_path(name),
+            self._used_path(name),
+        ):
             with suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -484,7 +558,7 @@ def _renameat2(src: str, dst: str, flags: int) -> bool:
     global _libc
     if _libc is None:
         try:
-            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc = load_libc()
             _libc.renameat2.argtypes = [
                 ctypes.c_int,
                 ctypes.c_char_p,

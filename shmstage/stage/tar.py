@@ -1,44 +1,47 @@
 """Tar archives as sources: a checking pass, then a safe extraction into the partial tree.
 
+The archive's format comes from its content (:mod:`shmstage.stage.tarformat`).
 Every member is checked before a byte is written: no absolute paths, no
 ``..``, no device files or FIFOs, no member written through a symlink, no
 hard link to anything but an earlier file of the archive, no symlink whose
 target leaves the tree.  (The extracted tree is walked again afterwards, which
 catches links that only escape in combination, like ``a -> .`` and ``b -> a/..``.)
+A damaged archive (bad header, truncated data or compressed stream) fails as a
+whole: Python's tarfile ends a listing quietly at a bad header, so the scan
+checks how the listing ended.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.plan import FILE_MODE_MASK, page_bytes
+from shmstage.stage.tarformat import DamagedArchive, Format, check_end, detect, reading, why
 
 if TYPE_CHECKING:
     import tarfile
 
-SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 _BUF = 1 << 20
-
-
-def is_archive(path: str) -> bool:
-    return os.path.isfile(path) and path.lower().endswith(SUFFIXES)
 
 
 @dataclass(frozen=True)
 class Member:
-    name: str  # normalised relative path ("." for the root)
+    name: str  # normalised relative path after --strip-components ("." for the root)
     kind: str  # "d", "f", "l", "h"
     size: int
     mtime_ns: int
     mode: int
     extra: str | None  # link target (l) or the earlier file (h)
     offset: int  # data offset in an uncompressed archive, -1 when it must be read through tarfile
+    index: int = 0  # position among the archive's headers (members dropped by stripping count)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class Archive:
     members: list[Member]
     bytes: int
     files: int
+    format: Format = Format("")
+    strip_components: int = 0
 
     @property
     def page_bytes(self) -> int:
@@ -57,45 +62,107 @@ class UnsafeArchive(RefusedError):
     """A member would escape the tree or create something we refuse to create."""
 
 
-def _normalise(name: str) -> str | None:
+def _parts(name: str) -> list[str] | None:
+    """The path components of a member name; None for absolute paths and ``..``."""
     if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
         return None
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if ".." in parts:
+    parts = [p for p in name.split("/") if p]
+    return None if ".." in parts else parts
+
+
+def _normalise(name: str, strip: int = 0) -> str | None:
+    """The member's path in the staged tree ("" when --strip-components drops it)."""
+    parts = _parts(name)
+    if parts is None:
         return None
-    return "/".join(parts) or "."
+    # Like GNU tar, "." counts as a component when stripping ("./top/a" -> "top/a").
+    if strip and len(parts) < strip:
+        return ""
+    return "/".join(p for p in parts[strip:] if p != ".") or "."
 
 
-def _open(path: str, stream: bool = False) -> tarfile.TarFile:
+def _open(path: str, fmt: Format, stream: bool = False, **kw: object) -> tarfile.TarFile:
     import tarfile  # only for archive sources: keeps `shmstage stage DIR` quick to start
 
+    mode = ("r|" if stream else "r:") + fmt.compression
     try:
-        return tarfile.open(path, "r|*" if stream else "r:*")
+        return tarfile.open(path, mode, **kw)  # type: ignore[call-overload]
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise ShmstageError(f"cannot read tar archive {path}: {e}") from None
+        raise DamagedArchive(
+            f"cannot read tar archive {path}: {why(e, fmt)}; re-download or re-create it"
+        ) from None
 
 
-def scan(path: str) -> Archive:
-    """Read every header and check it; raises UnsafeArchive naming the first bad member."""
+def scan(path: str, strip_components: int = 0) -> Archive:
+    """Read every header and check it; raises UnsafeArchive naming the first bad member,
+    DamagedArchive when the archive cannot be read to its proper end."""
+    import tarfile
+
+    fmt = detect(path)
     members: list[Member] = []
     links: set[str] = set()
     files: set[str] = set()
+    origin: dict[str, str] = {}  # staged path -> the member name it came from
     total = nfiles = 0
-    plain = not path.lower().endswith((".gz", ".tgz", ".bz2", ".xz"))
+    plain = not fmt.compression
+    strip = strip_components
+    last_error: list[BaseException | None] = [None]
 
-    import tarfile
+    class Info(tarfile.TarInfo):
+        """Remembers why the last header could not be read: tarfile ends the listing quietly."""
+
+        @classmethod
+        def frombuf(cls, buf, encoding, errors):  # type: ignore[no-untyped-def]
+            try:
+                info = super().frombuf(buf, encoding, errors)
+            except tarfile.HeaderError as e:
+                last_error[0] = e
+                raise
+            last_error[0] = None
+            return info
 
     def refuse(m: tarfile.TarInfo, why: str) -> UnsafeArchive:
         return UnsafeArchive(
             f"unsafe tar archive {path}: member {m.name!r} {why}; nothing was extracted"
         )
 
-    with _open(path) as tf:
-        try:
-            for m in tf:
-                rel = _normalise(m.name)
+    last: tarfile.TarInfo | None = None
+    with _open(path, fmt, tarinfo=Info) as tf:
+
+        def where() -> str:
+            if last is None:
+                return "at offset 0 (in the first member)"
+            end = last.offset_data + last.size
+            size = os.path.getsize(path)
+            if plain and size < end:
+                return (
+                    f"at offset {size} (in member {last.name!r}, whose data runs to offset {end})"
+                )
+            if plain and size < tf.offset:
+                return f"at offset {size} (after member {last.name!r})"
+            of = " of the uncompressed tar" if fmt.compression else ""
+            return f"after offset {last.offset}{of} (in or after member {last.name!r})"
+
+        with reading(path, fmt, where):
+            for index, m in enumerate(tf):
+                last = m
+                rel = _normalise(m.name, strip)
                 if rel is None:
                     raise refuse(m, "has an absolute path or '..'")
+                if rel == "":
+                    continue  # fewer components than --strip-components: dropped, as by tar
+                if strip and rel == "." and not m.isdir():
+                    continue  # tar drops it too: a file cannot become the root
+                if strip:  # without stripping, one staged path comes from one member name
+                    key = _normalise(m.name) or "."
+                    first = origin.setdefault(rel, key)
+                    if first != key:
+                        both = repr(rel) if rel != "." else "the root"
+                        raise UnsafeArchive(
+                            f"--strip-components {strip} makes members {first!r} and {key!r} of "
+                            f"{path} both {both}; nothing was extracted: use a smaller "
+                            "--strip-components"
+                        )
                 parent = rel
                 while parent not in ("", "."):
                     parent = posixpath.dirname(parent)
@@ -103,13 +170,16 @@ def scan(path: str) -> Archive:
                         raise refuse(m, f"would be written through the symlink {parent!r}")
                 mtime_ns = int(round(float(m.mtime) * 1e9))
                 if m.isdir():
-                    members.append(Member(rel, "d", 0, mtime_ns, m.mode & 0o7777, None, -1))
-                elif m.isreg():
-                    if rel == ".":
-                        raise refuse(m, "is a file at the root")
+                    members.append(Member(rel, "d", 0, mtime_ns, m.mode & 0o7777, None, -1, index))
+                    continue
+                if rel == ".":
+                    raise refuse(m, "is not a directory but names the root")
+                if m.isreg():
                     offset = m.offset_data if plain and not m.issparse() else -1
                     members.append(
-                        Member(rel, "f", m.size, mtime_ns, m.mode & FILE_MODE_MASK, None, offset)
+                        Member(
+                            rel, "f", m.size, mtime_ns, m.mode & FILE_MODE_MASK, None, offset, index
+                        )
                     )
                     files.add(rel)
                     links.discard(rel)
@@ -121,25 +191,25 @@ def scan(path: str) -> Archive:
                         posixpath.join(posixpath.dirname(rel), target)
                     ).startswith(".."):
                         raise refuse(m, f"is a symlink that points outside the tree ({target})")
-                    members.append(Member(rel, "l", 0, mtime_ns, 0o777, target, -1))
+                    members.append(Member(rel, "l", 0, mtime_ns, 0o777, target, -1, index))
                     links.add(rel)
                 elif m.islnk():
-                    target = _normalise(m.linkname)
+                    target = _normalise(m.linkname, strip)
                     if target is None or target not in files:
                         raise refuse(
                             m,
-                            f"is a hard link to {m.linkname!r}, which is not an earlier file in the archive",
+                            f"is a hard link to {m.linkname!r}, which is not an earlier file in the "
+                            "archive" + (" (after --strip-components)" if strip else ""),
                         )
                     members.append(
-                        Member(rel, "h", 0, mtime_ns, m.mode & FILE_MODE_MASK, target, -1)
+                        Member(rel, "h", 0, mtime_ns, m.mode & FILE_MODE_MASK, target, -1, index)
                     )
                     files.add(rel)
                     nfiles += 1
                 else:
                     raise refuse(m, "is a device file, FIFO or other special file")
-        except tarfile.TarError as e:
-            raise ShmstageError(f"cannot read tar archive {path}: {e}") from None
-    return Archive(path, members, total, nfiles)
+            check_end(path, fmt, tf, last, last_error[0])
+    return Archive(path, members, total, nfiles, fmt, strip)
 
 
 def extract(
@@ -147,29 +217,65 @@ def extract(
 ) -> None:
     """Extract the checked members into ``root`` (an existing, empty, private directory)."""
     dirs: list[Member] = []
+    fmt = archive.format
     plain = all(m.offset >= 0 for m in archive.members if m.kind == "f")
     old_umask = os.umask(0)
+    current: list[Member | None] = [None]
+
+    def where() -> str:
+        m = current[0]
+        return f"in member {m.name!r}" if m is not None else "at its start"
+
     try:
         if plain:
             fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 for m in archive.members:
-                    _extract_one(m, root, dirs, lambda out, m=m: _copy_range(fd, out, m), progress)
+                    _extract_one(
+                        archive.path,
+                        m,
+                        root,
+                        dirs,
+                        lambda out, m=m: _copy_range(fd, out, m),
+                        progress,
+                    )
             finally:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
         else:
-            with _open(archive.path, stream=True) as tf:
-                it = iter(archive.members)
-                for info in tf:
-                    m = next(it)
-                    _extract_one(
-                        m, root, dirs, lambda out, info=info: _copy_stream(tf, info, out), progress
-                    )
+            wanted = {m.index: m for m in archive.members}
+            with _open(archive.path, fmt, stream=True) as tf:
+                headers = iter(tf)
+                index = -1
+                while True:
+                    with reading(archive.path, fmt, where):
+                        info = next(headers, None)
+                    if info is None:
+                        break
+                    index += 1
+                    m = wanted.pop(index, None)
+                    if m is None:
+                        continue  # dropped by --strip-components
+                    current[0] = m
+
+                    def write(out: int, info: tarfile.TarInfo = info) -> int:
+                        return _copy_stream(
+                            tf, info, out, lambda: reading(archive.path, fmt, where)
+                        )
+
+                    _extract_one(archive.path, m, root, dirs, write, progress)
+            if wanted:
+                raise DamagedArchive(
+                    f"cannot read tar archive {archive.path}: it ends before member "
+                    f"{min(wanted.items())[1].name!r}, which it had when it was checked; it changed "
+                    "while it was being staged or is damaged: re-run, or re-download it"
+                )
             fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # the engine says "no space left" and what to do
         raise ShmstageError(f"cannot extract {archive.path}: {e.strerror}: {e.filename}") from None
     finally:
         os.umask(old_umask)
@@ -180,6 +286,7 @@ def extract(
 
 
 def _extract_one(
+    archive_path: str,
     m: Member,
     root: str,
     dirs: list[Member],
@@ -203,7 +310,11 @@ def _extract_one(
         try:
             got = write(fo)
             if got != m.size:
-                raise ShmstageError(f"tar archive {m.name!r} is truncated; re-create the archive")
+                raise DamagedArchive(
+                    f"cannot read tar archive {archive_path}: member {m.name!r} is shorter than its "
+                    f"header says ({got} of {m.size} bytes); it changed while it was being staged "
+                    "or is damaged: re-run, or re-download it"
+                )
             os.utime(fo, ns=(m.mtime_ns, m.mtime_ns))
         finally:
             os.close(fo)
@@ -253,13 +364,19 @@ def _copy_range(fd: int, out: int, m: Member) -> int:
     return done
 
 
-def _copy_stream(tf: tarfile.TarFile, info: tarfile.TarInfo, out: int) -> int:
+def _copy_stream(
+    tf: tarfile.TarFile,
+    info: tarfile.TarInfo,
+    out: int,
+    reading: Callable[[], AbstractContextManager[None]],
+) -> int:
     src = tf.extractfile(info)
     if src is None:
         return 0
     done = 0
     while True:
-        chunk = src.read(_BUF)
+        with reading():  # read errors are the archive's; write errors (ENOSPC) are ours
+            chunk = src.read(_BUF)
         if not chunk:
             return done
         view = memoryview(chunk)
@@ -269,13 +386,17 @@ def _copy_stream(tf: tarfile.TarFile, info: tarfile.TarInfo, out: int) -> int:
         done += len(chunk)
 
 
-def compare(archive_path: str, root: str) -> list[str]:
+def compare(archive_path: str, root: str, strip_components: int = 0) -> list[str]:
     """Relative paths of regular members whose bytes differ from the tree at ``root``."""
+    fmt = detect(archive_path)
     differ: dict[str, bool] = {}
-    with _open(archive_path, stream=True) as tf:
+    with (
+        _open(archive_path, fmt, stream=True) as tf,
+        reading(archive_path, fmt, lambda: "while comparing"),
+    ):
         for info in tf:
-            rel = _normalise(info.name)
-            if rel is None or not info.isreg():
+            rel = _normalise(info.name, strip_components)
+            if not rel or rel == "." or not info.isreg():
                 continue
             differ[rel] = not _same(tf, info, os.path.join(root, rel))
     return sorted(rel for rel, bad in differ.items() if bad)

@@ -1,0 +1,292 @@
+"""Leases: a job says "I am reading this staged dataset" so nobody removes it underneath.
+
+A lease is a shared ``flock`` on ``DEST/.shmstage/leases/<name>.lease``, held for as long
+as the job (or the ``with`` block) lives; the kernel drops it when the process dies, so
+there are no pid files to go stale.  ``evict``, ``run --cleanup`` and ``prepare`` take the
+same lock exclusively (non-blocking) before removing a dataset and refuse when they cannot,
+naming the holders they find in /proc/locks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from shmstage.errors import RefusedError, ShmstageError
+from shmstage.stage.store import _NAME_RE, BOOK, Store, _check_owner, _mkdir_checked
+
+_COMMAND_CHARS = 120
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process holding a lease (from /proc/locks) and its command line."""
+
+    pid: int
+    command: str  # its command line, shortened ("" when hidden or gone)
+
+
+class InUse(RefusedError):
+    """A leased dataset cannot be removed (without ``force``)."""
+
+    def __init__(self, name: str, holders: tuple[Holder, ...]) -> None:
+        super().__init__(
+            f"{name} is in use by {describe(holders)}; wait for the job to finish or pass "
+            "--force (the job will fail reading files that are gone)"
+        )
+        self.name = name
+        self.holders = holders
+
+
+def describe(holders: tuple[Holder, ...]) -> str:
+    """``pid 1234 (torchrun ...)``, several joined by commas."""
+    known = [h for h in holders if h.pid > 0]  # pid 0: locked, but not in our /proc/locks view
+    if not known:
+        return "another process"
+    return ", ".join(f"pid {h.pid} ({h.command})" if h.command else f"pid {h.pid}" for h in known)
+
+
+def lease_path(store: Store, name: str) -> str:
+    return os.path.join(store.lease_dir, name + ".lease")
+
+
+def _open(path: str, *, create: bool) -> int | None:
+    """An fd on the lease file (read-only is enough for flock); None if it does not exist."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    if create:
+        try:
+            return os.open(path, flags | os.O_CREAT, 0o644)
+        except PermissionError:
+            pass  # a reader that may not write DEST: the store created the file at publish
+        except FileNotFoundError:
+            return None  # no leases/ directory (a store from before leases)
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ShmstageError(f"cannot open lease file {path}: {e.strerror}") from None
+
+
+def ensure_file(store: Store, name: str) -> None:
+    """Create the lease file (0644) so readers who cannot write DEST can lease it."""
+    if not os.path.isdir(store.lease_dir):  # a store from before leases
+        with suppress(ShmstageError):
+            _mkdir_checked(store.lease_dir, 0o755)
+    try:
+        fd = _open(lease_path(store, name), create=True)
+    except (OSError, ShmstageError):
+        return  # e.g. a read-only DEST: leasing then needs the file to exist already
+    if fd is not None:
+        os.close(fd)
+
+
+class Lease:
+    """A held shared lease on one published dataset; ``release()`` (or leaving ``with``) drops it."""
+
+    def __init__(self, store: Store, name: str, fd: int, dataset: Any) -> None:
+        self.store, self.name, self.dataset = store, name, dataset
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the last fd on it drops the flock
+
+    def __enter__(self) -> Any:
+        return self.dataset
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
+    """Take a shared lease on the published dataset ``name`` (waits while an evict removes it)."""
+    from shmstage.stage.engine import _dataset  # engine imports this module
+
+    store = Store(dest)
+    not_staged = ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
+    if not os.path.lexists(store.book):
+        raise not_staged
+    store.open(create=False)
+    path = lease_path(store, name)
+    while True:
+        if store.published(name) is None:
+            raise not_staged
+        ensure_file(store, name)  # best effort: a reader who may not write DEST just opens it
+        fd = _open(path, create=False)
+        if fd is None:
+            raise ShmstageError(
+                f"cannot lease {name}: {path} is missing and cannot be created; "
+                f"re-stage it (`shmstage stage --name {name} ...`) so it gets a lease file"
+            )
+        try:
+            st = os.fstat(fd)
+            _check_owner(path, st)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # blocks only while an evict is removing it
+            try:
+                now = os.lstat(path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)
+                continue  # evicted (lease file unlinked) while we waited: look again
+            record = store.published(name)
+            if record is None:
+                raise not_staged
+        except BaseException:
+            os.close(fd)
+            raise
+        return Lease(store, name, fd, _dataset(store.touch(record), store))
+
+
+def locate(path_or_name: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(DEST, name) when ``path_or_name`` is DEST/<name> or a path inside it, else None."""
+    path = os.path.abspath(os.fspath(path_or_name))
+    for candidate in dict.fromkeys((path, os.path.realpath(path))):
+        p = candidate
+        while True:
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            base = os.path.basename(p)
+            if _NAME_RE.match(base) and os.path.isdir(os.path.join(parent, BOOK, "meta")):
+                return parent, base
+            p = parent
+    return None
+
+
+@contextmanager
+def lease(
+    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
+) -> Iterator[Any]:
+    """Hold a lease on a staged dataset for the ``with`` block; yields its ``StagedDataset``.
+
+    ``path_or_name``: a staged path (``DEST/<name>`` or inside it, e.g. what ``staged_path()``
+    returned), a dataset name, or the source path it was staged from.
+    """
+    held = lease_for(path_or_name, dest)
+    try:
+        yield held.dataset
+    finally:
+        held.release()
+
+
+def lease_for(path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None) -> Lease:
+    """Resolve ``path_or_name`` like :func:`lease` and acquire; the caller releases."""
+    key = os.fspath(path_or_name)
+    where = locate(key) if os.sep in key else None
+    if where is not None:
+        return acquire(where[1], where[0])
+    if os.sep not in key and _NAME_RE.match(key):
+        return acquire(key, dest)
+    from shmstage.stage.engine import find
+
+    found = find(key, dest)
+    if found is None:
+        raise ShmstageError(f"{key} is not staged in {Store(dest).dest} (see `shmstage list`)")
+    return acquire(found.name, dest)
+
+
+def try_exclusive(store: Store, name: str) -> tuple[int | None, tuple[Holder, ...]]:
+    """Lock the lease file exclusively without waiting: (fd, ()) on success, (None, holders)
+    when a job holds it.  (None, ()) when there is no lease file: nobody can hold a lease."""
+    path = lease_path(store, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, ()
+    except OSError as e:
+        raise ShmstageError(f"cannot open lease file {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        st = os.fstat(fd)
+        os.close(fd)
+        found = holders_of(st.st_dev, st.st_ino)
+        return None, found or (Holder(0, ""),)
+    return fd, ()
+
+
+def holders(name: str, dest: str | os.PathLike[str] | None = None) -> tuple[Holder, ...]:
+    """Who holds a lease on ``name`` right now (empty when nobody does)."""
+    try:
+        st = os.lstat(lease_path(Store(dest), name))
+    except OSError:
+        return ()
+    return holders_of(st.st_dev, st.st_ino)
+
+
+def holders_of(dev: int, ino: int) -> tuple[Holder, ...]:
+    """Processes holding a lock on the file (dev, ino), read from /proc/locks.
+
+    Lines look like ``3: FLOCK  ADVISORY  READ  1234 00:2f:5678 0 EOF``, with the device's
+    major:minor in hex; ``3: -> FLOCK ...`` lines are waiters, not holders."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    pids: list[int] = []
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ()
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->":
+            continue
+        if fields[5] == want or _same_id(fields[5], want):
+            try:
+                pid = int(fields[4])
+            except ValueError:
+                continue
+            if pid not in pids:
+                pids.append(pid)
+    return tuple(Holder(pid, command_of(pid)) for pid in pids)
+
+
+def _same_id(field: str, want: str) -> bool:
+    # Some kernels print the major and minor without zero padding.
+    try:
+        a = [int(x, 16) for x in field.split(":")[:2]] + [int(field.split(":")[2])]
+        b = [int(x, 16) for x in want.split(":")[:2]] + [int(want.split(":")[2])]
+    except (ValueError, IndexError):
+        return False
+    return a == b
+
+
+def command_of(pid: int) -> str:
+    """The command line of ``pid``, shortened; "" when it is gone or hidden."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    if len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1][:1] != "-":
+        argv = argv[1:]  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
+    if argv:
+        argv[0] = os.path.basename(argv[0])
+    text = " ".join(argv)
+    return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 4].rstrip() + " ..."
+
+
+def unlink_locked(store: Store, name: str) -> None:
+    """Remove the lease file of a dataset that is gone (call while holding it exclusively)."""
+    try:
+        os.unlink(lease_path(store, name))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM):
+            raise

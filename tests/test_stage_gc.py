@@ -1,0 +1,242 @@
+"""Crash states and gc (issue 11, items 5 and 9): a SIGKILL at any step of a stage leaves
+something `list` shows and `gc` / `evict --all` removes, and a re-run completes.
+
+Real processes and real SIGKILL (the engine's test-only $SHMSTAGE_TEST_KILL_AT hook)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.stage import find, gc, list_staged, stage, verify
+from shmstage.stage.engine import KILL_STEPS
+
+STAGER = (
+    "import sys; from shmstage.stage import stage; stage(sys.argv[1], dest=sys.argv[2], workers=1)"
+)
+
+
+def make_src(root: Path, files: int = 4, tag: bytes = b"") -> Path:
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(files):
+            (root / c / f"{i}.bin").write_bytes(tag + os.urandom(500 + i))
+    return root
+
+
+def skeleton(dest: Path) -> list[str]:
+    return sorted(str(p.relative_to(dest)) for p in dest.rglob("*"))
+
+
+EMPTY = [
+    ".shmstage",
+    *(
+        f".shmstage/{d}"
+        for d in ("leases", "locks", "manifests", "meta", "partial", "reservations", "trash")
+    ),
+]
+
+
+def trees(dest: Path) -> set[str]:
+    """Every dataset-sized tree on disk: DEST/<name>, partial/<name>, trash/*."""
+    out = {str(p) for p in dest.iterdir() if p.name != ".shmstage"}
+    for d in ("partial", "trash"):
+        out |= {str(p) for p in (dest / ".shmstage" / d).iterdir() if not p.name.startswith(".")}
+    return out
+
+
+def cli(shmstage_bin, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*shmstage_bin, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def listed(shmstage_bin, dest: Path) -> list[dict]:
+    r = cli(shmstage_bin, "list", "--dest", str(dest), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def killed_stage(src: Path, dest: Path, step: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", STAGER, str(src), str(dest)],
+        env={**os.environ, "SHMSTAGE_TEST_KILL_AT": step},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == -signal.SIGKILL, (step, r.returncode, r.stderr)
+
+
+# A first publish has no old tree to exchange or trash: those steps exist only on republish.
+CASES = [
+    pytest.param(step, republish, id=f"{step}-{'republish' if republish else 'first'}")
+    for republish in (False, True)
+    for step in KILL_STEPS
+    if republish or step not in ("exchange", "trash")
+]
+
+
+@pytest.mark.parametrize(("step", "republish"), CASES)
+def test_sigkill_at_each_publish_step_is_visible_and_recoverable(
+    shmstage_bin, tmp_path, step, republish
+):
+    """SIGKILL at `step`: every tree left is in `list`; a re-run publishes the new version
+    exactly; a second kill followed by `evict --all` leaves only the empty skeleton."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    if republish:
+        stage(src, dest=dest)
+        (src / "a" / "0.bin").write_bytes(b"version 2")
+        (src / "b" / "1.bin").unlink()
+    killed_stage(src, dest, step)
+    on_disk = trees(dest)
+    shown = {d["path"] for d in listed(shmstage_bin, dest)}
+    assert on_disk <= shown, f"invisible after a kill at {step}: {on_disk - shown}"
+    if republish:  # readers never lose the dataset
+        assert find("ds", dest=dest) is not None
+    ds = stage(src, dest=dest)
+    assert verify("ds", dest=dest, checksum=True).ok
+    assert (Path(ds.path) / "a" / "0.bin").read_bytes() == (src / "a" / "0.bin").read_bytes()
+    assert not (Path(ds.path) / "b" / "1.bin").exists() if republish else True
+    assert [d.state for d in list_staged(dest, unfinished=True)] == ["staged"]
+    gc(dest)  # whatever the re-run could not know was junk (an orphaned trash tree)
+    assert trees(dest) == {ds.path}
+
+    (src / "a" / "2.bin").write_bytes(b"version 3")
+    killed_stage(src, dest, step)
+    r = cli(shmstage_bin, "evict", "--all", "--dest", str(dest))
+    assert r.returncode == 0, r.stderr
+    assert skeleton(dest) == EMPTY
+
+
+@pytest.mark.parametrize("step", KILL_STEPS)
+def test_sigterm_at_each_publish_step_leaves_a_consistent_store(shmstage_bin, tmp_path, step):
+    """SIGTERM at `step` of a republish: exit 143, a complete dataset stays published (old or
+    new), no invisible tree; a re-run publishes the new version."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    (src / "a" / "0.bin").write_bytes(b"version 2")
+    r = cli(
+        shmstage_bin,
+        "stage",
+        str(src),
+        "--dest",
+        str(dest),
+        "--workers",
+        "1",
+        "--quiet",
+        env={**os.environ, "SHMSTAGE_TEST_KILL_AT": f"{step}:TERM"},
+    )
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert r.stderr.startswith("Error: interrupted by SIGTERM") and "Traceback" not in r.stderr
+    assert trees(dest) <= {d["path"] for d in listed(shmstage_bin, dest)}
+    assert find("ds", dest=dest) is not None and verify("ds", dest=dest).ok
+    stage(src, dest=dest)
+    assert (dest / "ds" / "a" / "0.bin").read_bytes() == b"version 2"
+    assert verify("ds", dest=dest, checksum=True).ok
+    assert trees(dest) == {str(dest / "ds")}
+
+
+def start_stopped_stager(src: Path, dest: Path) -> subprocess.Popen:
+    """A real stager, stopped (SIGSTOP to it and its forked copier workers) once its partial
+    tree has bytes in it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STAGER, str(src), str(dest)], start_new_session=True
+    )
+    part = dest / ".shmstage" / "partial" / src.name
+    deadline = time.monotonic() + 60
+    while not (part.is_dir() and any(f.stat().st_size for f in part.rglob("*.bin"))):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            pytest.fail(f"stager ended ({proc.returncode}) before copying")
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGKILL the stager and its workers; wait until all are gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the stager's workers outlived it")
+
+
+def big_src(root: Path) -> Path:
+    # Many files so the copy is still running when the test stops it.
+    for c in range(20):
+        d = root / f"c{c}"
+        d.mkdir(parents=True)
+        for i in range(100):
+            (d / f"{i}.bin").write_bytes(os.urandom(2000))
+    return root
+
+
+def test_gc_during_a_live_stage_leaves_it_alone(shmstage_bin, tmp_path):
+    """gc while another process stages skips its partial tree and lock; that stage completes."""
+    src, dest = big_src(tmp_path / "ds"), tmp_path / "dest"
+    proc = start_stopped_stager(src, dest)
+    try:
+        entry = [d for d in listed(shmstage_bin, dest) if d["name"] == "ds"]
+        assert [(e["state"], e["stager_alive"], e["stager_pid"]) for e in entry] == [
+            ("unfinished", True, proc.pid)
+        ]
+        assert entry[0]["source"] == str(src) and entry[0]["bytes"] > 0
+        r = cli(shmstage_bin, "gc", "--dest", str(dest), "--json")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        part = str(dest / ".shmstage" / "partial" / "ds")
+        assert part not in [x["path"] for x in report["removed"]]
+        assert part in [x["path"] for x in report["skipped"]]
+        assert Path(part).is_dir()
+        os.killpg(proc.pid, signal.SIGCONT)
+        assert proc.wait(timeout=120) == 0
+        assert verify("ds", dest=dest, checksum=True).ok
+    finally:
+        stop(proc)
+
+
+def test_killed_stage_is_listed_and_gc_removes_it(shmstage_bin, tmp_path):
+    """A stager killed mid-copy: list shows it unfinished (source, bytes so far, stager dead),
+    gc --dry-run removes nothing, gc removes it all, evict --all leaves the skeleton."""
+    src, dest = big_src(tmp_path / "ds"), tmp_path / "dest"
+    other = make_src(tmp_path / "other")
+    stage(other, dest=dest)
+    stop(start_stopped_stager(src, dest))
+    r = cli(shmstage_bin, "list", "--dest", str(dest))
+    assert r.returncode == 0
+    row = next(line for line in r.stdout.splitlines() if line.startswith("ds "))
+    assert "unfinished, nobody working" in row and row.endswith(str(src))
+    entry = next(d for d in listed(shmstage_bin, dest) if d["name"] == "ds")
+    assert (entry["state"], entry["stager_alive"], entry["source"]) == (
+        "unfinished",
+        False,
+        str(src),
+    )
+    assert entry["bytes"] > 0
+    before = skeleton(dest)
+    dry = gc(dest, dry_run=True)
+    assert skeleton(dest) == before
+    assert str(dest / ".shmstage" / "partial" / "ds") in [x.path for x in dry.removed]
+    done = gc(dest)
+    assert [x.path for x in done.removed] == [x.path for x in dry.removed]
+    assert [d.name for d in list_staged(dest, unfinished=True)] == ["other"]
+    assert [list((dest / ".shmstage" / d).iterdir()) for d in ("partial", "trash")] == [[], []]
+    assert find("other", dest=dest) is not None  # a published dataset is never gc's business
+    stage(src, dest=dest)  # a fresh stage after gc works
+    r = cli(shmstage_bin, "evict", "--all", "--dest", str(dest))
+    assert r.returncode == 0 and r.stdout == "evicted: ds, other\n"
+    assert skeleton(dest) == EMPTY
