@@ -118,6 +118,17 @@ def tmpfs(tmp_path: Path):
 
 
 @pytest.fixture
+def open_tmp_path():
+    """A temporary directory (0755) under /tmp that every user can reach, removed at the end
+    even if a test left read-only directories in it."""
+    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))
+    base.chmod(0o755)
+    yield base
+    subprocess.run(["chmod", "-R", "u+rwx", str(base)], check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
 def open_tmpfs():
     """``open_tmpfs("16M")`` -> a tmpfs (mode 1777) every user can reach, for tests that run
     shmstage as another user (pytest's tmp_path is root's, 0700).  Root + private namespace."""

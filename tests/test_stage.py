@@ -26,14 +26,10 @@ pytestmark = pytest.mark.root
 
 
 @pytest.fixture
-def tmp_path():
-    """A source directory every user can reach (pytest's own is 0700 root): a copy of a
-    source under a private directory would rightly get a restricted root (test_stage_perms)."""
-    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))
-    base.chmod(0o755)
-    yield base
-    subprocess.run(["chmod", "-R", "u+rwx", str(base)], check=False)
-    shutil.rmtree(base, ignore_errors=True)
+def tmp_path(open_tmp_path):
+    """Sources every user can reach: under pytest's 0700 tmp_path a copy's root would rightly
+    lose its group and other bits (test_stage_perms), and snapshots would differ."""
+    return open_tmp_path
 
 
 # --- helpers -----------------------------------------------------------------------
