@@ -104,16 +104,8 @@ def test_resume_after_kill_with_read_only_files_in_the_partial_copy(world, shmst
     src, dest = world / "src", world / "dest"
     read_only_tree(src)
     own(src, NOBODY)
-    argv = [
-        *as_user(NOBODY),
-        *shmstage_bin,
-        "stage",
-        str(src),
-        "--dest",
-        str(dest),
-        "--workers",
-        "1",
-    ]
+    argv = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    argv += ["--workers", "1"]  # one file at a time: the kill lands mid-copy
     env = {**os.environ, copier.SLOW_ENV: "0.2"}
     p = procs.start(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     part = dest / ".shmstage" / "partial" / "src" / "ro"
