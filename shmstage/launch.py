@@ -65,20 +65,31 @@ class PlaceholderError(RefusedError):
 
 @dataclass(frozen=True)
 class StageRequest:
-    """One ``--stage SRC[=NAME]``."""
+    """One ``--stage SRC`` (with its ``--name NAME``)."""
 
     source: str
     name: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> StageRequest:
-        """``SRC`` or ``SRC=NAME``; a ``=`` followed by a path (``/``) belongs to SRC."""
+        """``SRC``: the whole text is the source path, ``=`` included.
+
+        The older ``SRC=NAME`` is still read where the file system leaves no doubt:
+        TEXT itself does not exist, the part before the last ``=`` does, and NAME is
+        a plain name.  ``/data/split=train`` is the directory of that name if it exists."""
         source, sep, name = text.rpartition("=")
-        if not sep or "/" in name:
-            return cls(text)
-        if not source or not name:
-            raise RefusedError(f"--stage {text!r}: write SRC or SRC=NAME")
-        return cls(source, name)
+        if (
+            sep
+            and source
+            and name
+            and "/" not in name
+            and not os.path.lexists(text)
+            and os.path.lexists(source)
+        ):
+            return cls(source, name)
+        if not text:
+            raise RefusedError("--stage needs a source path: --stage SRC [--name NAME]")
+        return cls(text)
 
 
 @dataclass(frozen=True)
@@ -520,7 +531,7 @@ def run(
     known = [n for n in names if n is not None]
     if len(set(known)) != len(known):
         raise RefusedError(
-            f"two --stage sources would share a name ({', '.join(known)}): name them with SRC=NAME"
+            f"two --stage sources would share a name ({', '.join(known)}): name them with --stage SRC --name NAME"
         )
     check_placeholders(command[1:], names)
     exe = resolve_command(command)
@@ -550,7 +561,9 @@ def run(
                     log(f"{engine.summary(ds)} -> {ds.path}")
         pairs = [(ds.name, str(ds.path)) for ds in staged]
         if len({n for n, _ in pairs}) != len(pairs):
-            raise RefusedError("two --stage sources share a name: name them with SRC=NAME")
+            raise RefusedError(
+                "two --stage sources share a name: name them with --stage SRC --name NAME"
+            )
         args = substitute(command[1:], pairs)
         env = job_env(staged, settings)
         returncode, leftovers = spawn([command[0], *args], env, executable=exe, log=log)

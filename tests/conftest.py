@@ -124,7 +124,71 @@ def tmpfs(tmp_path: Path):
 
 
 @pytest.fixture
+def open_tmp_path():
+    """A temporary directory (0755) under /tmp that every user can reach, removed at the end
+    even if a test left read-only directories in it."""
+    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))
+    base.chmod(0o755)
+    yield base
+    subprocess.run(["chmod", "-R", "u+rwx", str(base)], check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def open_tmpfs():
+    """``open_tmpfs("16M")`` -> a tmpfs (mode 1777) every user can reach, for tests that run
+    shmstage as another user (pytest's tmp_path is root's, 0700).  Root + private namespace."""
+    if not (IS_ROOT and PRIVATE_NS):
+        pytest.skip("needs root and a private mount namespace")
+    base = Path(tempfile.mkdtemp(prefix="shmstage-test-"))
+    base.chmod(0o755)
+    t = Tmpfs(base)
+    yield t
+    t.cleanup()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
 def shmstage_bin() -> list[str]:
     """Command prefix that runs the installed CLI in a subprocess."""
     exe = shutil.which("shmstage", path=os.path.dirname(sys.executable))
     return [exe] if exe else [sys.executable, "-m", "shmstage"]
+
+
+class Procs:
+    """``procs.start(argv, **popen_kwargs)`` -> a Popen that is killed and reaped at teardown.
+
+    Every test that starts a process goes through this (or a try/finally), so a failing
+    assertion never leaves a stager, a job or a worker running behind the suite."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        p = subprocess.Popen(argv, **kwargs)
+        self.started.append(p)
+        return p
+
+    def cleanup(self) -> None:
+        for p in self.started:
+            if p.poll() is None:
+                try:  # its whole group when it leads one (start_new_session=True)
+                    if os.getpgid(p.pid) == p.pid:
+                        os.killpg(p.pid, 9)
+                except OSError:
+                    pass
+                p.kill()
+        for p in self.started:
+            try:
+                p.communicate(timeout=30)  # reap, and close its pipes
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                p.wait()
+
+
+@pytest.fixture
+def procs():
+    """Start processes with ``procs.start(...)``; each is SIGKILLed (with its session's process
+    group when it leads one) and reaped when the test ends, passed or failed."""
+    p = Procs()
+    yield p
+    p.cleanup()

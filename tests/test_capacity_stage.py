@@ -17,6 +17,14 @@ from shmstage.stage import copy as copier
 from tests.test_stage import snapshot, wait_for
 
 pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def tmp_path(open_tmp_path):
+    """Sources every user can reach (see tests/test_stage.py)."""
+    return open_tmp_path
+
+
 MIB = 1 << 20
 
 

@@ -18,7 +18,7 @@ REGENERATE = "python -m shmstage.cli.docgen > docs/cli.md"
 def _commands(
     group: click.Group = shmstage_cli, prefix: str = ""
 ) -> list[tuple[str, click.Command]]:
-    ctx = click.Context(group, info_name="shmstage")
+    ctx = click.Context(group, info_name="shmstage", **group.context_settings)
     out = []
     for name in group.list_commands(ctx):
         cmd = group.get_command(ctx, name)
@@ -108,3 +108,95 @@ def test_index_links_every_page() -> None:
         p.name for p in DOCS.glob("*.md") if p.name != "index.md" and f"({p.name}" not in index
     ]
     assert not missing, f"docs/index.md does not link: {missing}"
+
+
+ROOT = DOCS.parent
+_ENV_NAME = re.compile(r"SHMSTAGE_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _option_envvars() -> dict[str, str]:
+    """Environment variable -> `shmstage <command> <option>`, as the CLI really reads them."""
+    out: dict[str, str] = {}
+
+    def walk(group: click.Group, ctx: click.Context, path: str) -> None:
+        for name in group.list_commands(ctx):
+            cmd = group.get_command(ctx, name)
+            sub = click.Context(cmd, parent=ctx, info_name=name)
+            for p in cmd.params:
+                if isinstance(p, click.Option) and isinstance(p.envvar, str):
+                    out[p.envvar] = f"shmstage {path} {name} {p.opts[0]}".replace("  ", " ")
+            if isinstance(cmd, click.Group):
+                walk(cmd, sub, f"{path} {name}")
+
+    root = click.Context(
+        shmstage_cli, auto_envvar_prefix="SHMSTAGE", **shmstage_cli.context_settings
+    )
+    walk(shmstage_cli, root, "")
+    return out
+
+
+def _code_names() -> set[str]:
+    """SHMSTAGE_* names the package itself reads or sets (loader settings, test hooks, ...)."""
+    names: set[str] = set()
+    for f in (ROOT / "shmstage").rglob("*.py"):
+        names.update(_ENV_NAME.findall(f.read_text()))
+    return names
+
+
+def _known(name: str, known: set[str]) -> bool:
+    # SHMSTAGE_DATA_IMAGENET_1K: an instance of SHMSTAGE_DATA_<NAME> (launch.data_env_name)
+    return name in known or name.startswith("SHMSTAGE_DATA_")
+
+
+def test_every_documented_env_var_exists() -> None:
+    """Each SHMSTAGE_* name in README.md and docs/*.md is an option's variable or one the code uses."""
+    known = set(_option_envvars()) | _code_names()
+    unknown = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            # SHMSTAGE_<COMMAND>_<OPTION> and SHMSTAGE_DATA_<NAME> are templates, not names
+            for name in _ENV_NAME.findall(re.sub(r"SHMSTAGE_[A-Z_]*<", "", line)):
+                if not _known(name, known):
+                    unknown.append(f"{page.name}:{n}: {name}")
+    assert not unknown, "documented but not read by shmstage:\n" + "\n".join(unknown)
+
+
+def test_option_envvars_follow_one_rule(monkeypatch) -> None:
+    """Setting SHMSTAGE_<COMMAND>_<OPTION> (OPTION: the long option, --json -> JSON) reaches
+    every option that has a variable, and docs/cli.md names that variable."""
+    reference = (DOCS / "cli.md").read_text()
+
+    def walk(group: click.Group, ctx: click.Context) -> None:
+        for name in group.list_commands(ctx):
+            cmd = group.get_command(ctx, name)
+            sub = click.Context(cmd, parent=ctx, info_name=name)
+            for p in cmd.params:
+                if not isinstance(p, click.Option) or not p.allow_from_autoenv:
+                    continue
+                if p.envvar in ("SHMSTAGE_DEST", "SHMSTAGE_CONFIG"):
+                    continue  # shared by several commands (README says which)
+                env = f"{sub.auto_envvar_prefix}_{p.opts[0][2:].replace('-', '_').upper()}"
+                monkeypatch.setenv(env, "x")
+                assert p.resolve_envvar_value(sub) == "x", f"{env} does not set {p.opts[0]}"
+                monkeypatch.delenv(env)
+                assert f"`{env}`" in reference, f"docs/cli.md does not name {env}"
+            if isinstance(cmd, click.Group):
+                walk(cmd, sub)
+
+    ctx = click.Context(
+        shmstage_cli, auto_envvar_prefix="SHMSTAGE", **shmstage_cli.context_settings
+    )
+    walk(shmstage_cli, ctx)
+
+
+def test_json_env_var_is_the_documented_one(runner, cli, tmp_path) -> None:
+    """SHMSTAGE_LIST_JSON=1 gives JSON, as README/docs say (the old ..._AS_JSON still works)."""
+    args = ["list", "--dest", str(tmp_path)]
+    new = runner.invoke(cli, args, env={"SHMSTAGE_LIST_JSON": "1"}, auto_envvar_prefix="SHMSTAGE")
+    assert new.exit_code == 0 and new.stdout == "[]\n", new.output
+    old = runner.invoke(
+        cli, args, env={"SHMSTAGE_LIST_AS_JSON": "1"}, auto_envvar_prefix="SHMSTAGE"
+    )
+    assert old.exit_code == 0 and old.stdout == "[]\n", old.output
+    off = runner.invoke(cli, args, auto_envvar_prefix="SHMSTAGE")
+    assert off.exit_code == 0 and not off.stdout.startswith("["), off.output

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -185,19 +184,9 @@ def test_subdirectory_of_a_tmpfs_is_refused(runner, cli, tmpfs):
 
 
 @pytest.fixture
-def world_tmpfs():
+def world_tmpfs(open_tmpfs):
     """A 16M tmpfs under a directory everyone can reach (pytest's tmp_path is root-only)."""
-    base = Path(tempfile.mkdtemp(prefix="shmstage-remount-"))
-    base.chmod(0o755)
-    mnt = base / "shm"
-    mnt.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16M,mode=1777", "tmpfs", str(mnt)], check=True
-    )
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-    mnt.rmdir()
-    base.rmdir()
+    return open_tmpfs("16M")
 
 
 def test_not_root_names_docker_and_kubernetes(shmstage_bin, world_tmpfs):

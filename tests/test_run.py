@@ -21,18 +21,57 @@ from shmstage.launch import PlaceholderError, StageRequest, check_placeholders, 
 # --- placeholders (unit) ----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("/nfs/imagenet", StageRequest("/nfs/imagenet")),
-        ("/nfs/imagenet=inet", StageRequest("/nfs/imagenet", "inet")),
-        ("/data/a=b/c", StageRequest("/data/a=b/c")),  # '=' inside the path
-        ("s3=x/y=train", StageRequest("s3=x/y", "train")),
-    ],
-)
-def test_stage_request_parse(text, expected):
-    """--stage SRC[=NAME] splits at the last '=' unless what follows is a path."""
-    assert StageRequest.parse(text) == expected
+def test_stage_request_parse(tmp_path):
+    """--stage SRC is the whole path, '=' included; the old SRC=NAME only where SRC=NAME is
+    no path and SRC is one."""
+    (tmp_path / "split=train").mkdir()
+    (tmp_path / "plain").mkdir()
+    t = str(tmp_path)
+    assert StageRequest.parse(f"{t}/split=train") == StageRequest(f"{t}/split=train")
+    assert StageRequest.parse(f"{t}/plain=inet") == StageRequest(f"{t}/plain", "inet")
+    assert StageRequest.parse(f"{t}/missing=x") == StageRequest(f"{t}/missing=x")
+    assert StageRequest.parse(f"{t}/plain=a/b") == StageRequest(f"{t}/plain=a/b")
+    assert StageRequest.parse("/nfs/imagenet") == StageRequest("/nfs/imagenet")
+
+
+def test_run_stages_a_path_with_equals_sign(shmstage_bin, tmp_path):
+    """`run --stage /data/split=train` stages that directory, named split_train."""
+    (tmp_path / "split=train").mkdir()
+    (tmp_path / "split=train" / "f").write_text("x")
+    (tmp_path / "split").mkdir()  # the old reading would have staged this one as "train"
+    dest = tmp_path / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "run", "--stage", f"{tmp_path}/split=train", "--dest", str(dest), "--",
+         "sh", "-c", 'test -f "$1/f" && echo "$1"', "sh", "{staged:split_train}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{dest}/split_train\n"
+
+
+def test_run_name_option_names_the_stage_before_it(shmstage_bin, runner, cli, tmp_path):
+    """--stage A --name a --stage B: a is A's name, B keeps its base name; a stray --name is exit 2."""
+    for d in ("A", "B"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "f").write_text(d)
+    dest = tmp_path / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "run", "--stage", str(tmp_path / "A"), "--name", "a", "--stage",
+         str(tmp_path / "B"), "--dest", str(dest), "--", "sh", "-c", 'cat "$1/f" "$2/f"', "sh",
+         "{staged:a}", "{staged:B}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "AB"
+    stray = runner.invoke(cli, ["run", "--name", "a", "--stage", str(tmp_path / "A"), "--", "true"])
+    assert stray.exit_code == 2
+    assert stray.stderr.splitlines()[-1] == (
+        "Error: --name a must follow the --stage it names: --stage SRC --name NAME"
+    )
+    two = runner.invoke(cli, ["run", "--stage", "/x", "--name", "a", "--name", "b", "--", "true"])
+    assert two.exit_code == 2
+    assert two.stderr.splitlines()[-1] == "Error: --stage /x has two names (a, b): give one --name"
+    assert not dest.joinpath(".shmstage", "partial", "a").exists()
 
 
 def test_substitute_fills_staged_and_names():
@@ -203,7 +242,7 @@ def test_staged_path_and_environment(shmstage_bin, tmp_path):
     script = 'echo "$1|$SHMSTAGE_DATA|$SHMSTAGE_DATA_TOY_1|$SHMSTAGE_NUM_WORKERS|$SHMSTAGE_PIN_MEMORY|$SHMSTAGE_PREFETCH_FACTOR"'
     r = run_cli(
         shmstage_bin,
-        "--stage", f"{src}=toy-1", "--dest", str(dest),
+        "--stage", str(src), "--name", "toy-1", "--dest", str(dest),
         "--workers", "3", "--no-pin", "--prefetch-factor", "2",
         "--", "sh", "-c", script, "sh", "{staged}/a",
     )  # fmt: skip
@@ -223,7 +262,7 @@ def test_node_config_dest_is_the_default(shmstage_bin, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SHMSTAGE_DEST"}
     env["SHMSTAGE_CONFIG"] = str(cfg)
     r = run_cli(
-        shmstage_bin, "--stage", f"{src}=toy", "--", "sh", "-c", 'echo "$1|$SHMSTAGE_DEST"', "sh", "{staged}",
+        shmstage_bin, "--stage", str(src), "--name", "toy", "--", "sh", "-c", 'echo "$1|$SHMSTAGE_DEST"', "sh", "{staged}",
         env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -235,7 +274,7 @@ def test_two_datasets_by_name(shmstage_bin, tmp_path):
     a, b = make_dataset(tmp_path / "a"), make_dataset(tmp_path / "b")
     dest = tmp_path / "dest"
     r = run_cli(
-        shmstage_bin, "--stage", str(a), "--stage", f"{b}=bee", "--dest", str(dest),
+        shmstage_bin, "--stage", str(a), "--stage", str(b), "--name", "bee", "--dest", str(dest),
         "--", "sh", "-c", 'echo "$1 $2 $SHMSTAGE_DATA $SHMSTAGE_DATA_BEE"', "sh", "{staged:bee}", "{staged:a}",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -275,7 +314,7 @@ def test_cleanup_evicts_only_what_this_run_staged(shmstage_bin, tmp_path):
     assert engine.find("kept", dest=str(dest)) is not None
 
 
-def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path):
+def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path, procs):
     """Two runs staging the same source at once share one copy."""
     src = make_dataset(tmp_path / "src", files=50)
     dest = tmp_path / "dest"
@@ -293,12 +332,12 @@ def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path):
         "sh",
         "{staged}",
     ]
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [
+        procs.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = [p.communicate(timeout=120) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs
     assert outs[0][0] == outs[1][0] == f"{dest / 'src'}\n"
     assert [p.name for p in dest.iterdir() if not p.name.startswith(".")] == ["src"]
 
@@ -323,13 +362,13 @@ def wait_for(path: Path, timeout: float = 30.0) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
-def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig):
+def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig, procs):
     """`kill -SIG <shmstage pid>` reaches the job, its status is 128+SIG, and nothing is orphaned."""
     name = sig.name.removeprefix("SIG")
     got, pidfile, ready = tmp_path / "got", tmp_path / "pid", tmp_path / "ready"
-    p = subprocess.Popen(
+    p = procs.start(
         [*shmstage_bin, "run", "--", "sh", "-c", TRAPPING_JOB.format(sig=name), "sh", name, got, pidfile, ready],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     wait_for(ready)
     sleeper = int(pidfile.read_text())
@@ -608,11 +647,12 @@ def test_terminal_ctrl_z_stops_and_resumes_the_job(shmstage_bin, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path):
+def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path, procs):
     """If shmstage itself is SIGKILLed, the job gets SIGTERM (PR_SET_PDEATHSIG), not orphaned."""
     pidfile, ready = tmp_path / "pid", tmp_path / "ready"
-    p = subprocess.Popen(
-        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready]
+    p = procs.start(
+        [*shmstage_bin, "run", "--", "sh", "-c", 'echo $$ > "$1"; echo ready > "$2"; exec sleep 300', "sh", pidfile, ready],
+        start_new_session=True,
     )  # fmt: skip
     wait_for(ready)
     job = psutil.Process(int(pidfile.read_text()))
@@ -626,11 +666,12 @@ def test_sigkill_of_shmstage_takes_the_job_down(shmstage_bin, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_orphans_of_the_job_are_reaped_while_it_runs(shmstage_bin, tmp_path):
+def test_orphans_of_the_job_are_reaped_while_it_runs(shmstage_bin, tmp_path, procs):
     """A process the job orphans is re-parented to shmstage and reaped when it exits (no zombie)."""
     pidfile = tmp_path / "pid"
-    p = subprocess.Popen(
-        [*shmstage_bin, "run", "--", "sh", "-c", '(sleep 0.2 & echo $! > "$1"); exec sleep 30', "sh", pidfile]
+    p = procs.start(
+        [*shmstage_bin, "run", "--", "sh", "-c", '(sleep 0.2 & echo $! > "$1"); exec sleep 30', "sh", pidfile],
+        start_new_session=True,
     )  # fmt: skip
     try:
         wait_for(pidfile)

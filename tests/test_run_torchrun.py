@@ -55,7 +55,7 @@ def test_torchrun_trains_from_the_staged_copy(shmstage_bin, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigterm_shuts_torchrun_down(shmstage_bin, tmp_path):
+def test_sigterm_shuts_torchrun_down(shmstage_bin, tmp_path, procs):
     """SIGTERM to `shmstage run` reaches torchrun, which stops its ranks; its status is returned."""
     src = toy_dataset(tmp_path / "toy", per_class=256)
     cmd = [
@@ -64,7 +64,10 @@ def test_sigterm_shuts_torchrun_down(shmstage_bin, tmp_path):
         str(EXAMPLE), "--data", "{staged}", "--batch-size", "1", "--epochs", "1000",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    p = procs.start(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,  # torchrun and its ranks: killed as a group if the test fails
+    )  # fmt: skip
     seen = []
     assert p.stdout is not None
     for line in p.stdout:  # wait until both ranks are training

@@ -25,6 +25,13 @@ from shmstage.stage.plan import walk
 pytestmark = pytest.mark.root
 
 
+@pytest.fixture
+def tmp_path(open_tmp_path):
+    """Sources every user can reach: under pytest's 0700 tmp_path a copy's root would rightly
+    lose its group and other bits (test_stage_perms), and snapshots would differ."""
+    return open_tmp_path
+
+
 # --- helpers -----------------------------------------------------------------------
 
 
@@ -471,13 +478,13 @@ def test_lock_waiter_relocks_after_evict_unlinks_the_file(tmp_path):
 # --- concurrency and faults -------------------------------------------------------------
 
 
-def test_eight_concurrent_stagers_make_one_copy(tmpfs, tmp_path, shmstage_bin):
+def test_eight_concurrent_stagers_make_one_copy(tmpfs, tmp_path, shmstage_bin, procs):
     """8 processes staging one source at once: one copies, the others wait, all print the same path."""
     src = make_tree(tmp_path / "ds", files=40)
     dest = tmpfs("64M") / "d"
     env = slow_env(0.08)  # ~3 s of copying: every process starts while the first holds the lock
-    procs = [
-        subprocess.Popen(
+    stagers = [
+        procs.start(
             [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--json"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -486,8 +493,8 @@ def test_eight_concurrent_stagers_make_one_copy(tmpfs, tmp_path, shmstage_bin):
         )
         for _ in range(8)
     ]
-    results = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 8, results
+    results = [p.communicate(timeout=120) for p in stagers]
+    assert [p.returncode for p in stagers] == [0] * 8, results
     docs = [json.loads(out) for out, _ in results]
     assert {d["path"] for d in docs} == {str(dest / "ds")}
     assert sum(d["changed"] for d in docs) == 1
@@ -495,27 +502,27 @@ def test_eight_concurrent_stagers_make_one_copy(tmpfs, tmp_path, shmstage_bin):
     assert snapshot(src) == snapshot(dest / "ds")
 
 
-def test_different_datasets_stage_in_parallel(tmpfs, tmp_path, shmstage_bin):
+def test_different_datasets_stage_in_parallel(tmpfs, tmp_path, shmstage_bin, procs):
     """Two datasets staged at the same time both complete."""
     dest = tmpfs("64M") / "d"
     srcs = [make_tree(tmp_path / n) for n in ("a", "b")]
-    procs = [
-        subprocess.Popen(
+    stagers = [
+        procs.start(
             [*shmstage_bin, "stage", str(s), "--dest", str(dest), "--quiet"],
             stdout=subprocess.PIPE,
             text=True,
         )
         for s in srcs
     ]
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+    outs = [p.communicate(timeout=60)[0] for p in stagers]
     assert outs == [f"{dest / 'a'}\n", f"{dest / 'b'}\n"]
 
 
-def test_sigkill_mid_copy_then_restage_resumes(tmpfs, tmp_path, shmstage_bin):
+def test_sigkill_mid_copy_then_restage_resumes(tmpfs, tmp_path, shmstage_bin, procs):
     """SIGKILL mid-copy publishes nothing; the next run resumes the partial copy and completes."""
     src = make_tree(tmp_path / "ds", files=40)
     dest = tmpfs("64M") / "d"
-    p = subprocess.Popen(
+    p = procs.start(
         [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "2", "--quiet"],
         env=slow_env(0.2),
     )
@@ -537,11 +544,11 @@ def test_sigkill_mid_copy_then_restage_resumes(tmpfs, tmp_path, shmstage_bin):
         (signal.SIGINT, 130, "Interrupted."),
     ],
 )
-def test_signal_mid_copy_removes_partial(tmpfs, tmp_path, shmstage_bin, sig, code, line):
+def test_signal_mid_copy_removes_partial(tmpfs, tmp_path, shmstage_bin, sig, code, line, procs):
     """SIGTERM / Ctrl-C mid-copy: exit 128+N, no partial copy, nothing published."""
     src = make_tree(tmp_path / "ds", files=40)
     dest = tmpfs("64M") / "d"
-    p = subprocess.Popen(
+    p = procs.start(
         [*shmstage_bin, "stage", str(src), "--dest", str(dest)],
         env=slow_env(0.2),
         stderr=subprocess.PIPE,
@@ -556,7 +563,7 @@ def test_signal_mid_copy_removes_partial(tmpfs, tmp_path, shmstage_bin, sig, cod
     assert os.listdir(dest / ".shmstage" / "partial") == []
 
 
-def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin):
+def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin, procs):
     """Dest filling up mid-copy: clear error, partial removed, other datasets untouched."""
     shm = tmpfs("12M")
     dest = shm / "d"
@@ -566,7 +573,7 @@ def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin):
     src.mkdir()
     for i in range(12):
         (src / f"f{i:02d}").write_bytes(os.urandom(400_000))
-    p = subprocess.Popen(
+    p = procs.start(
         [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--reserve", "0", "--workers", "1"],
         env=slow_env(0.1),
         stderr=subprocess.PIPE,
@@ -596,14 +603,16 @@ def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin):
         ("delete", "vanished during the copy: {f}"),
     ],
 )
-def test_source_changing_during_copy_is_an_error(tmpfs, tmp_path, shmstage_bin, how, message):
+def test_source_changing_during_copy_is_an_error(
+    tmpfs, tmp_path, shmstage_bin, how, message, procs
+):
     """A source file rewritten or deleted while it is being staged ends with a clear error."""
     src = tmp_path / "ds"
     src.mkdir()
     for i in range(10):
         (src / f"f{i}").write_bytes(b"x" * 1000)
     dest = tmpfs("16M") / "d"
-    p = subprocess.Popen(
+    p = procs.start(
         [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"],
         env=slow_env(0.2),
         stderr=subprocess.PIPE,
@@ -655,7 +664,10 @@ def test_unreadable_file_is_named(request):
         message = f.read()
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 1, message
-    assert message == f"cannot read source file {src / 'secret'}: Permission denied"
+    assert message == (
+        f"cannot read source file {src / 'secret'}: Permission denied; "
+        "stage as a user who can read every file of the source"
+    )
     assert not (shm / "nobody" / "ds").exists()
 
 

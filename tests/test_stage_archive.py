@@ -349,12 +349,13 @@ def test_device_nodes_and_fifos_in_an_archive_are_refused(tmp_path, kind, what):
 # --- --strip-components ----------------------------------------------------------------
 
 
-def test_strip_components_one_stages_the_top_folders_contents(tmpfs, tmp_path, shmstage_bin):
+def test_strip_components_one_stages_the_top_folders_contents(open_tmpfs, tmp_path, shmstage_bin):
     """--strip-components 1 gives the folder's contents, links and hard links intact, like GNU tar."""
     src = make_tree(tmp_path / "src")
     (src / "top").chmod(0o750)
-    arc = tar(src, tmp_path / "data.tar.gz", "-z")
-    dest = tmpfs("64M") / "s"
+    shm = open_tmpfs("64M")  # under a 0700 tmp_path the copy's root would lose its group bits
+    arc = tar(src, shm / "data.tar.gz", "-z")
+    dest = shm / "s"
     r = stage_cli(shmstage_bin, arc, dest, "--strip-components", "1", "--quiet")
     assert r.returncode == 0, r.stderr
     staged = dest / "data"

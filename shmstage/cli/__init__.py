@@ -39,6 +39,30 @@ class ShmstageClickError(click.ClickException):
         self.exit_code = error.exit_code
 
 
+def option_envvar(param: click.Parameter, prefix: str | None) -> str | None:
+    """The one rule for an option's environment variable: ``<prefix>_<OPTION>``, OPTION the
+    long option upper-cased with ``-`` as ``_`` (``--json`` -> ``SHMSTAGE_STAGE_JSON``).
+
+    Click's own rule uses the Python parameter name (``as_json``), which users never see
+    (it is still read as a fallback); an explicit ``envvar=`` (``SHMSTAGE_DEST``) wins."""
+    if isinstance(param.envvar, str):
+        return param.envvar
+    if not isinstance(param, click.Option) or not param.allow_from_autoenv or prefix is None:
+        return None
+    longs = [o for o in param.opts if o.startswith("--")]
+    return f"{prefix}_{longs[0][2:].replace('-', '_').upper()}" if longs else None
+
+
+def name_envvars(cmd: click.Command, prefix: str) -> None:
+    """Give every option of ``cmd`` (and of its subcommands) its variable by :func:`option_envvar`."""
+    for p in cmd.params:
+        if p.envvar is None:
+            p.envvar = option_envvar(p, prefix)
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            name_envvars(sub, f"{prefix}_{name.replace('-', '_').upper()}")
+
+
 class ShmstageGroup(click.Group):
     """Lazily-loaded commands; library errors become one-line Click errors."""
 
@@ -51,7 +75,10 @@ class ShmstageGroup(click.Group):
             return None
         module_name, attr = target.split(":")
         module = importlib.import_module(f"{__name__}.{module_name}")
-        return getattr(module, attr)
+        cmd = getattr(module, attr)
+        # always (not only under main()'s auto_envvar_prefix): the same variables in tests
+        name_envvars(cmd, f"SHMSTAGE_{cmd_name.replace('-', '_').upper()}")
+        return cmd
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -63,7 +90,9 @@ class ShmstageGroup(click.Group):
             sys.exit(130)
 
 
-@click.group("shmstage", cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    "shmstage", cls=ShmstageGroup, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(__version__, prog_name="shmstage")
 def cli() -> None:
     """Stage datasets into RAM-backed tmpfs and keep GPUs fed.
@@ -76,7 +105,9 @@ def cli() -> None:
 
     Exit codes: 0 success, 1 operation failed, 2 bad usage or refused
     (nothing changed), 3 verification found a difference, 128+N killed by signal N.
-    Every option can also be set as SHMSTAGE_<COMMAND>_<OPTION>.
+    Every option can also be set as SHMSTAGE_<COMMAND>_<OPTION>: the long
+    option upper-cased, - as _ (--json -> SHMSTAGE_LIST_JSON, --dry-run ->
+    SHMSTAGE_EVICT_DRY_RUN; bench stage --runs -> SHMSTAGE_BENCH_STAGE_RUNS).
     """
 
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import click
 
+from shmstage.cli import option_envvar
+
 # command path -> "module:ResultType" its --json prints ("[]": a JSON array of them).
 # Add yours here; a command whose JSON is documented on its own page goes in JSON_ELSEWHERE.
 JSON_RESULTS: dict[str, str] = {
@@ -103,9 +105,10 @@ def _option_rows(cmd: click.Command, ctx: click.Context) -> list[str]:
             kind += " (repeatable)"
         if param.required:
             kind += ", required"
-        env = param.envvar or f"{ctx.auto_envvar_prefix}_{param.name.upper()}" if param.name else ""
+        env = option_envvar(param, ctx.auto_envvar_prefix)
+        env = f"`{env}`" if env else "—"
         rows.append(
-            f"| {names} | {_cell(kind)} | {_cell(_default(param, ctx))} | `{env}` | {_cell(param.help or '')} |"
+            f"| {names} | {_cell(kind)} | {_cell(_default(param, ctx))} | {env} | {_cell(param.help or '')} |"
         )
     return rows
 
@@ -151,7 +154,10 @@ def generate(group: click.Group | None = None) -> str:
     """The whole reference as Markdown (deterministic: no machine facts in it)."""
     if group is None:
         from shmstage.cli import cli as group
-    root = click.Context(group, info_name="shmstage", auto_envvar_prefix="SHMSTAGE")
+    # the group's context_settings too: Click caches the help option (-h) from the first context
+    root = click.Context(
+        group, info_name="shmstage", auto_envvar_prefix="SHMSTAGE", **group.context_settings
+    )
     out = [HEADER]
     out.append(f"```text\nUsage: shmstage {' '.join(group.collect_usage_pieces(root))}\n```\n")
     out.append(_help_markdown(group.help or "") + "\n")

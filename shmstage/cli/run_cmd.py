@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import click
 
 from shmstage.cli.output import log
@@ -11,16 +14,74 @@ def _log(message: str) -> None:
     log(f"shmstage: {message}")
 
 
+class _RunCommand(click.Command):
+    """Keeps the order of --stage and --name on the command line: each --name names the
+    --stage before it (Click collects repeated options per option, not in order)."""
+
+    def make_parser(self, ctx: click.Context) -> Any:
+        parser = super().make_parser(ctx)
+        parse = parser.parse_args
+
+        def parse_args(args: list[str]) -> Any:
+            opts, largs, order = parse(args)
+            ctx.meta[_ORDER] = [p.name for p in order if p.name in ("stages", "names")]
+            return opts, largs, order
+
+        parser.parse_args = parse_args  # type: ignore[method-assign]
+        return parser
+
+
+_ORDER = "shmstage.run.stage_order"
+
+
+def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -> list[Any]:
+    from shmstage.launch import StageRequest
+
+    order = ctx.meta.get(_ORDER, [])
+    if order.count("stages") != len(stages):  # from $SHMSTAGE_RUN_STAGE: no names
+        order = ["stages"] * len(stages) + [w for w in order if w == "names"]
+    out: list[tuple[str, str | None]] = []
+    s = n = 0
+    for which in order:
+        if which == "stages":
+            out.append((stages[s], None))
+            s += 1
+            continue
+        if not out:
+            raise click.UsageError(
+                f"--name {names[n]} must follow the --stage it names: --stage SRC --name NAME"
+            )
+        if out[-1][1] is not None:
+            raise click.UsageError(
+                f"--stage {out[-1][0]} has two names ({out[-1][1]}, {names[n]}): give one --name"
+            )
+        out[-1] = (out[-1][0], names[n])
+        n += 1
+    return [
+        StageRequest.parse(src) if name is None else StageRequest(src, name) for src, name in out
+    ]
+
+
 @click.command(
     "run",
+    cls=_RunCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option(
     "--stage",
     "stages",
     multiple=True,
-    metavar="SRC[=NAME]",
-    help="Stage SRC before the job (repeatable); NAME names it for {staged:NAME}.",
+    metavar="SRC",
+    help="Stage the directory or tar archive SRC before the job (repeatable).",
+)
+@click.option(
+    "--name",
+    "names",
+    multiple=True,
+    metavar="NAME",
+    allow_from_autoenv=False,
+    help="Name of the --stage just before it (default: SRC's base name); the job finds it "
+    "as {staged:NAME} and SHMSTAGE_DATA_<NAME>.",
 )
 @click.option(
     "--dest",
@@ -57,8 +118,11 @@ def _log(message: str) -> None:
 @click.argument(
     "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[--] CMD [ARGS]..."
 )
+@click.pass_context
 def run_cmd(
+    ctx: click.Context,
     stages: tuple[str, ...],
+    names: tuple[str, ...],
     dest: str | None,
     workers: int | None,
     pin: bool | None,
@@ -78,12 +142,13 @@ def run_cmd(
 
     \b
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
+      shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
     from shmstage.launch import run
 
     result = run(
         command,
-        stage=stages,
+        stage=_requests(ctx, stages, names),
         dest=dest,
         workers=workers,
         pin=pin,

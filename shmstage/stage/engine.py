@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +22,8 @@ from typing import Any
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
+from shmstage.stage import access, leases, tarformat
 from shmstage.stage import copy as copier
-from shmstage.stage import leases, tarformat
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
 from shmstage.stage.leases import Holder
@@ -270,6 +271,7 @@ def _stage_locked(
             entries = [list(e) for e in tree.entries]
             if same and manifest["entries"] == entries:  # type: ignore[index]
                 _drop_leftovers(store, name, marker)
+                _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
             resumable = not force and prev_marker == source
             _write_marker(marker, source)
@@ -306,6 +308,7 @@ def _stage_locked(
             strip = manifest.get("strip_components", 0) if manifest else 0  # part of the key
             if same and manifest.get("archive") == fingerprint and strip == strip_components:  # type: ignore[union-attr]
                 _drop_leftovers(store, name, marker)
+                _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
             archive = tarsrc.scan(source, strip_components)
             est = of_archive(archive, page_size(store.dest))  # the numbers inspect prints
@@ -337,6 +340,7 @@ def _stage_locked(
             )
         _kill_at("manifest")
         report("publishing")
+        access.restrict_root(part, source, kind)  # no reader the source path shuts out
         root = os.lstat(part)
         now = time.time()
         seconds = time.monotonic() - t0
@@ -384,6 +388,14 @@ def _stage_locked(
     finally:
         if ahead is not None:
             ahead.stop(drop=False)  # on success the copier has dropped every file's pages
+
+
+def _recheck_access(
+    store: Store, name: str, source: str, kind: str, manifest: dict[str, Any] | None
+) -> None:
+    """An unchanged source: its path may have opened or closed since the copy was made."""
+    with suppress(OSError, KeyError, IndexError, TypeError):  # best effort: not our copy, ...
+        access.restrict_root(store.path(name), source, kind, manifest["entries"][0][4])  # type: ignore[index]
 
 
 # NOTE [publish]: publish and record are one step a kill cannot split.
@@ -534,6 +546,28 @@ def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
     return keep
 
 
+def _link_unchanged(old: str, job: copier.Job, own: bool) -> bool:
+    """Hard-link the published ``old`` file as ``job``'s copy if it is still what the manifest
+    and the source say; False (nothing linked) if not.
+
+    The published tree may belong to the source's owner (root keeps owners), who can swap
+    a directory in it for a symlink: the check runs on the link made in our private
+    partial/ tree, so what it accepts is what gets published."""
+    try:
+        os.link(old, job[1], follow_symlinks=False)
+    except OSError:
+        return False
+    st = os.lstat(job[1])
+    same = (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) == (job[2], job[3], job[5])
+    ok = stat.S_ISREG(st.st_mode) and same
+    if ok and own:
+        src = os.lstat(job[0])
+        ok = (st.st_uid, st.st_gid) == (src.st_uid, src.st_gid)
+    if not ok:
+        os.unlink(job[1])
+    return ok
+
+
 def _build_dir(
     store: Store,
     name: str,
@@ -578,10 +612,11 @@ def _build_dir(
     src_prefix = tree.root.rstrip("/") + "/"
     part_prefix = part + "/"
     jobs: list[copier.Job] = []
-    reuse: list[str] = []
+    reuse: list[copier.Job] = []
     links: list[list[Any]] = []
     hard: list[list[Any]] = []
     dirs: list[tuple[str, int, int, int]] = []
+    own = copier.keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
     old_umask = os.umask(0)
     try:
         for e, atime in zip(tree.entries, tree.atimes):
@@ -595,37 +630,39 @@ def _build_dir(
                 if rel in keep:
                     continue
                 o = old.get(rel)
+                job = (
+                    src_prefix + rel,  # plain concatenation: 1M joins cost seconds
+                    part_prefix + rel,
+                    size,
+                    mtime,
+                    atime,
+                    mode,
+                    rel,
+                )
                 if o is not None and list(o) == list(e):
-                    reuse.append(rel)
+                    reuse.append(job)
                 else:
-                    jobs.append(
-                        (
-                            src_prefix + rel,  # plain concatenation: 1M joins cost seconds
-                            part_prefix + rel,
-                            size,
-                            mtime,
-                            atime,
-                            mode,
-                            rel,
-                        )
-                    )
+                    jobs.append(job)
             elif kind == "l":
                 links.append([rel, extra, mtime])
             else:
                 hard.append([rel, extra])
-        for rel in reuse:  # unchanged since the published version: share its pages
-            os.link(os.path.join(old_root, rel), os.path.join(part, rel), follow_symlinks=False)
+        for job in reuse:  # unchanged since the published version: share its pages
+            if not _link_unchanged(os.path.join(old_root, job[6]), job, own):
+                jobs.append(job)  # gone or not what we published: copy it again
         for rel, target, mtime in links:
             path = os.path.join(part, rel)
             os.symlink(target, path)
+            if own:
+                copier.copy_owner(path, os.lstat(src_prefix + rel))
             os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
         total = sum(j[2] for j in jobs)
         tasks, chunked = copier.make_tasks(jobs)
-        for i in chunked:  # big files: created here, filled by several workers
+        for i in chunked:  # big files: created here (writable), filled by several workers
             fd = os.open(
                 jobs[i][1],
                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                jobs[i][5],
+                0o600,
             )
             try:
                 os.ftruncate(fd, jobs[i][2])
@@ -636,7 +673,10 @@ def _build_dir(
     nworkers = workers or copier.default_workers()
     tick = claim.counting(_copy_counter(report, total, len(jobs)))
     copier.run(jobs, tasks, nworkers, tick, while_copying)
-    for i in chunked:
+    for i in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
+        if own:
+            copier.copy_owner(jobs[i][1], os.stat(jobs[i][0]))
+        os.chmod(jobs[i][1], jobs[i][5], follow_symlinks=False)
         os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)
     for rel, first in hard:
         os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
@@ -651,6 +691,8 @@ def _build_dir(
             )
     for rel, mode, mtime, atime in reversed(dirs):  # children first: they touch the parent's mtime
         path = os.path.join(part, rel) if rel != "." else part
+        if own:
+            copier.copy_owner(path, os.lstat(src_prefix + rel if rel != "." else tree.root))
         os.chmod(path, mode)
         os.utime(path, ns=(atime, mtime), follow_symlinks=False)
     return total
@@ -815,7 +857,9 @@ def verify(
         have = actual.get(rel)
         if have is None:
             diffs.append(Difference(rel, "missing"))
-        elif have != want:
+        elif have != want and not (
+            rel == "." and have[:4] == want[:4] and access.is_restriction(want[4], have[4])
+        ):
             diffs.append(Difference(rel, "changed", _what_changed(want, have)))
     for rel in actual:
         if rel not in expected:

@@ -1,0 +1,98 @@
+"""Who may read a staged copy: never anyone who could not read it at its source.
+
+A staged tree keeps its source's modes, but the source may be shut off by a
+directory above it (``/home/alice`` at 0700) that the copy under DEST does not
+have.  ``restrict_root`` clears, on the published root, the permission class
+(owner, group, other) that some directory on the way to the source denies.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+
+from shmstage.stage.copy import copy_owner
+
+_CLASSES = ((stat.S_IRWXU, "owner"), (stat.S_IRWXG, "group"), (stat.S_IRWXO, "other"))
+
+
+def _may(st: os.stat_result, uid: int | None, gids: frozenset[int], want: int) -> bool:
+    """The kernel's rule for one inode: owner bits, else group bits, else other bits.
+
+    ``want`` is 1 (search/execute) or 4 (read).  uid None: a user owning nothing here."""
+    if uid == 0:
+        return True  # CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH
+    if uid is not None and st.st_uid == uid:
+        bits = st.st_mode >> 6
+    elif st.st_gid in gids:
+        bits = st.st_mode >> 3
+    else:
+        bits = st.st_mode
+    return bool(bits & want)
+
+
+def _groups_of(uid: int, gid: int) -> frozenset[int]:
+    try:
+        return frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except (KeyError, OSError):  # a uid without a passwd entry: its primary group only
+        return frozenset((gid,))
+
+
+def _path_to(source: str, kind: str) -> list[tuple[os.stat_result, int]]:
+    """(stat, wanted access) for every directory above ``source`` and, when ownership
+    changes in the copy, the source itself: what a reader had to pass to get at it."""
+    chain: list[tuple[os.stat_result, int]] = []
+    path = os.path.dirname(source)
+    while True:
+        chain.append((os.stat(path), 1))
+        if path == os.path.dirname(path):
+            break
+        path = os.path.dirname(path)
+    chain.append((os.stat(source), 1 if kind == "dir" else 4))
+    return chain
+
+
+def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
+    """Mode bits to clear on a staged root owned by ``owner``:``group`` (0: none).
+
+    The owner class is the copy's owner with its groups; the group class a member of
+    ``group`` only; the other class a user in neither and owning nothing on the way.
+    A class keeps its bits only if the kernel would have let it through every directory
+    above the source and into the source itself (under the source's ownership)."""
+    chain = _path_to(os.path.realpath(source), kind)
+    who = (
+        (owner, _groups_of(owner, group)),
+        (None, frozenset((group,))),
+        (None, frozenset()),
+    )
+    clear = 0
+    for (bits, _name), (uid, gids) in zip(_CLASSES, who):
+        if not all(_may(st, uid, gids, want) for st, want in chain):
+            clear |= bits
+    return clear
+
+
+def restrict_root(root: str, source: str, kind: str, mode: int | None = None) -> int:
+    """Clear on ``root`` (the built copy of ``source``) what its source path denies.
+
+    As root, the copy of a tar archive's root gets the archive's owner and group first
+    (a directory's tree already carries its source's ownership, see the copier), so the
+    owner of a dataset in a private home keeps reading the copy.  ``mode``: the unrestricted
+    mode to start from (the manifest's, when re-checking a published copy whose source path
+    may have opened or closed since); default: root's own.  Returns the new mode."""
+    st = os.lstat(root)
+    if os.geteuid() == 0 and kind == "tar":
+        copy_owner(root, os.stat(source))
+        st = os.lstat(root)
+    now = stat.S_IMODE(st.st_mode)
+    new = (now if mode is None else mode) & ~denied_classes(source, kind, st.st_uid, st.st_gid)
+    if new != now:
+        os.chmod(root, new, follow_symlinks=False)
+    return new
+
+
+def is_restriction(want: int, have: int) -> bool:
+    """Whether ``have`` is the mode ``want`` with only read/write/search bits cleared
+    (what :func:`restrict_root` does): ``verify`` does not count it as a difference."""
+    return have & ~want == 0 and (want ^ have) & ~0o777 == 0

@@ -1,0 +1,286 @@
+"""Permissions of staged copies: read-only sources, non-root stagers, private source paths.
+
+Real users through setpriv (nobody, and a numeric uid without a passwd entry), real tmpfs."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.stage import copy as copier
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
+]
+
+NOBODY = 65534
+ALICE = 4242  # no passwd entry: a numeric uid, like a cluster user the node does not know
+
+
+def as_user(uid: int, gid: int | None = None) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid if gid is None else gid}", "--clear-groups"]
+
+
+@pytest.fixture
+def world(open_tmpfs):
+    """A tmpfs every user can reach, room for a chunked file and its copy."""
+    return open_tmpfs("600M")
+
+
+def own(path: Path, uid: int) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.lchown(p, uid, uid)
+
+
+def read_only_tree(src: Path, big: bool = True) -> None:
+    """A 0444 file above the copier's chunking threshold, small 0444 files, a 0555 directory."""
+    (src / "ro").mkdir(parents=True)
+    for i in range(20):
+        (src / "ro" / f"s{i}").write_bytes(os.urandom(100 + i))
+        (src / "ro" / f"s{i}").chmod(0o444)
+    if big:
+        with open(src / "big", "wb") as f:
+            f.write(os.urandom(4096))
+            f.truncate(2 * copier.CHUNK + 4096)  # split into chunks: several workers write it
+            f.write(b"tail")
+        (src / "big").chmod(0o444)
+    (src / "ro").chmod(0o555)
+
+
+def test_read_only_files_and_dirs_stage_as_non_root(world, shmstage_bin):
+    """nobody stages a 0444 chunked file, 0444 small files and a 0555 dir; modes kept, verify clean."""
+    src, dest = world / "src", world / "dest"
+    read_only_tree(src)
+    own(src, NOBODY)
+    done = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    staged = dest / "src"
+    assert (staged / "big").stat().st_mode & 0o7777 == 0o444
+    assert filecmp.cmp(src / "big", staged / "big", shallow=False)
+    assert (staged / "ro").stat().st_mode & 0o7777 == 0o555
+    assert (staged / "ro" / "s3").stat().st_mode & 0o7777 == 0o444
+    assert (staged / "ro" / "s3").read_bytes() == (src / "ro" / "s3").read_bytes()
+    check = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "verify", "src", "--dest", str(dest), "--checksum"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_unreadable_file_is_named_and_nothing_is_published(world, shmstage_bin):
+    """A 0000 file stops a non-root stager with one line naming it; no partial copy is left."""
+    src, dest = world / "src", world / "dest"
+    read_only_tree(src, big=False)
+    (src / "secret").write_bytes(b"x")
+    (src / "secret").chmod(0)
+    own(src, NOBODY)
+    done = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"Error: cannot read source file {src / 'secret'}: Permission denied; "
+        "stage as a user who can read every file of the source"
+    )
+    assert not (dest / "src").exists()
+    assert os.listdir(dest / ".shmstage" / "partial") == []
+
+
+def test_resume_after_kill_with_read_only_files_in_the_partial_copy(world, shmstage_bin, procs):
+    """SIGKILL a non-root stager once 0444 files sit in partial/; the next run completes."""
+    src, dest = world / "src", world / "dest"
+    read_only_tree(src)
+    own(src, NOBODY)
+    argv = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    argv += ["--workers", "1"]  # one file at a time: the kill lands mid-copy
+    env = {**os.environ, copier.SLOW_ENV: "0.2"}
+    p = procs.start(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    part = dest / ".shmstage" / "partial" / "src" / "ro"
+    deadline = time.monotonic() + 60
+    while not (part.exists() and len(os.listdir(part)) >= 3):
+        assert p.poll() is None and time.monotonic() < deadline, "no partial copy appeared"
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert (part / "s0").stat().st_mode & 0o7777 == 0o444
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert filecmp.cmp(src / "big", dest / "src" / "big", shallow=False)
+    assert sorted(os.listdir(dest / "src" / "ro")) == sorted(os.listdir(src / "ro"))
+    check = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "verify", "src", "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+# --- who may read the copy ----------------------------------------------------------
+
+
+def private_home(world: Path) -> Path:
+    """/…/home/alice (0700, alice) holding data/ (0755) with a 0644 file: readable only by alice."""
+    home = world / "home" / "alice"
+    (home / "data" / "sub").mkdir(parents=True)
+    (home / "data" / "sub" / "f").write_text("alice's\n")
+    (world / "home").chmod(0o755)
+    home.chmod(0o700)
+    own(home, ALICE)
+    return home
+
+
+def can_read(uid: int, path: Path) -> bool:
+    done = subprocess.run([*as_user(uid), "cat", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_root_stages_a_private_dataset_its_owner_reads_it_others_do_not(world, shmstage_bin):
+    """Root stages /home/alice/data (home 0700): alice reads the copy, nobody cannot; verify clean."""
+    home = private_home(world)
+    dest = world / "dest"
+    assert not can_read(NOBODY, home / "data" / "sub" / "f")  # the premise
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(home / "data"), "--dest", str(dest)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    staged = dest / "data"
+    st = staged.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (ALICE, ALICE, 0o700)
+    assert (staged / "sub" / "f").stat().st_uid == ALICE  # every entry keeps its owner, like cp -a
+    assert can_read(ALICE, staged / "sub" / "f")
+    assert not can_read(NOBODY, staged / "sub" / "f")
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "data", "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    again = subprocess.run(
+        [*shmstage_bin, "stage", str(home / "data"), "--dest", str(dest), "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert '"changed": false' in again.stdout  # the restricted root is not a change to re-copy
+    gone = subprocess.run(
+        [*shmstage_bin, "evict", "data", "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert gone.returncode == 0, gone.stderr
+    assert not staged.exists()
+
+
+def test_owner_stages_a_private_dataset_others_cannot_read_it(world, shmstage_bin):
+    """alice herself stages her data under a world-searchable DEST: nobody cannot read it."""
+    home = private_home(world)
+    dest = world / "dest"
+    done = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(home / "data"), "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (dest / "data").stat().st_mode & 0o777 == 0o700
+    assert can_read(ALICE, dest / "data" / "sub" / "f")
+    assert not can_read(NOBODY, dest / "data" / "sub" / "f")
+
+
+def test_private_archive_is_not_readable_by_others(world, shmstage_bin):
+    """Root stages alice's tar from her 0700 home: the copy is hers, nobody cannot read it."""
+    home = private_home(world)
+    archive = home / "data.tar"
+    with tarfile.open(archive, "w") as t:
+        t.add(home / "data", arcname=".")
+    os.chown(archive, ALICE, ALICE)
+    dest = world / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(archive), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert can_read(ALICE, dest / "data" / "sub" / "f")
+    assert not can_read(NOBODY, dest / "data" / "sub" / "f")
+
+
+def test_world_readable_source_stays_world_readable(world, shmstage_bin):
+    """A source every user can read is staged readable by every user (root and non-root stager)."""
+    src = world / "pub"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("hello\n")
+    for who, dest in ((None, world / "d1"), (ALICE, world / "d2")):
+        prefix = as_user(who) if who is not None else []
+        done = subprocess.run(
+            [*prefix, *shmstage_bin, "stage", str(src), "--dest", str(dest)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert (dest / "pub").stat().st_mode & 0o777 == 0o755
+        assert can_read(NOBODY, dest / "pub" / "sub" / "f")
+
+
+def test_restaging_an_unchanged_source_follows_its_path(world, shmstage_bin):
+    """Nothing to copy, but a directory above the source closed (then opened): the copy follows."""
+    src = world / "gate" / "pub"
+    src.mkdir(parents=True)
+    (src / "f").write_text("x\n")
+    dest = world / "dest"
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    modes = []
+    for gate in (0o755, 0o700, 0o755):
+        (world / "gate").chmod(gate)
+        done = subprocess.run(argv, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        modes.append((dest / "pub").stat().st_mode & 0o777)
+    assert modes == [0o755, 0o700, 0o755]
+    assert can_read(NOBODY, dest / "pub" / "f")
+
+
+def test_restage_does_not_link_what_the_owner_planted_in_the_copy(world, shmstage_bin):
+    """Root keeps alice's ownership, so alice can swap a folder of her copy for a symlink into
+    another private dataset; root's next incremental stage must not hard-link from there."""
+    home = private_home(world)
+    dest = world / "dest"
+    other = world / "bob" / "data" / "sub"  # a private dataset with a look-alike file
+    other.mkdir(parents=True)
+    shutil.copy2(home / "data" / "sub" / "f", other / "f")
+    (other / "f").write_text("bob's!\n")  # same size as alice's
+    st = (home / "data" / "sub" / "f").stat()
+    os.utime(other / "f", ns=(st.st_atime_ns, st.st_mtime_ns))
+    (world / "bob").chmod(0o700)
+    stage = [*shmstage_bin, "stage", "--dest", str(dest), "--quiet"]
+    for src in (world / "bob" / "data", home / "data"):
+        done = subprocess.run([*stage, str(src), "--name", src.parent.name], capture_output=True)
+        assert done.returncode == 0, done.stderr
+    plant = f"cd {dest / 'alice'} && mv sub sub.old && ln -s {dest / 'bob' / 'sub'} sub"
+    done = subprocess.run([*as_user(ALICE), "sh", "-c", plant], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (home / "data" / "new").write_text("a change, so the next stage is incremental\n")
+    done = subprocess.run([*stage, str(home / "data"), "--name", "alice"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    staged = dest / "alice" / "sub" / "f"
+    assert not staged.is_symlink() and staged.read_text() == "alice's\n"
+    assert staged.stat().st_ino != (dest / "bob" / "sub" / "f").stat().st_ino
+
+
+def test_restage_copies_a_file_deleted_from_the_published_copy(world, shmstage_bin):
+    """A user who deleted a file from their staged copy can still stage the changed source."""
+    src, dest = world / "src", world / "dest"
+    read_only_tree(src, big=False)
+    (src / "top").write_text("top\n")
+    own(src, NOBODY)
+    argv = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    assert subprocess.run(argv, capture_output=True).returncode == 0
+    rm = subprocess.run([*as_user(NOBODY), "rm", str(dest / "src" / "top")])
+    assert rm.returncode == 0
+    (src / "new").write_text("x")
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (dest / "src" / "top").read_text() == "top\n"
