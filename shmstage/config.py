@@ -76,15 +76,30 @@ class LoaderConfig:
 
 
 @dataclass(frozen=True)
+class TierConfig:
+    """One storage tier of ``dest`` (fastest first) and its cache settings (docs/cache.md)."""
+
+    path: str
+    max_size: int | str | None = None  # bytes or "N%" of the tier's file system; None: no cap
+    policy: str = "lru"
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     path: str | None  # the file it was read from
     version: int = VERSION
     shm: ShmConfig = field(default_factory=ShmConfig)
-    dest: str = "/dev/shm/shmstage"
+    dest: str = "/dev/shm/shmstage"  # the first (fastest) tier: where `prepare` stages
     reserve: int | None = None  # None = the default reserve (10% of the tmpfs, at most 4 GiB)
     datasets: tuple[DatasetConfig, ...] = ()
     pillow_simd: PillowSimdConfig = field(default_factory=PillowSimdConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    tiers: tuple[TierConfig, ...] = ()  # every tier of `dest`, fastest first
+
+    @property
+    def dest_tiers(self) -> str:
+        """``dest`` as ``stage --dest`` takes it: the tiers joined by commas."""
+        return ",".join(t.path for t in self.tiers) if self.tiers else self.dest
 
 
 def config_path(path: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
@@ -148,7 +163,15 @@ def node_dest(path: str | os.PathLike[str] | None = None) -> str | None:
     file, explicit = config_path(path)
     if not explicit and not os.path.exists(file):
         return None
-    return load_config(file).dest
+    return load_config(file).dest_tiers
+
+
+def node_tiers(path: str | os.PathLike[str] | None = None) -> tuple[TierConfig, ...]:
+    """The tiers (with their cache settings) of the node config; () when there is none."""
+    file, explicit = config_path(path)
+    if not explicit and not os.path.exists(file):
+        return ()
+    return load_config(file).tiers
 
 
 def parse_config(text: str, path: str = "<config>") -> NodeConfig:
@@ -358,7 +381,7 @@ class _Checker:
             {
                 "version": self.version,
                 "shm": self.shm,
-                "dest": self.abspath,
+                "dest": self.dest,
                 "reserve": lambda k, n: self.size(k, n),
                 "datasets": self.datasets,
                 "pillow_simd": self.pillow_simd,
@@ -367,17 +390,65 @@ class _Checker:
         )
         shm = top.get("shm", ShmConfig())
         # Staged copies live on the shm mount unless `dest` says otherwise.
-        dest = top.get("dest", os.path.join(shm.path, "shmstage"))
+        tiers = top.get("dest") or (TierConfig(os.path.join(shm.path, "shmstage")),)
         return NodeConfig(
             path=path,
             version=top.get("version", VERSION),
             shm=shm,
-            dest=dest,
+            dest=tiers[0].path,
+            tiers=tiers,
             reserve=top.get("reserve"),
             datasets=top.get("datasets", ()),
             pillow_simd=top.get("pillow_simd", PillowSimdConfig()),
             loader=top.get("loader", LoaderConfig()),
         )
+
+    def dest(self, key: str, node: _Node) -> Any:
+        """A path, paths separated by commas, or a list of paths / {path, cache} (tiers)."""
+        if isinstance(node, yaml.ScalarNode):
+            text = self.string(key, node)
+            if text is _MISSING:
+                return text
+            items: list[tuple[str, _Node]] = [(p.strip(), node) for p in text.split(",")]
+            tiers = [self.tier_path(key, n, p) for p, n in items]
+        elif isinstance(node, yaml.SequenceNode) and node.value:
+            tiers = [self.tier(f"{key}[{i}]", n) for i, n in enumerate(node.value)]
+        else:
+            return self.fail(key, node, "expected a path, or a list of tiers (fastest first)")
+        if any(t is _MISSING for t in tiers):
+            return _MISSING
+        paths = [t.path for t in tiers]
+        if len(set(paths)) != len(paths):
+            return self.fail(key, node, "the same tier is listed twice")
+        return tuple(tiers)
+
+    def tier_path(self, key: str, node: _Node, value: str) -> Any:
+        if not value or not os.path.isabs(value):
+            return self.fail(key, node, f"{value!r} is not an absolute path")
+        return TierConfig(os.path.normpath(value))
+
+    def tier(self, key: str, node: _Node) -> Any:
+        if isinstance(node, yaml.ScalarNode):
+            path = self.abspath(key, node)
+            return path if path is _MISSING else TierConfig(path)
+        fields = self.mapping(key, node, {"path": self.abspath, "cache": self.cache})
+        if "path" not in fields:
+            return self.fail(key, node, "missing path; every tier needs a path")
+        cache = fields.get("cache", {})
+        return TierConfig(fields["path"], cache.get("max_size"), cache.get("policy", "lru"))
+
+    def cache(self, key: str, node: _Node) -> Any:
+        return self.mapping(
+            key,
+            node,
+            {"max_size": lambda k, n: self.size(k, n, percent=True), "policy": self.policy},
+        )
+
+    def policy(self, key: str, node: _Node) -> Any:
+        value = self.scalar(key, node)
+        if value != "lru":
+            return self.fail(key, node, f"{_kind(node, value)} is not a cache policy; use lru")
+        return value
 
     def version(self, key: str, node: _Node) -> Any:
         value = self.scalar(key, node)

@@ -502,7 +502,7 @@ def _stage_leased(
             request.source, name=request.name, dest=dest, progress=_waiting_note(request, log)
         )
         try:
-            return ds, acquire(ds.name, dest)
+            return ds, acquire(ds.name, os.path.dirname(ds.path))  # its tier
         except ShmstageError:
             if attempt == 2:
                 raise

@@ -9,8 +9,10 @@ import click
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
 from shmstage.cli.params import SIZE_OR_PERCENT
+from shmstage.errors import CapacityError
 from shmstage.sizes import format_size
-from shmstage.stage import DEFAULT_DEST, Progress, stage, summary
+from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
+from shmstage.stage.tiers import configured
 
 
 class ProgressLine:
@@ -66,7 +68,28 @@ def _log_waiting(p: Progress) -> None:
 @click.option(
     "--dest",
     envvar="SHMSTAGE_DEST",
-    help=f"Where staged datasets live (a tmpfs, or local NVMe for data larger than RAM). Default: {DEFAULT_DEST}.",
+    help="Where staged datasets live (a tmpfs, or local NVMe for data larger than RAM), or "
+    "tiers fastest first, separated by commas: the first where the dataset fits is used. "
+    f"Default: the node config's dest, else {DEFAULT_DEST}.",
+)
+@click.option(
+    "--make-room",
+    is_flag=True,
+    help="Evict least-recently-used datasets no running job leases until this one fits "
+    "(in the fastest tier where that is enough); refuse, removing nothing, if it cannot fit.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print which tier would be used and what would be evicted; copy and remove nothing.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    envvar="SHMSTAGE_CONFIG",
+    help="Node config whose dest tiers and cache settings (max_size) apply. "
+    "Default: /etc/shmstage.yaml if it exists.",
 )
 @click.option(
     "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 4 per CPU, 8 to 32."
@@ -110,6 +133,9 @@ def stage_cmd(
     src: str,
     name: str | None,
     dest: str | None,
+    make_room: bool,
+    dry_run: bool,
+    config_path: str | None,
     workers: int | None,
     verify: str,
     reserve: int | str | None,
@@ -126,6 +152,13 @@ def stage_cmd(
     Staging an unchanged source again is a no-op; a changed one copies only what
     changed.  Several processes staging the same source share one copy.
     """
+    dest, policies = configured(dest, config_path)
+    if dry_run:
+        p = plan(src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies)
+        click.echo(dumps(p) if as_json else _render_plan(p))
+        if p.tier is None:
+            raise CapacityError(f"{p.name} does not fit in any tier of {dest}; nothing was removed")
+        return
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
     try:
@@ -133,6 +166,8 @@ def stage_cmd(
             src,
             name=name,
             dest=dest,
+            make_room=make_room,
+            policies=policies,
             workers=workers,
             verify=verify,
             reserve=reserve,
@@ -147,8 +182,38 @@ def stage_cmd(
         click.echo(dumps(ds))
         return
     if not quiet:
+        for line in _placement(ds, dest):
+            log(line)
         log(summary(ds))
-        note = disk_note(dest)
+        note = disk_note(ds.tier)
         if note:
             log(note)
     click.echo(ds.path)
+
+
+def _placement(ds: Placed, dest: str) -> list[str]:
+    """Which tier, why faster ones were skipped, and what was evicted to make room."""
+    lines = [f"skipped tier {s.tier}: {s.reason}" for s in ds.skipped]
+    lines += [
+        f"evicted {v.name} from {v.tier} to make room ({format_size(v.bytes)}, last used "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(v.last_used))})"
+        for v in ds.evicted
+    ]
+    lines += [f"note: {n}" for n in ds.notes]
+    if "," in dest:
+        lines.append(f"tier {ds.tier_index + 1} of {dest.count(',') + 1}: {ds.tier}")
+    return lines
+
+
+def _render_plan(p: Plan) -> str:
+    lines = [f"would skip tier {s.tier}: {s.reason}" for s in p.skipped]
+    if p.tier is None:
+        return "\n".join(lines)
+    lines += [
+        f"would evict {v.name} from {v.tier} ({format_size(v.bytes)}, last used "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(v.last_used))})"
+        for v in p.evict
+    ]
+    how = "restage in place" if p.already_staged else f"stage {format_size(p.needed)}"
+    lines.append(f"would {how} into tier {(p.tier_index or 0) + 1}: {p.tier}/{p.name}")
+    return "\n".join(lines)

@@ -14,7 +14,7 @@ from shmstage.stage import (
     DEFAULT_DEST,
     EvictReport,
     GcReport,
-    Listed,
+    InTier,
     VerifyReport,
     evict_report,
     gc,
@@ -22,20 +22,26 @@ from shmstage.stage import (
     verify,
 )
 from shmstage.stage.leases import describe
+from shmstage.stage.tiers import configured
 
-_DEST_HELP = f"Where staged datasets live. Default: {DEFAULT_DEST} (or $SHMSTAGE_DEST)."
+_DEST_HELP = (
+    "Where staged datasets live, or tiers separated by commas. "
+    f"Default: $SHMSTAGE_DEST, else the node config's dest, else {DEFAULT_DEST}."
+)
 
 
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
-def _render_list(items: list[Listed]) -> None:
+def _render_list(items: list[InTier]) -> None:
     if not items:
         click.echo("nothing staged")
         return
+    tiers = list(dict.fromkeys(d.tier for d in items))
     rows = [
         (
+            *((f"{tiers.index(d.tier) + 1}:{d.tier}",) if len(tiers) > 1 else ()),
             d.name,
             format_size(d.bytes),
             d.files,
@@ -46,14 +52,13 @@ def _render_list(items: list[Listed]) -> None:
         )
         for d in items
     ]
-    click.echo(
-        table(rows, headers=("NAME", "SIZE", "FILES", "STAGED", "LAST USED", "STATE", "SOURCE"))
-    )
+    headers = ("NAME", "SIZE", "FILES", "STAGED", "LAST USED", "STATE", "SOURCE")
+    click.echo(table(rows, headers=(("TIER",) if len(tiers) > 1 else ()) + headers))
     if any(d.state != "staged" and not d.stager_alive for d in items):
         click.echo("(`shmstage gc` removes what no live process owns)", err=True)
 
 
-def _state(d: Listed) -> str:
+def _state(d: InTier) -> str:
     if d.state == "staged":
         return "in use by " + ",".join(map(str, d.leased_by)) if d.leased_by else "staged"
     if d.stager_alive:
@@ -70,7 +75,7 @@ def list_cmd(dest: str | None, as_json: bool) -> None:
     STATE is staged, in use by PIDS (jobs holding a lease), unfinished (a partial copy:
     SIZE and FILES so far, and whether its stager is alive) or trash.
     """
-    emit(list_staged(dest, unfinished=True), as_json, _render_list)
+    emit(list_staged(configured(dest)[0], unfinished=True), as_json, _render_list)
 
 
 def _render_verify(report: VerifyReport) -> None:
@@ -95,7 +100,7 @@ def verify_cmd(name: str, checksum: bool, dest: str | None, as_json: bool) -> No
 
     Finds changed, missing and extra files; --checksum also finds a flipped byte.
     """
-    report = verify(name, dest=dest, checksum=checksum)
+    report = verify(name, dest=configured(dest)[0], checksum=checksum)
     emit(report, as_json, _render_verify)
     if not report.ok:
         sys.exit(3)
@@ -134,7 +139,12 @@ def evict_cmd(
     if sum((name is not None, all_, older_than is not None)) != 1:
         raise click.UsageError("give exactly one of NAME, --all or --older-than")
     report = evict_report(
-        name, dest=dest, all=all_, older_than=older_than, dry_run=dry_run, force=force
+        name,
+        dest=configured(dest)[0],
+        all=all_,
+        older_than=older_than,
+        dry_run=dry_run,
+        force=force,
     )
     for leased in report.in_use:
         click.echo(
@@ -180,4 +190,4 @@ def gc_cmd(dest: str | None, dry_run: bool, as_json: bool) -> None:
     files of removed datasets, records whose tree is gone, and trash. Safe while others stage:
     a dataset whose lock is held is skipped.
     """
-    emit(gc(dest, dry_run=dry_run), as_json, _render_gc)
+    emit(gc(configured(dest)[0], dry_run=dry_run), as_json, _render_gc)

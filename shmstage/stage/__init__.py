@@ -24,6 +24,10 @@ Readers need no lock: they see either no dataset or a complete one.
     from shmstage.stage import stage, find
     ds = stage("/nfs/imagenet")            # StagedDataset(path="/dev/shm/shmstage/imagenet", ...)
     find("imagenet") or find("/nfs/imagenet")
+
+DEST may be an ordered list of tiers, ``/dev/shm/shmstage,/local/nvme/shmstage``: ``stage``
+takes the first where the dataset fits (see :mod:`shmstage.stage.tiers` and
+:mod:`shmstage.stage.makeroom`, docs/cache.md).
 """
 
 from __future__ import annotations
@@ -37,17 +41,28 @@ from shmstage.stage.engine import (
     Progress,
     StagedDataset,
     VerifyReport,
+    summary,
+)
+from shmstage.stage.gc import GcReport, Leftover
+from shmstage.stage.leases import Holder, InUse, describe, holders, lease
+from shmstage.stage.store import DEFAULT_DEST, resolve_dest
+
+# DEST may list tiers (fastest first): these look in, and choose among, all of them.
+from shmstage.stage.tiers import (
+    InTier,
+    Placed,
+    Plan,
+    Skipped,
     evict,
     evict_report,
     find,
+    gc,
     list_staged,
+    plan,
+    split,
     stage,
-    summary,
     verify,
 )
-from shmstage.stage.gc import GcReport, Leftover, gc
-from shmstage.stage.leases import Holder, InUse, describe, holders, lease
-from shmstage.stage.store import DEFAULT_DEST, resolve_dest
 
 __all__ = [
     "DEFAULT_DEST",
@@ -55,6 +70,10 @@ __all__ = [
     "EvictReport",
     "GcReport",
     "Holder",
+    "InTier",
+    "Placed",
+    "Plan",
+    "Skipped",
     "InUse",
     "Interrupted",
     "Leased",
@@ -71,7 +90,9 @@ __all__ = [
     "holders",
     "lease",
     "list_staged",
+    "plan",
     "resolve_dest",
+    "split",
     "stage",
     "summary",
     "verify",

@@ -100,6 +100,10 @@ class Lease:
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            with suppress(Exception):  # the end of a job is a use too: LRU order (makeroom.py)
+                record = self.store.published(self.name)
+                if record is not None:
+                    self.store.touch(record)
             os.close(fd)  # closing the last fd on it drops the flock
 
     def __enter__(self) -> Any:
@@ -190,14 +194,15 @@ def lease_for(path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str]
     where = locate(key) if os.sep in key else None
     if where is not None:
         return acquire(where[1], where[0])
-    if os.sep not in key and _NAME_RE.match(key):
-        return acquire(key, dest)
-    from shmstage.stage.engine import find
+    from shmstage.stage.tiers import find, holding, split
 
-    found = find(key, dest)
+    tiers = split(dest)  # DEST may list tiers
+    if os.sep not in key and _NAME_RE.match(key):
+        return acquire(key, holding(key, ",".join(tiers)) or tiers[0])
+    found = find(key, ",".join(tiers))
     if found is None:
-        raise ShmstageError(f"{key} is not staged in {Store(dest).dest} (see `shmstage list`)")
-    return acquire(found.name, dest)
+        raise ShmstageError(f"{key} is not staged in {','.join(tiers)} (see `shmstage list`)")
+    return acquire(found.name, os.path.dirname(found.path))
 
 
 def try_exclusive(store: Store, name: str) -> tuple[int | None, tuple[Holder, ...]]:

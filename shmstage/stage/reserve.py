@@ -91,28 +91,38 @@ class Claim:
 
     def _others(self) -> int:
         """Outstanding bytes of the live stagers other than this one."""
-        total = 0
+        return _outstanding(self.dir, skip=self.path)
+
+
+def pending(book: str) -> int:
+    """Outstanding bytes of every live stager of this DEST: for planning (tiers, make-room);
+    the binding check is :meth:`Claim.reserve`, which takes the store-wide lock."""
+    return _outstanding(os.path.join(book, DIRNAME))
+
+
+def _outstanding(directory: str, skip: str | None = None) -> int:
+    total = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for n in names:
+        path = os.path.join(directory, n)
+        if path == skip:
+            continue
         try:
-            names = os.listdir(self.dir)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            return 0
-        for n in names:
-            path = os.path.join(self.dir, n)
-            if path == self.path:
-                continue
+            continue  # finished and removed meanwhile
+        try:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue  # finished and removed meanwhile
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:  # held: its stager is alive
-                    total += _parse(os.pread(fd, _WIDTH, 0))
-                # else: nobody holds it, its stager died: it promises nothing
-            finally:
-                os.close(fd)
-        return total
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: its stager is alive
+                total += _parse(os.pread(fd, _WIDTH, 0))
+            # else: nobody holds it, its stager died: it promises nothing
+        finally:
+            os.close(fd)
+    return total
 
 
 def _parse(raw: bytes) -> int:

@@ -1,0 +1,78 @@
+"""Persistent counters of one DEST (a tier): stage hits and misses, bytes copied, evictions.
+
+They live in ``DEST/.shmstage/counters.json`` and survive restarts, so Prometheus sees
+monotonic counters.  Every update is a read-modify-write under a flock of that file and
+lands by atomic rename, so concurrent stagers never lose an increment and a reader never
+sees half a file.  Best effort: a caller that may not write DEST counts nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import suppress
+from dataclasses import dataclass
+
+from shmstage.stage.store import Store
+
+FILENAME = "counters.json"
+_LOCK = ".counters.lock"
+
+
+@dataclass(frozen=True)
+class Counters:
+    hits: int = 0  # stage found the dataset already staged and current
+    misses: int = 0  # stage had to copy (all of it, or what changed)
+    copied_bytes: int = 0
+    evictions: int = 0  # datasets removed by evict or make-room
+
+
+def read(dest: str | os.PathLike[str]) -> Counters:
+    """The counters of ``dest`` (zeros when it has none yet)."""
+    path = os.path.join(Store(dest).book, FILENAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return Counters()
+    if not isinstance(data, dict):
+        return Counters()
+    values = {
+        k: int(data[k])
+        for k in Counters.__dataclass_fields__
+        if isinstance(data.get(k), int) and data[k] >= 0
+    }
+    return Counters(**values)
+
+
+def add(dest: str | os.PathLike[str], **increments: int) -> None:
+    """Add ``increments`` (e.g. ``hits=1``) to the counters of ``dest``, atomically."""
+    unknown = set(increments) - set(Counters.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown counters {sorted(unknown)}")
+    book = Store(dest).book
+    if not os.path.isdir(book):
+        return
+    try:
+        lock = os.open(
+            os.path.join(book, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+    except OSError:
+        return  # a reader who may not write DEST
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = read(dest).__dict__
+        new = {k: now[k] + increments.get(k, 0) for k in now}
+        path = os.path.join(book, FILENAME)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(new, f)
+            os.chmod(tmp, 0o644)
+            os.rename(tmp, path)
+        except OSError:
+            with suppress(OSError):
+                os.unlink(tmp)
+    finally:
+        os.close(lock)

@@ -1,0 +1,337 @@
+"""Storage tiers: DEST may be an ordered list, fastest first (``/dev/shm/shmstage,/nvme/shmstage``).
+
+A layer around the single-DEST engine: ``stage`` puts a dataset in the first tier where it
+fits with its reserve (making room there first with ``make_room`` or a tier's cache policy,
+see makeroom.py) and reports why faster tiers were skipped; a dataset already staged in
+any tier is restaged there, never copied twice.  ``find``, ``list_staged``, ``evict_report``,
+``verify`` and ``gc`` look in every tier.  With one tier each is the engine's own function.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.stage import counters, engine, makeroom
+from shmstage.stage.estimate import Estimate, estimate, page_size
+from shmstage.stage.gc import GcReport
+from shmstage.stage.gc import gc as gc_one
+from shmstage.stage.makeroom import CachePolicy, Victim
+from shmstage.stage.store import DEFAULT_DEST, Store, check_name, name_for, resolve_dest
+
+SEP = ","
+_PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <name>'s tier
+
+
+def split(dest: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """The tiers of ``dest`` (else ``$SHMSTAGE_DEST``, else /dev/shm/shmstage): absolute
+    paths, fastest first, each once."""
+    raw = os.fspath(dest) if dest is not None else os.environ.get("SHMSTAGE_DEST") or DEFAULT_DEST
+    parts = [p.strip() for p in raw.split(SEP)]
+    if not all(parts):
+        raise RefusedError(
+            f"invalid destination {raw!r}: an empty tier; list tiers fastest first, "
+            "separated by commas, e.g. /dev/shm/shmstage,/local/nvme/shmstage"
+        )
+    return tuple(dict.fromkeys(resolve_dest(p) for p in parts))
+
+
+def joined(tiers: tuple[str, ...]) -> str:
+    return SEP.join(tiers)
+
+
+def holding(name: str, dest: str | os.PathLike[str] | None = None) -> str | None:
+    """The tier where ``name`` is published (or being republished), fastest first."""
+    for tier in split(dest):
+        store = Store(tier)
+        if not os.path.lexists(store.book):
+            continue
+        if store.published(name) is not None or store.read_next(name) is not None:
+            return tier
+    return None
+
+
+def tier_of(ds: engine.StagedDataset) -> str:
+    """The tier a staged dataset lives in (its path is TIER/<name>)."""
+    return os.path.dirname(ds.path)
+
+
+# --- results -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A faster tier ``stage`` did not use, and why."""
+
+    tier: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Placed(engine.StagedDataset):
+    """What ``stage`` returns: the dataset, the tier it is in and how it got there."""
+
+    tier: str = ""
+    tier_index: int = 0  # 0: the fastest
+    skipped: tuple[Skipped, ...] = ()  # faster tiers passed over
+    evicted: tuple[Victim, ...] = ()  # removed to make room
+    notes: tuple[str, ...] = ()  # e.g. a victim kept because a job leased it meanwhile
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``stage --dry-run`` would do: the tier, and what it would evict there first."""
+
+    name: str
+    source: str
+    tier: str | None  # None: no tier can take it
+    tier_index: int | None
+    already_staged: bool  # restaged in place (no second copy)
+    needed: int  # bytes it takes in that tier
+    evict: tuple[Victim, ...] = ()
+    skipped: tuple[Skipped, ...] = ()
+
+
+@dataclass(frozen=True)
+class InTier(engine.Listed):
+    """A ``list`` row, and the tier it is in."""
+
+    tier: str = ""
+
+
+# --- stage -------------------------------------------------------------------------------
+
+
+def stage(
+    src: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    reserve: int | str | None = None,
+    make_room: bool = False,
+    policies: Mapping[str, CachePolicy] | None = None,
+    **kw: Any,
+) -> Placed:
+    """Stage ``src`` into the first tier where it fits (see the module docstring); ``kw``
+    goes to :func:`shmstage.stage.engine.stage`.  Refuses (CapacityError) before removing
+    anything when no tier can take it."""
+    tiers = split(dest)
+    policies = {resolve_dest(k): v for k, v in (policies or {}).items()}
+    source = os.path.realpath(os.fspath(src))
+    name = check_name(name) if name is not None else name_for(source)
+    with _placing(tiers[0], name) if len(tiers) > 1 else nullcontext():
+        home = holding(name, joined(tiers)) if len(tiers) > 1 else None
+        order = [home] if home is not None else list(tiers)
+        skipped: list[Skipped] = []
+        sized: dict[int, Estimate] = {}
+        for tier in order:
+            index = tiers.index(tier)
+            policy = policies.get(tier)
+            roomy = make_room or (policy is not None and policy.max_size is not None)
+            evicted: list[Victim] = []
+            notes: list[str] = []
+            last = "other stagers kept taking the room made"
+            for _ in range(3):  # a lease or another stager may win a race: plan again
+                if roomy:
+                    est = _sized(sized, src, tier)
+                    room = makeroom.plan(est, name, tier, reserve, policy)
+                    if not room.fits:
+                        skipped.append(Skipped(tier, room.reason or "does not fit"))
+                        break
+                    removed, kept = makeroom.evict(room, engine.evict_report)
+                    evicted += removed
+                    notes += kept
+                    if removed:
+                        counters.add(tier, evictions=len(removed))
+                    if len(removed) < len(room.victims):
+                        continue  # a victim was leased or busy meanwhile
+                try:
+                    ds = engine.stage(src, name=name, dest=tier, reserve=reserve, **kw)
+                except CapacityError as e:
+                    if len(order) == 1 and not roomy:
+                        raise  # one tier: the engine's own words
+                    if roomy:
+                        last = str(e)
+                        continue  # another stager took the room first
+                    skipped.append(Skipped(tier, str(e)))
+                    break
+                if ds.changed:
+                    counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
+                else:
+                    counters.add(tier, hits=1)
+                return Placed(
+                    **ds.__dict__, tier=tier, tier_index=index, skipped=tuple(skipped),
+                    evicted=tuple(evicted), notes=tuple(notes),
+                )  # fmt: skip
+            else:
+                skipped.append(Skipped(tier, last))
+    where = "its tier" if home is not None else "any tier"
+    detail = "; ".join(f"{s.tier}: {s.reason}" for s in skipped)
+    raise CapacityError(f"{name} does not fit in {where}: {detail}")
+
+
+def plan(
+    src: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    reserve: int | str | None = None,
+    make_room: bool = False,
+    policies: Mapping[str, CachePolicy] | None = None,
+) -> Plan:
+    """Read-only: where ``stage`` would put ``src`` and what it would evict first."""
+    tiers = split(dest)
+    policies = {resolve_dest(k): v for k, v in (policies or {}).items()}
+    raw = os.fspath(src)
+    source = os.path.realpath(raw)
+    if not os.path.exists(source):
+        raise RefusedError(f"source {raw} does not exist")
+    name = check_name(name) if name is not None else name_for(source)
+    home = holding(name, joined(tiers))
+    skipped: list[Skipped] = []
+    sized: dict[int, Estimate] = {}
+    for tier in [home] if home is not None else tiers:
+        policy = policies.get(tier)
+        roomy = make_room or (policy is not None and policy.max_size is not None)
+        est = _sized(sized, src, tier)
+        room = makeroom.plan(est, name, tier, reserve, policy, evict=roomy)
+        if room.fits:
+            return Plan(
+                name, source, tier, tiers.index(tier), home is not None, room.needed,
+                room.victims, tuple(skipped),
+            )  # fmt: skip
+        skipped.append(Skipped(tier, room.reason or "does not fit"))
+    return Plan(name, source, None, None, home is not None, 0, (), tuple(skipped))
+
+
+def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -> Estimate:
+    """The new dataset's estimate for ``tier`` (one walk per page size, not per tier)."""
+    page = page_size(tier)
+    if page not in cache:
+        cache[page] = estimate(src, tier)
+    return cache[page]
+
+
+@contextmanager
+def _placing(first: str, name: str) -> Iterator[None]:
+    """Serialise choosing ``name``'s tier, so two stagers cannot put it in two tiers."""
+    store = Store(first).open()
+    where = os.path.join(store.book, _PLACING)
+    try:
+        os.makedirs(where, 0o755, exist_ok=True)
+        fd = os.open(
+            os.path.join(where, name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+    except OSError as e:
+        raise ShmstageError(f"cannot lock {name} in {where}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+# --- find / list / evict / verify / gc across tiers ---------------------------------------
+
+
+def find(
+    name_or_source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
+) -> engine.StagedDataset | None:
+    """:func:`engine.find` in each tier, fastest first."""
+    for tier in split(dest):
+        found = engine.find(name_or_source, tier)
+        if found is not None:
+            return found
+    return None
+
+
+def list_staged(
+    dest: str | os.PathLike[str] | None = None, *, unfinished: bool = False
+) -> list[InTier]:
+    """:func:`engine.list_staged` of every tier, each row with its tier."""
+    return [
+        InTier(**row.__dict__, tier=tier)
+        for tier in split(dest)
+        for row in engine.list_staged(tier, unfinished=unfinished)
+    ]
+
+
+def evict_report(
+    name: str | None = None, *, dest: str | os.PathLike[str] | None = None, **kw: Any
+) -> engine.EvictReport:
+    """:func:`engine.evict_report` in the tier holding ``name``, or in every tier."""
+    tiers = split(dest)
+    if name is not None:
+        check_name(name)
+        tier = next((t for t in tiers if _has_any(Store(t), name)), None)
+        if tier is None:
+            raise ShmstageError(f"{name} is not staged in {joined(tiers)} (see `shmstage list`)")
+        reports = [(tier, engine.evict_report(name, dest=tier, **kw))]
+    else:
+        reports = [(t, engine.evict_report(None, dest=t, **kw)) for t in tiers]
+    for tier, r in reports:
+        if r.evicted and not r.dry_run:
+            counters.add(tier, evictions=len(r.evicted))
+    return engine.EvictReport(
+        tuple(n for _, r in reports for n in r.evicted),
+        tuple(x for _, r in reports for x in r.in_use),
+        tuple(x for _, r in reports for x in r.forced),
+        reports[0][1].dry_run,
+    )
+
+
+def evict(
+    name: str | None = None, *, dest: str | os.PathLike[str] | None = None, **kw: Any
+) -> list[str]:
+    return list(evict_report(name, dest=dest, **kw).evicted)
+
+
+def _has_any(store: Store, name: str) -> bool:
+    if not os.path.lexists(store.book):
+        return False
+    return bool(
+        store.read_record(name)
+        or store.read_next(name)
+        or os.path.lexists(store.path(name))
+        or os.path.lexists(store.partial(name))
+    )
+
+
+def verify(name: str, dest: str | os.PathLike[str] | None = None, **kw: Any) -> engine.VerifyReport:
+    """:func:`engine.verify` in the tier holding ``name``."""
+    tiers = split(dest)
+    return engine.verify(name, holding(name, joined(tiers)) or tiers[0], **kw)
+
+
+def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> GcReport:
+    """:func:`shmstage.stage.gc.gc` of every tier, as one report."""
+    tiers = split(dest)
+    reports = [gc_one(t, dry_run=dry_run) for t in tiers]
+    if len(reports) == 1:
+        return reports[0]
+    return GcReport(
+        joined(tiers),
+        dry_run,
+        tuple(x for r in reports for x in r.removed),
+        tuple(x for r in reports for x in r.skipped),
+    )
+
+
+def configured(
+    dest: str | os.PathLike[str] | None, config_path: str | os.PathLike[str] | None = None
+) -> tuple[str, dict[str, CachePolicy]]:
+    """Where to stage and each tier's cache policy: ``dest`` (else ``$SHMSTAGE_DEST``, else
+    the node config's ``dest``, else /dev/shm/shmstage), with the config's ``cache`` settings
+    for the tiers it names."""
+    from shmstage.config import node_tiers
+
+    tiers = node_tiers(config_path)
+    if dest is None and not os.environ.get("SHMSTAGE_DEST") and tiers:
+        dest = joined(tuple(t.path for t in tiers))
+    policies = {t.path: CachePolicy(t.max_size, t.policy) for t in tiers if t.max_size is not None}
+    return joined(split(dest)), policies
