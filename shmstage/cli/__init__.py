@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "verify": "staged_cmd:verify_cmd",
     "evict": "staged_cmd:evict_cmd",
     "gc": "staged_cmd:gc_cmd",
+    "metrics": "metrics_cmd:metrics_cmd",
     "prepare": "prepare_cmd:prepare_cmd",
     "bench": "bench_cmd:bench_cmd",
     "demo": "demo_cmd:demo_cmd",

@@ -1,0 +1,53 @@
+"""``shmstage metrics``: the node cache as Prometheus metrics (node_exporter textfile)."""
+
+from __future__ import annotations
+
+import click
+
+from shmstage.cli.output import dumps, json_option, log
+from shmstage.metrics import FILENAME, collect, render, write_textfile
+from shmstage.stage.store import DEFAULT_DEST
+from shmstage.stage.tiers import configured
+
+
+@click.command("metrics")
+@click.option(
+    "--textfile",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help=f"Write DIR/{FILENAME} for node_exporter's textfile collector (atomic rename) "
+    "instead of printing to stdout.",
+)
+@click.option(
+    "--dest",
+    envvar="SHMSTAGE_DEST",
+    help="Where staged datasets live, or tiers separated by commas. "
+    f"Default: $SHMSTAGE_DEST, else the node config's dest, else {DEFAULT_DEST}.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    envvar="SHMSTAGE_CONFIG",
+    help="Node config whose dest tiers and cache max_size are reported. "
+    "Default: /etc/shmstage.yaml if it exists.",
+)
+@json_option
+def metrics_cmd(
+    textfile: str | None, dest: str | None, config_path: str | None, as_json: bool
+) -> None:
+    """Print (or write for node_exporter) the cache's metrics in Prometheus' text format.
+
+    \b
+    Per tier: file system size/used/free, datasets, max_size; per dataset: bytes, files,
+    last use, leases; counters: stage hits and misses, bytes copied, evictions.
+      shmstage metrics --textfile /var/lib/node_exporter/textfile_collector
+    """
+    dest, policies = configured(dest, config_path)
+    m = collect(dest, policies)
+    if textfile is not None:
+        log(f"wrote {write_textfile(textfile, render(m))}")
+    if as_json:
+        click.echo(dumps(m))
+    elif textfile is None:
+        click.echo(render(m), nl=False)
