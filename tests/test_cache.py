@@ -59,7 +59,11 @@ def hold(procs, name: str, dest: Path | str) -> subprocess.Popen:
 
 
 def names_in(tier: Path) -> list[str]:
-    return sorted(d.name for d in tier.iterdir() if not d.name.startswith(".")) if tier.exists() else []
+    return (
+        sorted(d.name for d in tier.iterdir() if not d.name.startswith("."))
+        if tier.exists()
+        else []
+    )
 
 
 @pytest.fixture
@@ -104,7 +108,9 @@ def test_larger_than_tier1_lands_in_tier2_and_is_found_there(two_tiers, tmp_path
     assert r.stdout == f"{t2}/big {t2}/big\n"
 
 
-def test_concurrent_stagers_race_for_tier1_the_loser_goes_to_tier2(two_tiers, tmp_path, shmstage_bin, procs):
+def test_concurrent_stagers_race_for_tier1_the_loser_goes_to_tier2(
+    two_tiers, tmp_path, shmstage_bin, procs
+):
     """Two stagers of different datasets that each fit tier 1 alone but not together: the
     second sees the first's reservation, skips tier 1 before writing a byte, and lands in
     tier 2; nobody runs out of space."""
@@ -155,7 +161,9 @@ def test_make_room_evicts_only_the_lru_unleased(tmpfs, tmp_path, shmstage_bin, p
     assert len(r.stdout.splitlines()) == 2
     assert names_in(tier) == ["a", "c", "old"]
     too_big = make_ds(tmp_path / "huge", 16)
-    r = sh(shmstage_bin, "stage", str(too_big), "--dest", str(tier), "--reserve", "1M", "--make-room")
+    r = sh(
+        shmstage_bin, "stage", str(too_big), "--dest", str(tier), "--reserve", "1M", "--make-room"
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "even after evicting all 2 unleased dataset(s), 8.0 MiB; 1 more leased" in r.stderr
     assert names_in(tier) == ["a", "c", "old"]  # refused before removing anything
@@ -208,7 +216,9 @@ def test_cache_max_size_from_the_config_evicts_lru(tmpfs, tmp_path, shmstage_bin
     size by itself (no --make-room): the LRU one goes."""
     tier = tmpfs("20M", name="ram") / "shmstage"
     cfg = tmp_path / "node.yaml"
-    cfg.write_text(f"version: 1\ndest:\n  - path: {tier}\n    cache: {{max_size: 50%, policy: lru}}\n")
+    cfg.write_text(
+        f"version: 1\ndest:\n  - path: {tier}\n    cache: {{max_size: 50%, policy: lru}}\n"
+    )
     env = {"SHMSTAGE_CONFIG": str(cfg)}
     for n in ("a", "b"):
         r = sh(shmstage_bin, "stage", str(make_ds(tmp_path / n, 4)), "--reserve", "1M", env=env)
@@ -231,7 +241,9 @@ def test_metrics_textfile_parses_with_prometheus_client(two_tiers, tmp_path, shm
     t1, t2, dest = two_tiers
     small, big = make_ds(tmp_path / "small", 2, files=4), make_ds(tmp_path / "big", 12)
     for src in (small, small, big):
-        assert sh(shmstage_bin, "stage", str(src), "--dest", dest, "--reserve", "1M").returncode == 0
+        assert (
+            sh(shmstage_bin, "stage", str(src), "--dest", dest, "--reserve", "1M").returncode == 0
+        )
     assert sh(shmstage_bin, "evict", "big", "--dest", dest).returncode == 0
     assert sh(shmstage_bin, "stage", str(big), "--dest", dest, "--reserve", "1M").returncode == 0
     hold(procs, "small", t1)
