@@ -63,6 +63,11 @@ def test_stage_json(runner, cli, tmp_path):
         "changed",
         "copied_bytes",
         "seconds",
+        "tier",  # DEST may list tiers (docs/cache.md)
+        "tier_index",
+        "skipped",
+        "evicted",
+        "notes",
     }
 
 

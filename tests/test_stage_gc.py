@@ -33,7 +33,8 @@ def make_src(root: Path, files: int = 4, tag: bytes = b"") -> Path:
 
 
 def skeleton(dest: Path) -> list[str]:
-    return sorted(str(p.relative_to(dest)) for p in dest.rglob("*"))
+    # counters.json: the metrics' persistent counters (stage/counters.py), kept on purpose
+    return sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.name != "counters.json")
 
 
 EMPTY = [

@@ -1,7 +1,7 @@
 """Persistent counters of one DEST (a tier): stage hits and misses, bytes copied, evictions.
 
 They live in ``DEST/.shmstage/counters.json`` and survive restarts, so Prometheus sees
-monotonic counters.  Every update is a read-modify-write under a flock of that file and
+monotonic counters.  Every update is a read-modify-write under a flock of ``DEST/.shmstage`` and
 lands by atomic rename, so concurrent stagers never lose an increment and a reader never
 sees half a file.  Best effort: a caller that may not write DEST counts nothing.
 """
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from shmstage.stage.store import Store
 
 FILENAME = "counters.json"
-_LOCK = ".counters.lock"
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,10 @@ def add(dest: str | os.PathLike[str], **increments: int) -> None:
     book = Store(dest).book
     if not os.path.isdir(book):
         return
-    try:
-        lock = os.open(
-            os.path.join(book, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
-    except OSError:
+    if not os.access(book, os.W_OK):
         return  # a reader who may not write DEST
+    # The bookkeeping directory itself is the lock: no extra file to leave behind.
+    lock = os.open(book, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         now = read(dest).__dict__
