@@ -208,3 +208,42 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
     assert fstab.read_text() == before
     st = os.statvfs(shm)
     assert st.f_blocks * st.f_frsize == 48 << 20
+
+
+def test_metrics_timer_is_off_by_default_and_its_units_verify(tmp_path):
+    """The metrics timer is opt-in (shmstage_metrics_enabled: false guards its tasks); its
+    units, rendered by ansible's template module, pass `systemd-analyze verify` and run
+    `shmstage metrics --textfile DIR --config PATH` every shmstage_metrics_interval."""
+    assert defaults()["shmstage_metrics_enabled"] is False
+    main = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
+    step = next(t for t in main if t.get("ansible.builtin.import_tasks") == "metrics.yml")
+    assert step["when"] == "shmstage_metrics_enabled | bool"
+    venv = Path(sys.executable).parent.parent  # its bin/shmstage exists: verify checks it
+    out = tmp_path / "units"
+    out.mkdir()
+    for unit in ("shmstage-metrics.service", "shmstage-metrics.timer"):
+        result = subprocess.run(
+            [
+                tool("ansible"), "localhost", "-c", "local", "-i", "localhost,",
+                "-m", "ansible.builtin.template",
+                "-a", f"src={ROLE / 'templates' / (unit + '.j2')} dest={out / unit} mode=0644",
+                "-e", f"__shmstage_bin={venv}/bin/shmstage shmstage_config_path=/etc/shmstage.yaml",
+                "-e", "shmstage_metrics_textfile_dir=/var/lib/node-exporter shmstage_metrics_interval=2min",
+            ],
+            env=ansible_env(tmp_path), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+    service = (out / "shmstage-metrics.service").read_text()
+    assert (
+        f"ExecStart={venv}/bin/shmstage metrics --textfile /var/lib/node-exporter "
+        "--config /etc/shmstage.yaml\n"
+    ) in service
+    assert "OnUnitActiveSec=2min\n" in (out / "shmstage-metrics.timer").read_text()
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    result = subprocess.run(
+        [analyze, "verify", *(str(p) for p in sorted(out.iterdir()))],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stderr == "", result.stderr
