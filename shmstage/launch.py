@@ -491,7 +491,11 @@ def _waiting_note(request: StageRequest, log: Callable[[str], None] | None) -> A
 
 
 def _stage_leased(
-    engine: Any, request: StageRequest, dest: str | None, log: Callable[[str], None] | None
+    engine: Any,
+    request: StageRequest,
+    dest: str | None,
+    log: Callable[[str], None] | None,
+    **room: Any,  # make_room, policies: see shmstage.stage.tiers.stage
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
@@ -499,7 +503,11 @@ def _stage_leased(
 
     for attempt in (1, 2):
         ds = engine.stage(
-            request.source, name=request.name, dest=dest, progress=_waiting_note(request, log)
+            request.source,
+            name=request.name,
+            dest=dest,
+            progress=_waiting_note(request, log),
+            **room,
         )
         try:
             return ds, acquire(ds.name, os.path.dirname(ds.path))  # its tier
@@ -518,6 +526,7 @@ def run(
     pin: bool | None = None,
     prefetch_factor: int | None = None,
     cleanup: bool = False,
+    make_room: bool = False,
     config_path: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> RunResult:
@@ -540,6 +549,11 @@ def run(
         from shmstage.config import node_dest
 
         dest = node_dest(config_path)  # stage where `prepare` stages on this node
+    policies: dict[str, Any] = {}
+    if requests:
+        from shmstage.stage.tiers import configured
+
+        policies = configured(dest, config_path)[1]  # the tiers' cache max_size (docs/cache.md)
     if dest is not None:
         # so staged_path() inside the job looks where this run staged
         settings = {**settings, "SHMSTAGE_DEST": str(dest)}
@@ -554,10 +568,16 @@ def run(
             from shmstage import stage as engine
 
             for r in requests:
-                ds, lease = _stage_leased(engine, r, dest, log)
+                ds, lease = _stage_leased(
+                    engine, r, dest, log, make_room=make_room, policies=policies
+                )
                 held.append(lease)
                 staged.append(ds)
                 if log is not None:
+                    for skip in ds.skipped:  # tiers (docs/cache.md)
+                        log(f"skipped tier {skip.tier}: {skip.reason}")
+                    for v in ds.evicted:
+                        log(f"evicted {v.name} from {v.tier} to make room")
                     log(f"{engine.summary(ds)} -> {ds.path}")
         pairs = [(ds.name, str(ds.path)) for ds in staged]
         if len({n for n, _ in pairs}) != len(pairs):

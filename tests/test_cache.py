@@ -285,3 +285,42 @@ def test_counters_add_up_under_concurrency(tmp_path):
     ps = [subprocess.Popen([sys.executable, "-c", code, str(dest)]) for _ in range(4)]
     assert [p.wait(timeout=120) for p in ps] == [0, 0, 0, 0]
     assert counters.read(dest) == counters.Counters(hits=200, copied_bytes=600)
+
+
+def test_worked_example_two_tiers_three_jobs(tmpfs, tmp_path, shmstage_bin, procs):
+    """docs/cache.md's worked example, scaled to MiB: RAM tier with max_size 60%, an NVMe
+    tier; job 1 stages imagenet (RAM) and ends; job 2 runs on coco (RAM) and laion (larger
+    than max_size: NVMe); job 3's openimages evicts imagenet (LRU, unleased), never the coco
+    that job 2 still reads."""
+    ram = tmpfs("20M", name="shm") / "shmstage"
+    nvme = tmpfs("48M", name="nvme") / "shmstage"
+    cfg = tmp_path / "shmstage.yaml"
+    cfg.write_text(
+        f"version: 1\ndest:\n  - path: {ram}\n    cache: {{max_size: 60%, policy: lru}}\n"
+        f"  - {nvme}\n"
+    )
+    env = {"SHMSTAGE_CONFIG": str(cfg)}
+    src = {n: make_ds(tmp_path / "nfs" / n, m) for n, m in (
+        ("imagenet", 6), ("coco", 3), ("laion", 14), ("openimages", 5))}  # fmt: skip
+    r = sh(shmstage_bin, "run", "--stage", str(src["imagenet"]), "--", "true", env=env)
+    assert r.returncode == 0, r.stderr
+    job2 = procs.start(
+        [*shmstage_bin, "run", "--stage", str(src["coco"]), "--stage", str(src["laion"]),
+         "--", "sleep", "60"],
+        env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: holders("laion", nvme), "job 2's leases", job2)
+    assert holders("coco", ram)
+    r = sh(
+        shmstage_bin, "run", "--stage", str(src["openimages"]), "--",
+        "sh", "-c", 'echo "$SHMSTAGE_DATA"', env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{ram}/openimages\n"
+    assert f"evicted imagenet from {ram} to make room\n" in r.stderr
+    assert names_in(ram) == ["coco", "openimages"] and names_in(nvme) == ["laion"]
+    listed = json.loads(sh(shmstage_bin, "list", "--json", env=env).stdout)
+    assert [(x["name"], x["tier"], bool(x["leased_by"])) for x in listed] == [
+        ("coco", str(ram), True), ("openimages", str(ram), False), ("laion", str(nvme), True),
+    ]  # fmt: skip
+    assert counters.read(ram).evictions == 1

@@ -86,7 +86,8 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
 @click.option(
     "--dest",
     type=click.Path(file_okay=False),
-    help="Staging area. Default: /dev/shm/shmstage (or $SHMSTAGE_DEST).",
+    help="Staging area, or tiers separated by commas (fastest first). "
+    "Default: $SHMSTAGE_DEST, else the node config's dest, else /dev/shm/shmstage.",
 )
 @click.option(
     "--workers",
@@ -102,6 +103,12 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     "--prefetch-factor",
     type=click.IntRange(min=1),
     help="Batches each loader worker keeps ready (exports SHMSTAGE_PREFETCH_FACTOR).",
+)
+@click.option(
+    "--make-room",
+    is_flag=True,
+    help="Evict least-recently-used staged datasets no running job leases until each "
+    "--stage fits (see stage --make-room).",
 )
 @click.option(
     "--cleanup",
@@ -127,6 +134,7 @@ def run_cmd(
     workers: int | None,
     pin: bool | None,
     prefetch_factor: int | None,
+    make_room: bool,
     cleanup: bool,
     config_path: str | None,
     command: tuple[str, ...],
@@ -154,6 +162,7 @@ def run_cmd(
         pin=pin,
         prefetch_factor=prefetch_factor,
         cleanup=cleanup,
+        make_room=make_room,
         config_path=config_path,
         log=_log,
     )
