@@ -27,32 +27,32 @@ FILENAME = "shmstage.prom"
 
 @dataclass(frozen=True)
 class TierMetrics:
-    tier: str
+    tier: str  # the tier's directory
     index: int  # 0: the fastest
-    fstype: str
-    size: int  # of the tier's file system
-    used: int
-    free: int
+    fstype: str  # of the file system holding it ("tmpfs", "xfs", ...)
+    size: int  # bytes of the tier's file system
+    used: int  # bytes used on it (by anything)
+    free: int  # bytes free on it
     datasets: int  # published datasets in the tier
     max_size: int | None  # the cache's max_size in bytes, when configured
-    counters: Counters
+    counters: Counters  # persistent since the tier was created (stage/counters.py)
 
 
 @dataclass(frozen=True)
 class DatasetMetrics:
-    tier: str
+    tier: str  # the tier it is in
     name: str
-    bytes: int
+    bytes: int  # apparent size of its data
     files: int
-    staged_at: float
-    last_used: float
+    staged_at: float  # epoch seconds of the last (re)stage
+    last_used: float  # epoch seconds of the last stage, find or lease (the LRU order)
     leases: int  # processes holding a lease now
 
 
 @dataclass(frozen=True)
 class Metrics:
-    tiers: tuple[TierMetrics, ...]
-    datasets: tuple[DatasetMetrics, ...]
+    tiers: tuple[TierMetrics, ...]  # fastest first
+    datasets: tuple[DatasetMetrics, ...]  # published datasets of every tier
 
 
 def collect(

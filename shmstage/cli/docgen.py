@@ -29,8 +29,9 @@ JSON_RESULTS: dict[str, str] = {
     "demo": "shmstage.demo:DemoReport",
     "evict": "shmstage.stage.engine:EvictReport",
     "gc": "shmstage.stage.gc:GcReport",
-    "list": "shmstage.stage.engine:Listed[]",
-    "stage": "shmstage.stage.engine:StagedDataset",
+    "list": "shmstage.stage.tiers:InTier[]",
+    "metrics": "shmstage.metrics:Metrics",
+    "stage": "shmstage.stage.tiers:Placed",
     "verify": "shmstage.stage.engine:VerifyReport",
     "pillow-simd": "shmstage.pillow:PillowStatus",
 }
@@ -117,10 +118,13 @@ def _json_fields(cls: type, seen: set[type]) -> list[str]:
     """Markdown tables of a result dataclass and the dataclasses nested in it."""
     module = sys.modules[cls.__module__]
     comments: dict[str, str] = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = _FIELD_RE.match(line)
-        if m and m.group(3):
-            comments.setdefault(m.group(1), m.group(3))
+    for base in cls.__mro__:  # a subclass's fields, then those it inherits
+        if not dataclasses.is_dataclass(base):
+            continue
+        for line in inspect.getsource(base).splitlines():
+            m = _FIELD_RE.match(line)
+            if m and m.group(3):
+                comments.setdefault(m.group(1), m.group(3))
     lines = [f"`{cls.__name__}`:", "", "| field | type | meaning |", "|---|---|---|"]
     nested: list[type] = []
     for f in dataclasses.fields(cls):

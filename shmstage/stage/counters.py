@@ -23,7 +23,7 @@ FILENAME = "counters.json"
 class Counters:
     hits: int = 0  # stage found the dataset already staged and current
     misses: int = 0  # stage had to copy (all of it, or what changed)
-    copied_bytes: int = 0
+    copied_bytes: int = 0  # bytes those stages copied
     evictions: int = 0  # datasets removed by evict or make-room
 
 
