@@ -12,6 +12,7 @@ from shmstage.config import (
     LoaderConfig,
     PillowSimdConfig,
     ShmConfig,
+    TierConfig,
     load_config,
     loader_env,
     parse_config,
@@ -77,6 +78,47 @@ def test_dest_follows_shm_path_unless_given():
     """Without `dest`, copies go to <shm.path>/shmstage so they land on the tmpfs being sized."""
     assert parse("shm: {path: /mnt/ram}\n").dest == "/mnt/ram/shmstage"
     assert parse("shm: {path: /mnt/ram}\ndest: /scratch/x\n").dest == "/scratch/x"
+
+
+def test_dest_lists_storage_tiers_with_cache_settings():
+    """`dest` as tiers: a comma list or a YAML list of paths and {path, cache}; the first
+    tier is where prepare stages, and dest_tiers is what `stage --dest` takes."""
+    cfg = parse("dest: /dev/shm/s, /nvme/s\n")
+    assert cfg.tiers == (TierConfig("/dev/shm/s"), TierConfig("/nvme/s"))
+    assert (cfg.dest, cfg.dest_tiers) == ("/dev/shm/s", "/dev/shm/s,/nvme/s")
+    cfg = parse(
+        "dest:\n  - path: /dev/shm/s\n    cache: {max_size: 60%, policy: lru}\n  - /nvme/s\n"
+    )
+    assert cfg.tiers == (TierConfig("/dev/shm/s", "60%", "lru"), TierConfig("/nvme/s"))
+    assert parse("dest: /x\n").tiers == (TierConfig("/x"),)
+    assert parse("shm: {path: /mnt/ram}\n").tiers == (TierConfig("/mnt/ram/shmstage"),)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("dest: /a,rel\n", "1: dest: 'rel' is not an absolute path"),
+        ("dest: /a,/a\n", "1: dest: the same tier is listed twice"),
+        ("dest: []\n", "1: dest: expected a path, or a list of tiers (fastest first)"),
+        (
+            "dest:\n  - {cache: {max_size: 1G}}\n",
+            "2: dest[0]: missing path; every tier needs a path",
+        ),
+        (
+            "dest:\n  - {path: /a, cache: {policy: fifo}}\n",
+            "2: dest[0].cache.policy: 'fifo' is not a cache policy; use lru",
+        ),
+        (
+            "dest:\n  - {path: /a, cache: {max_size: 0%}}\n",
+            "2: dest[0].cache.max_size: invalid size '0%': a percentage must be in (0, 100]",
+        ),
+    ],
+)
+def test_bad_tiers_are_refused_with_key_path_and_line(text, message):
+    """Each kind of bad tier list is one problem with its key path and line."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "node.yaml")
+    assert str(info.value) == f"node.yaml:{message}"
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,18 @@ def test_dest_from_environment(runner, cli, tmp_path, monkeypatch):
     assert r.stdout == f"{tmp_path / 'envdest' / 'ds'}\n"
 
 
+def test_empty_tier_in_dest_is_one_error_line(runner, cli, tmp_path):
+    """An empty tier in a --dest list (two commas) is refused before anything is written."""
+    src = make_src(tmp_path / "ds")
+    r = runner.invoke(cli, ["stage", str(src), "--dest", f"{tmp_path / 'a'},,{tmp_path / 'b'}"])
+    assert r.exit_code == 2
+    assert r.stderr == (
+        f"Error: invalid destination '{tmp_path / 'a'},,{tmp_path / 'b'}': an empty tier; list "
+        "tiers fastest first, separated by commas, e.g. /dev/shm/shmstage,/local/nvme/shmstage\n"
+    )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_missing_source_error(runner, cli, tmp_path):
     """A missing source: exact error line, exit 2."""
     r = runner.invoke(cli, ["stage", str(tmp_path / "nope"), "--dest", str(tmp_path / "d")])

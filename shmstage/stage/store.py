@@ -38,10 +38,13 @@ _AT_FDCWD = -100
 
 
 def resolve_dest(dest: str | os.PathLike[str] | None) -> str:
-    """``dest``, else ``$SHMSTAGE_DEST``, else /dev/shm/shmstage, as an absolute path."""
+    """``dest``, else ``$SHMSTAGE_DEST``, else /dev/shm/shmstage, as an absolute path
+    (of a list of tiers, the first)."""
     chosen = (
         os.fspath(dest) if dest is not None else os.environ.get("SHMSTAGE_DEST") or DEFAULT_DEST
     )
+    # A comma separates storage tiers (tiers.py); an operation on one DEST takes the first.
+    chosen = chosen.split(",", 1)[0].strip() or DEFAULT_DEST
     return os.path.abspath(os.path.expanduser(chosen))
 
 
