@@ -132,6 +132,28 @@ def test_concurrent_stagers_race_for_tier1_the_loser_goes_to_tier2(
     assert "space left" not in err_a + rb.stderr
 
 
+def test_two_stagers_of_one_dataset_share_one_copy_in_one_tier(
+    two_tiers, tmp_path, shmstage_bin, procs
+):
+    """Two stagers of the same dataset with two tiers: the second waits for the first (and
+    says so, naming its pid), then finds the copy; it is in one tier only."""
+    t1, t2, dest = two_tiers
+    src = make_ds(tmp_path / "ds", 4, files=16)
+    args = ["stage", str(src), "--dest", dest, "--reserve", "1M", "--workers", "1"]
+    pa = procs.start(
+        [*shmstage_bin, *args], env={**os.environ, copier.SLOW_ENV: "0.1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (t1 / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "a copying", pa)
+    rb = sh(shmstage_bin, *args)
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{t1}/ds\n", err_a
+    assert rb.returncode == 0 and rb.stdout == f"{t1}/ds\n", rb.stderr
+    assert f"waiting for another shmstage (pid {pa.pid}) staging this dataset..." in rb.stderr
+    assert "ds is up to date" in rb.stderr
+    assert names_in(t1) == ["ds"] and names_in(t2) == []
+
+
 def stage_lru(shmstage_bin, procs, tier: Path, tmp_path: Path) -> subprocess.Popen:
     """old (leased), a, c staged in this order into ``tier`` (4 MiB each): the LRU order is
     old, a, c, and old is held by a live job; returns the holder."""

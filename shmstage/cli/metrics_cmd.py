@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from shmstage.cli.output import dumps, json_option, log
+from shmstage.cli.params import config_option
 from shmstage.metrics import FILENAME, collect, render, write_textfile
 from shmstage.stage.store import DEFAULT_DEST
 from shmstage.stage.tiers import configured
@@ -24,13 +25,9 @@ from shmstage.stage.tiers import configured
     help="Where staged datasets live, or tiers separated by commas. "
     f"Default: $SHMSTAGE_DEST, else the node config's dest, else {DEFAULT_DEST}.",
 )
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False),
-    envvar="SHMSTAGE_CONFIG",
-    help="Node config whose dest tiers and cache max_size are reported. "
-    "Default: /etc/shmstage.yaml if it exists.",
+@config_option(
+    "Node config whose dest tiers and cache max_size are reported. "
+    "Default: /etc/shmstage.yaml if it exists."
 )
 @json_option
 def metrics_cmd(

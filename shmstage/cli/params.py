@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -54,3 +55,14 @@ class AgeType(click.ParamType):
 SIZE = SizeType()
 SIZE_OR_PERCENT = SizeType(allow_percent=True)
 AGE = AgeType()
+
+
+def config_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--config FILE`` (``$SHMSTAGE_CONFIG``, parameter ``config_path``): the node config."""
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        envvar="SHMSTAGE_CONFIG",
+        help=help,
+    )

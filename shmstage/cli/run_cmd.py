@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
+from shmstage.cli.params import config_option
 
 
 def _log(message: str) -> None:
@@ -115,12 +116,9 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     is_flag=True,
     help="Evict the datasets this run staged once the job exits.",
 )
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False),
-    envvar="SHMSTAGE_CONFIG",
-    help="Node config whose loader section gives default loader settings.",
+@config_option(
+    "Node config: its loader section gives default loader settings, its dest the tiers and "
+    "their cache max_size."
 )
 @click.argument(
     "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[--] CMD [ARGS]..."

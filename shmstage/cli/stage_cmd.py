@@ -8,7 +8,7 @@ import click
 
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import SIZE_OR_PERCENT
+from shmstage.cli.params import SIZE_OR_PERCENT, config_option
 from shmstage.errors import CapacityError
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
@@ -83,13 +83,9 @@ def _log_waiting(p: Progress) -> None:
     is_flag=True,
     help="Print which tier would be used and what would be evicted; copy and remove nothing.",
 )
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False),
-    envvar="SHMSTAGE_CONFIG",
-    help="Node config whose dest tiers and cache settings (max_size) apply. "
-    "Default: /etc/shmstage.yaml if it exists.",
+@config_option(
+    "Node config whose dest tiers and cache settings (max_size) apply. "
+    "Default: /etc/shmstage.yaml if it exists."
 )
 @click.option(
     "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 4 per CPU, 8 to 32."

@@ -186,7 +186,8 @@ def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list
             notes.append(f"kept {v.name}: leased meanwhile by {leases.describe(e.holders)}")
             continue
         except ShmstageError as e:  # being staged (Busy), or already gone
-            notes.append(f"kept {v.name}: {e}")
-            continue
+            if Store(v.tier).published(v.name) is not None:
+                notes.append(f"kept {v.name}: {e}")
+            continue  # gone: another make-room or evict removed it first
         removed.append(v)
     return removed, notes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,14 @@ from shmstage.stage.estimate import Estimate, estimate, page_size
 from shmstage.stage.gc import GcReport
 from shmstage.stage.gc import gc as gc_one
 from shmstage.stage.makeroom import CachePolicy, Victim
-from shmstage.stage.store import DEFAULT_DEST, Store, check_name, name_for, resolve_dest
+from shmstage.stage.store import (
+    DEFAULT_DEST,
+    Store,
+    _read_pid,
+    check_name,
+    name_for,
+    resolve_dest,
+)
 
 SEP = ","
 _PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <name>'s tier
@@ -120,11 +127,10 @@ def stage(
     """Stage ``src`` into the first tier where it fits (see the module docstring); ``kw``
     goes to :func:`shmstage.stage.engine.stage`.  Refuses (CapacityError) before removing
     anything when no tier can take it."""
-    tiers = split(dest)
-    policies = {resolve_dest(k): v for k, v in (policies or {}).items()}
-    source = os.path.realpath(os.fspath(src))
-    name = check_name(name) if name is not None else name_for(source)
-    with _placing(tiers[0], name) if len(tiers) > 1 else nullcontext():
+    tiers, policies, name = _request(src, name, dest, policies)
+    progress = kw.get("progress")
+    waiting = (lambda pid: progress(engine.Progress("waiting", holder=pid))) if progress else None
+    with _placing(tiers[0], name, waiting) if len(tiers) > 1 else nullcontext():
         home = holding(name, joined(tiers)) if len(tiers) > 1 else None
         order = [home] if home is not None else list(tiers)
         skipped: list[Skipped] = []
@@ -132,7 +138,7 @@ def stage(
         for tier in order:
             index = tiers.index(tier)
             policy = policies.get(tier)
-            roomy = make_room or (policy is not None and policy.max_size is not None)
+            roomy = _roomy(make_room, policy)
             evicted: list[Victim] = []
             notes: list[str] = []
             last = "other stagers kept taking the room made"
@@ -185,19 +191,14 @@ def plan(
     policies: Mapping[str, CachePolicy] | None = None,
 ) -> Plan:
     """Read-only: where ``stage`` would put ``src`` and what it would evict first."""
-    tiers = split(dest)
-    policies = {resolve_dest(k): v for k, v in (policies or {}).items()}
-    raw = os.fspath(src)
-    source = os.path.realpath(raw)
-    if not os.path.exists(source):
-        raise RefusedError(f"source {raw} does not exist")
-    name = check_name(name) if name is not None else name_for(source)
+    tiers, policies, name = _request(src, name, dest, policies)
+    source = os.path.realpath(os.fspath(src))
     home = holding(name, joined(tiers))
     skipped: list[Skipped] = []
     sized: dict[int, Estimate] = {}
     for tier in [home] if home is not None else tiers:
         policy = policies.get(tier)
-        roomy = make_room or (policy is not None and policy.max_size is not None)
+        roomy = _roomy(make_room, policy)
         est = _sized(sized, src, tier)
         room = makeroom.plan(est, name, tier, reserve, policy, evict=roomy)
         if room.fits:
@@ -209,6 +210,26 @@ def plan(
     return Plan(name, source, None, None, home is not None, 0, (), tuple(skipped))
 
 
+def _request(
+    src: str | os.PathLike[str],
+    name: str | None,
+    dest: str | os.PathLike[str] | None,
+    policies: Mapping[str, CachePolicy] | None,
+) -> tuple[tuple[str, ...], dict[str, CachePolicy], str]:
+    """Check a stage request: (tiers, policies by tier path, dataset name)."""
+    tiers = split(dest)
+    raw = os.fspath(src)
+    if not os.path.exists(raw):
+        raise RefusedError(f"source {raw} does not exist")
+    name = check_name(name) if name is not None else name_for(os.path.realpath(raw))
+    return tiers, {resolve_dest(k): v for k, v in (policies or {}).items()}, name
+
+
+def _roomy(make_room: bool, policy: CachePolicy | None) -> bool:
+    """May staging evict in this tier: --make-room, or the tier's cache has a max_size."""
+    return make_room or (policy is not None and policy.max_size is not None)
+
+
 def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -> Estimate:
     """The new dataset's estimate for ``tier`` (one walk per page size, not per tier)."""
     page = page_size(tier)
@@ -218,7 +239,9 @@ def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -
 
 
 @contextmanager
-def _placing(first: str, name: str) -> Iterator[None]:
+def _placing(
+    first: str, name: str, on_wait: Callable[[int | None], None] | None = None
+) -> Iterator[None]:
     """Serialise choosing ``name``'s tier, so two stagers cannot put it in two tiers."""
     store = Store(first).open()
     where = os.path.join(store.book, _PLACING)
@@ -230,7 +253,14 @@ def _placing(first: str, name: str) -> Iterator[None]:
     except OSError as e:
         raise ShmstageError(f"cannot lock {name} in {where}: {e.strerror}") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:  # another process is staging it: say so, then wait
+                on_wait(_read_pid(fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)
