@@ -83,7 +83,7 @@ def test_larger_than_tier1_lands_in_tier2_and_is_found_there(two_tiers, tmp_path
     r = sh(shmstage_bin, "stage", str(big), "--dest", dest, "--reserve", "1M")
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{t2}/big\n"
-    assert f"skipped tier {t1}: dataset does not fit: needs 12.0 MiB + 1.0 MiB reserve" in r.stderr
+    assert f"skipped tier {t1}: needs 12.0 MiB + 1.0 MiB reserve but only " in r.stderr
     assert f"tier 2 of 2: {t2}\n" in r.stderr
     r = sh(shmstage_bin, "stage", str(small), "--reserve", "1M", env={"SHMSTAGE_DEST": dest})
     assert r.returncode == 0 and r.stdout == f"{t1}/small\n", r.stderr
@@ -187,6 +187,7 @@ def test_make_room_evicts_only_the_lru_unleased(tmpfs, tmp_path, shmstage_bin, p
         shmstage_bin, "stage", str(too_big), "--dest", str(tier), "--reserve", "1M", "--make-room"
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("Error: dataset does not fit: needs 16.0 MiB + 1.0 MiB reserve ")
     assert "even after evicting all 2 unleased dataset(s), 8.0 MiB; 1 more leased" in r.stderr
     assert names_in(tier) == ["a", "c", "old"]  # refused before removing anything
     r = sh(shmstage_bin, *args, "--make-room", "--json")

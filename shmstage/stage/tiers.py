@@ -162,9 +162,9 @@ def stage(
                     if len(order) == 1 and not roomy:
                         raise  # one tier: the engine's own words
                     if roomy:
-                        last = str(e)
+                        last = _reason(e)
                         continue  # another stager took the room first
-                    skipped.append(Skipped(tier, str(e)))
+                    skipped.append(Skipped(tier, _reason(e)))
                     break
                 if ds.changed:
                     counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
@@ -176,9 +176,15 @@ def stage(
                 )  # fmt: skip
             else:
                 skipped.append(Skipped(tier, last))
-    where = "its tier" if home is not None else "any tier"
+    if len(skipped) == 1:
+        raise CapacityError(f"dataset does not fit: {skipped[0].reason}")  # the engine's words
     detail = "; ".join(f"{s.tier}: {s.reason}" for s in skipped)
-    raise CapacityError(f"{name} does not fit in {where}: {detail}")
+    raise CapacityError(f"{name} does not fit in any tier: {detail}")
+
+
+def _reason(e: CapacityError) -> str:
+    """The engine's refusal without its "dataset does not fit: " (a tier's skip line)."""
+    return str(e).removeprefix("dataset does not fit: ")
 
 
 def plan(
