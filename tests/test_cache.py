@@ -196,6 +196,13 @@ def test_make_room_evicts_only_the_lru_unleased(tmpfs, tmp_path, shmstage_bin, p
     assert [v["name"] for v in got["evicted"]] == ["a"]
     assert names_in(tier) == ["c", "new", "old"]
     assert counters.read(tier).evictions == 1
+    # A dataset already staged in the full tier is restaged in place: nothing to evict.
+    for extra in (["--dry-run"], []):
+        r = sh(shmstage_bin, "stage", str(tmp_path / "c"), "--dest", str(tier), "--reserve", "1M",
+               "--make-room", *extra)  # fmt: skip
+        assert r.returncode == 0 and "evict" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.stderr.startswith("c is up to date")
+    assert names_in(tier) == ["c", "new", "old"]
 
 
 def test_sigkilled_lease_holder_no_longer_blocks_make_room(tmpfs, tmp_path, shmstage_bin, procs):

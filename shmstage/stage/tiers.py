@@ -131,7 +131,7 @@ def stage(
     progress = kw.get("progress")
     waiting = (lambda pid: progress(engine.Progress("waiting", holder=pid))) if progress else None
     with _placing(tiers[0], name, waiting) if len(tiers) > 1 else nullcontext():
-        home = holding(name, joined(tiers)) if len(tiers) > 1 else None
+        home = holding(name, joined(tiers))
         order = [home] if home is not None else list(tiers)
         skipped: list[Skipped] = []
         sized: dict[int, Estimate] = {}
@@ -142,8 +142,9 @@ def stage(
             evicted: list[Victim] = []
             notes: list[str] = []
             last = "other stagers kept taking the room made"
-            for _ in range(3):  # a lease or another stager may win a race: plan again
-                if roomy:
+            for attempt in range(3):  # a lease or another stager may win a race: plan again
+                # A restage in place first asks the engine, which counts only what changed.
+                if roomy and not (tier == home and attempt == 0):
                     est = _sized(sized, src, tier)
                     room = makeroom.plan(est, name, tier, reserve, policy)
                     if not room.fits:
@@ -200,20 +201,22 @@ def plan(
     tiers, policies, name = _request(src, name, dest, policies)
     source = os.path.realpath(os.fspath(src))
     home = holding(name, joined(tiers))
+    if home is not None:  # restaged where it is; the engine copies only what changed
+        return Plan(name, source, home, tiers.index(home), True, 0)
     skipped: list[Skipped] = []
     sized: dict[int, Estimate] = {}
-    for tier in [home] if home is not None else tiers:
+    for tier in tiers:
         policy = policies.get(tier)
         roomy = _roomy(make_room, policy)
         est = _sized(sized, src, tier)
         room = makeroom.plan(est, name, tier, reserve, policy, evict=roomy)
         if room.fits:
             return Plan(
-                name, source, tier, tiers.index(tier), home is not None, room.needed,
-                room.victims, tuple(skipped),
+                name, source, tier, tiers.index(tier), False, room.needed, room.victims,
+                tuple(skipped),
             )  # fmt: skip
         skipped.append(Skipped(tier, room.reason or "does not fit"))
-    return Plan(name, source, None, None, home is not None, 0, (), tuple(skipped))
+    return Plan(name, source, None, None, False, 0, (), tuple(skipped))
 
 
 def _request(
