@@ -212,6 +212,9 @@ def targets(shape: Shape, r: StageBenchResult, throttle_mb: int) -> list[Target]
     if shape.key == "imagenet" and "rsync" in names:
         v = r.get("rsync").vs_shmstage or 0
         out.append(Target(f"≥ 2× rsync -a ({v:.2f}×)", v >= 2))
+    if shape.key == "imagenet" and "cat" in names:
+        v = r.get("cat").vs_shmstage or 0  # cat's time / shmstage's: the share of the read limit
+        out.append(Target(f"≥ 90% of what parallel cat reads ({v:.0%})", v >= 0.9))
     if shape.key == "shards" and "cp" in names:
         v = r.get("cp").vs_shmstage or 0
         out.append(Target(f"≥ 2× cp -a ({v:.2f}×)", v >= 2))

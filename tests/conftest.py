@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,8 +46,19 @@ def _enter_private_mount_namespace() -> bool:
     return libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
 
 
+def _default_stop_signals() -> None:
+    """Tests send SIGINT/SIGHUP to the processes they start and expect the defaults; a
+    suite started in the background (``cmd &`` ignores SIGINT) or under nohup (SIGHUP)
+    would hand those ignored dispositions down to every child."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global PRIVATE_NS
+    _default_stop_signals()
     # `prepare` locks /run/lock/shmstage-prepare.lock by default: tests use a lock of their own
     if "SHMSTAGE_PREPARE_LOCK" not in os.environ:
         lock_dir = tempfile.mkdtemp(prefix="shmstage-test-")

@@ -181,3 +181,39 @@ def test_a_dead_stagers_reservation_does_not_count(tmpfs, tmp_path, shmstage_bin
         text=True,
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_first_copy_that_outgrows_the_tmpfs_midway_is_refused_whole(tmpfs, tmp_path, shmstage_bin):
+    """A first copy claims space as its walk finds data and starts copying before the walk
+    ends.  When a later part does not fit, the copy stops, everything it wrote is removed,
+    and the refusal gives the whole dataset's numbers, as a check before the first byte
+    would (exit 2: nothing changed)."""
+    src = tmp_path / "ds"
+    for d in range(4):  # 4 directories of 40 MiB: the first two are handed out together
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(10):
+            (src / f"d{d}" / f"{i}.bin").write_bytes(bytes([d * 10 + i]) * (4 * MIB))
+    mnt = tmpfs("112M")
+    dest = mnt / "shmstage"
+    free = shutil.disk_usage(mnt).free
+    p = stager(shmstage_bin, src, dest, slow=0.02)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        reap(p)
+    assert p.returncode == 2, err
+    assert err.startswith("Error: dataset does not fit: needs 160.0 MiB + ") and err.count("\n") == 1
+    assert not (dest / "ds").exists()
+    assert os.listdir(dest / ".shmstage" / "partial") == []
+    assert shutil.disk_usage(mnt).free >= free - MIB  # what it copied is gone again
+    # Where it just fits (160 MiB + the 18 MiB reserve on 180 MiB), the same tree stages whole
+    # and exact, although the second step's check runs while the first step's files are
+    # half written (counted in DEST's used space and in what is left to write).
+    bigger = tmpfs("180M", name="bigger")
+    p = stager(shmstage_bin, src, bigger / "s", slow=0.05)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        reap(p)
+    assert p.returncode == 0, err
+    assert snapshot(src) == snapshot(bigger / "s" / "ds")

@@ -196,32 +196,19 @@ def run(
     alive: set[int] = set()
     mismatches: list[str] = []
     try:
-        # Signals wait until the workers exist: a handler that raises inside fork()'s
-        # at-fork callbacks would be swallowed ("Exception ignored").
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
-            with warnings.catch_warnings():
-                # Python 3.12+ warns about fork() in a threaded process; workers only
-                # make os.* calls on inherited data, never locks held by other threads.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                for _ in range(workers):
-                    pid = os.fork()
-                    if pid == 0:  # pragma: no cover - runs in the child
-                        code = 1
-                        try:
-                            os.close(task_w)
-                            os.close(res_r)
-                            code = _worker(jobs, tasks, task_r, res_w, slow, blocked)
-                        finally:
-                            os._exit(code)
-                    pids.append(pid)
-                    alive.add(pid)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+        def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
+            idx = struct.unpack("<i", _read_exact(task_r, 4))[0]
+            return None if idx < 0 else (idx, jobs, tasks[idx])
+
+        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow)
         os.close(task_r)
         os.close(res_w)
         task_r = res_w = -1
-        feed = _Feeder(task_w, len(tasks), len(pids))
+        feed = _Feeder(task_w, 4)
+        feed.add(
+            struct.pack(f"<{len(tasks)}i", *range(len(tasks))) + b"\xff\xff\xff\xff" * len(pids)
+        )
         feed.push()
         if while_running is not None:
             while_running()  # the workers are busy; the parent's own work overlaps theirs
@@ -244,53 +231,281 @@ def run(
         feed.finish()
         for pid in alive:
             os.waitpid(pid, 0)
-        pids = []
+        pids.clear()
     finally:
-        pids = [pid for pid in pids if pid in alive]
-        for pid in pids:  # something went wrong: stop every worker now
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+        _kill_workers(pids, alive)
         for fd in (task_r, task_w, res_r, res_w):
             if fd >= 0:
                 os.close(fd)
     return mismatches
 
 
+# seq, op, jobs offset, jobs span, count, chunk offset, chunk length
+_REC = struct.Struct("<iiqqiqq")
+_JOB = struct.Struct("<qqqiI")  # size, mtime_ns, atime_ns, mode, len(rel)
+
+
+class Stream:
+    """Copy jobs as they are found: the first copy of a directory overlaps walk and copy.
+
+    Workers start before any job is known.  ``add(jobs)`` appends the jobs to a memfd the
+    workers read (so nothing but fixed-size task records crosses the pipe), queues their
+    tasks and collects the results so far; ``finish()`` waits for every task.  Jobs are
+    ``(src_prefix + rel, dst_prefix + rel, ...)`` as :func:`run` takes them; big files
+    must exist (created writable, sized) before their jobs are added.
+
+    Lifecycle: a context manager; ``__exit__`` SIGKILLs and reaps the workers whatever
+    happened (after ``finish()`` they have already exited), then closes the fds."""
+
+    def __init__(
+        self,
+        src_prefix: str,
+        dst_prefix: str,
+        workers: int,
+        progress: Callable[[int, int], None] | None = None,
+        page: int = 4096,
+    ) -> None:
+        self.src_prefix, self.dst_prefix = src_prefix, dst_prefix
+        self.page = page
+        self.landed = 0  # what the finished tasks take on the destination (whole pages)
+        self._pages: dict[int, int] = {}  # per task still running
+        self.workers = max(1, workers)
+        self.progress = progress
+        self.pids: list[int] = []
+        self.alive: set[int] = set()
+        self.fds: list[int] = []
+        self.sent = self.done = 0
+        self.end = 0  # bytes in the memfd
+
+    def __enter__(self) -> Stream:
+        try:
+            self.mem = os.memfd_create("shmstage-jobs", os.MFD_CLOEXEC)
+            self.fds.append(self.mem)
+            task_r, task_w = os.pipe()
+            self.fds += [task_r, task_w]
+            res_r, res_w = os.pipe()
+            self.fds += [res_r, res_w]
+            mem, src, dst = self.mem, self.src_prefix, self.dst_prefix
+
+            def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
+                seq, op, off, span, count, coff, clen = _REC.unpack(_read_exact(task_r, _REC.size))
+                if seq < 0:
+                    return None
+                return (
+                    seq,
+                    _decode_jobs(os.pread(mem, span, off), count, src, dst),
+                    Task(op, 0, count, coff, clen),
+                )
+
+            slow = float(os.environ.get(SLOW_ENV) or 0)
+            _fork_workers(
+                self.workers, self.pids, self.alive, (task_w, res_r), next_task, res_w, slow
+            )
+            for fd in (task_r, res_w):
+                self.fds.remove(fd)
+                os.close(fd)
+            self.res = res_r
+            self.feed = _Feeder(task_w, _REC.size)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _kill_workers(self.pids, self.alive)
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def add(self, jobs: Sequence[Job]) -> list[Job]:
+        """Hand ``jobs`` to the workers (chunks of big files first, batches by directory);
+        returns the big files among them, created here: the caller sets their mode and
+        times once :meth:`finish` returned."""
+        if not jobs:
+            return []
+        offsets = []
+        parts = []
+        pos = self.end
+        skip = len(self.src_prefix)
+        for job in jobs:
+            rel = os.fsencode(job[0][skip:])
+            offsets.append(pos)
+            rec = _JOB.pack(job[2], job[3], job[4], job[5], len(rel)) + rel
+            parts.append(rec)
+            pos += len(rec)
+        offsets.append(pos)
+        os.pwrite(self.mem, b"".join(parts), self.end)
+        self.end = pos
+        tasks, chunked = make_tasks(jobs)
+        for i in chunked:
+            create_sized(jobs[i][1], jobs[i][2])
+        records = []
+        page = self.page
+        for t in tasks:
+            off, span = offsets[t.first], offsets[t.last] - offsets[t.first]
+            sizes = [t.length] if t.length >= 0 else [j[2] for j in jobs[t.first : t.last]]
+            self._pages[self.sent] = sum(-(-n // page) * page for n in sizes)
+            records.append(
+                _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)
+            )
+            self.sent += 1
+        self.feed.add(b"".join(records))
+        self.feed.push()
+        self._collect(0)
+        return [jobs[i] for i in chunked]
+
+    def drain(self) -> None:
+        """Wait until every task added so far is done (the workers stay)."""
+        while True:
+            self.feed.push()
+            if self.done == self.sent and self.feed.pos == len(self.feed.queue):
+                return
+            if not self._collect(0.2):
+                _check_alive(self.alive)
+
+    def finish(self) -> None:
+        """Wait for every task added, then for the workers to exit; raises CopyFailed on the
+        first failure."""
+        self.feed.add(_REC.pack(-1, 0, 0, 0, 0, 0, 0) * len(self.pids))
+        self.drain()
+        for pid in list(self.alive):
+            os.waitpid(pid, 0)
+            self.alive.discard(pid)
+
+    def _collect(self, timeout: float) -> bool:
+        """Read the results that are there (waiting up to ``timeout`` for the first)."""
+        got = False
+        # (once every task is done, the pipe's only news can be the workers' exit: EOF)
+        while self.done < self.sent and select.select([self.res], [], [], timeout)[0]:
+            status, seq, nbytes, nfiles, err, kind, text = _read_record(self.res)
+            if status == _ERR:
+                raise _failure((), err, kind, text)
+            if status == _OK:
+                self.done += 1
+                self.landed += self._pages.pop(seq, 0)
+                if self.progress is not None:
+                    self.progress(nbytes, nfiles)
+            got, timeout = True, 0
+        if got:
+            self.feed.push()
+        return got
+
+
+def _decode_jobs(
+    raw: bytes, count: int, src: str, dst: str
+) -> list[Job]:  # pragma: no cover - child
+    jobs = []
+    pos = 0
+    for _ in range(count):
+        size, mtime, atime, mode, n = _JOB.unpack_from(raw, pos)
+        pos += _JOB.size
+        rel = os.fsdecode(raw[pos : pos + n])
+        pos += n
+        jobs.append((src + rel, dst + rel, size, mtime, atime, mode, rel))
+    return jobs
+
+
+def create_sized(path: str, size: int) -> None:
+    """Create a big file for chunked copying: writable by its workers whatever the source's
+    mode (set after the copy), and at its final size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _fork_workers(
+    workers: int,
+    pids: list[int],
+    alive: set[int],
+    parent_fds: tuple[int, ...],
+    next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
+    res_w: int,
+    slow: float,
+) -> None:
+    """Fork ``workers`` processes running :func:`_worker` (pids added as they start)."""
+    # Signals wait until the workers exist: a handler that raises inside fork()'s
+    # at-fork callbacks would be swallowed ("Exception ignored").
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about fork() in a threaded process; workers only
+            # make os.* calls on inherited data, never locks held by other threads.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for _ in range(workers):
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    code = 1
+                    try:
+                        for fd in parent_fds:
+                            os.close(fd)
+                        code = _worker(next_task, res_w, slow, blocked)
+                    finally:
+                        os._exit(code)
+                pids.append(pid)
+                alive.add(pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _kill_workers(pids: list[int], alive: set[int]) -> None:
+    """Something went wrong (or nothing, then ``pids`` is empty): SIGKILL and reap the rest."""
+    left = [pid for pid in pids if pid in alive]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in left:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    pids.clear()
+
+
 class _Feeder:
-    """Task indices (then one -1 per worker) into the task pipe, as many as fit.
+    """Fixed-size task records into the task pipe, as many as fit without blocking.
 
-    The pipe is enlarged and written without blocking in PIPE_BUF pieces (atomic,
-    so a worker's 4-byte read always gets one whole index)."""
+    The pipe is enlarged and written in whole records of at most PIPE_BUF bytes (atomic,
+    so a worker's read of one record size always gets one whole record)."""
 
-    def __init__(self, fd: int, ntasks: int, nworkers: int) -> None:
+    def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
-        self.records = list(range(ntasks)) + [-1] * nworkers
-        self.next = 0
+        self.size = size
+        self.queue = bytearray()
+        self.pos = 0  # bytes of ``queue`` already written
         with contextlib.suppress(OSError, AttributeError):
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
         os.set_blocking(fd, False)
 
+    def add(self, records: bytes) -> None:
+        if self.pos > 1 << 20:  # compact now and then (never per write: 1M moves)
+            del self.queue[: self.pos]
+            self.pos = 0
+        self.queue += records
+
     def push(self) -> None:
-        per = _PIPE_BUF // 4
-        while self.next < len(self.records):
-            batch = self.records[self.next : self.next + per]
-            try:
-                os.write(self.fd, struct.pack(f"<{len(batch)}i", *batch))
-            except BlockingIOError:
-                if len(batch) == 1:
-                    return
-                per = 1  # less than PIPE_BUF free: go one record at a time
-                continue
-            self.next += len(batch)
+        per = _PIPE_BUF // self.size * self.size
+        view = memoryview(self.queue)
+        try:
+            while self.pos < len(self.queue):
+                n = min(per, len(self.queue) - self.pos)
+                try:
+                    os.write(self.fd, view[self.pos : self.pos + n])  # all or nothing: <= PIPE_BUF
+                except BlockingIOError:
+                    if n == self.size:
+                        return
+                    per = self.size  # less than PIPE_BUF free: go one record at a time
+                    continue
+                self.pos += n
+        finally:
+            view.release()
 
     def finish(self) -> None:
         os.set_blocking(self.fd, True)
-        for i in range(self.next, len(self.records)):
-            os.write(self.fd, struct.pack("<i", self.records[i]))
-        self.next = len(self.records)
+        with memoryview(self.queue) as view:
+            while self.pos < len(self.queue):
+                self.pos += os.write(
+                    self.fd, view[self.pos : self.pos + _PIPE_BUF // self.size * self.size]
+                )
 
 
 def _check_alive(alive: set[int]) -> None:
@@ -375,9 +590,7 @@ class _Fail(Exception):
 
 
 def _worker(
-    jobs: Sequence[Job],
-    tasks: Sequence[Task],
-    task_r: int,
+    next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
     res_w: int,
     slow: float,
     mask: set[signal.Signals],
@@ -399,10 +612,10 @@ def _worker(
     os.umask(0)  # modes are given exactly at create time
     state = _State()
     while True:
-        idx = struct.unpack("<i", _read_exact(task_r, 4))[0]
-        if idx < 0:
+        got = next_task()
+        if got is None:
             return 0
-        task = tasks[idx]
+        idx, jobs, task = got
         try:
             nbytes, nfiles = _do_task(jobs, task, state, res_w, idx, slow)
         except _Fail as f:

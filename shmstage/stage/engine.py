@@ -27,8 +27,7 @@ from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
 from shmstage.stage.leases import Holder
-from shmstage.stage.plan import Tree, require_fit, scan_threads, walk
-from shmstage.stage.readahead import Readahead
+from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
 from shmstage.stage.reserve import Claim
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
 
@@ -102,25 +101,33 @@ class Interrupted(ShmstageError):
         self.exit_code = 128 + signum
 
 
-def _copy_counter(
-    report: Callable[..., None], bytes_total: int, files_total: int
-) -> Callable[[int, int], None]:
-    """Report the start of copying; return the callback that adds copied bytes/files and reports."""
-    done = [0, 0]
-    report("copying", bytes_total=bytes_total, files_total=files_total)
+class _Counter:
+    """Copy progress: reports "copying" when made, then adds copied bytes/files on each call.
+    The totals may grow while the copy runs (a first copy walks and copies at once)."""
 
-    def tick(b: int, f: int) -> None:
-        done[0] += b
-        done[1] += f
-        report(
+    def __init__(self, report: Callable[..., None], bytes_total: int, files_total: int) -> None:
+        self.report = report
+        self.bytes_total, self.files_total = bytes_total, files_total
+        self.bytes_done = self.files_done = 0
+        self._report()
+
+    def grow(self, nbytes: int, nfiles: int) -> None:
+        self.bytes_total += nbytes
+        self.files_total += nfiles
+
+    def __call__(self, b: int, f: int) -> None:
+        self.bytes_done += b
+        self.files_done += f
+        self._report()
+
+    def _report(self) -> None:
+        self.report(
             "copying",
-            bytes_done=done[0],
-            bytes_total=bytes_total,
-            files_done=done[1],
-            files_total=files_total,
+            bytes_done=self.bytes_done,
+            bytes_total=self.bytes_total,
+            files_done=self.files_done,
+            files_total=self.files_total,
         )
-
-    return tick
 
 
 def _dataset(record: Record, store: Store, **kw: Any) -> StagedDataset:
@@ -261,12 +268,15 @@ def _stage_locked(
     marker = os.path.join(store.partial_dir, f".{name}.source")
     prev_marker = _read_marker(marker)  # put back if the fit check refuses
     copied = 0
-    # A first copy reads everything anyway: start reading while the walk runs.
-    ahead = (
-        Readahead(source) if kind == "dir" and record is None and not os.path.exists(part) else None
-    )
     try:
-        if kind == "dir":
+        if kind == "dir" and record is None and not os.path.lexists(part):
+            # A first copy: nothing to compare or resume, so copy while the walk runs.
+            _write_marker(marker, source)
+            _kill_at("marker")
+            tree = _build_first(store, name, source, workers, verify, reserve, report, claim)
+            _kill_at("build")
+            data_bytes, files, copied = tree.bytes, tree.files, tree.bytes
+        elif kind == "dir":
             tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
             if same and manifest["entries"] == entries:  # type: ignore[index]
@@ -321,7 +331,7 @@ def _stage_locked(
             _write_marker(marker, source)
             store.discard(part)
             os.mkdir(part, 0o700)
-            tick = claim.counting(_copy_counter(report, archive.bytes, archive.files))
+            tick = claim.counting(_Counter(report, archive.bytes, archive.files))
             tarsrc.extract(archive, part, tick)
             st = os.stat(source)
             if [st.st_size, st.st_mtime_ns, st.st_ino] != fingerprint:
@@ -351,8 +361,6 @@ def _stage_locked(
         return _dataset(new, store, changed=True, copied_bytes=copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
-        if ahead is not None:
-            ahead.stop(drop=True)  # files not copied still hold the pages it read ahead
         if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
             _restore_marker(marker, prev_marker)  # a resumable partial included (exit 2)
             raise
@@ -385,9 +393,6 @@ def _stage_locked(
                 f"cannot stage into {store.dest}: {e.strerror}: {e.filename}"
             ) from None
         raise
-    finally:
-        if ahead is not None:
-            ahead.stop(drop=False)  # on success the copier has dropped every file's pages
 
 
 def _recheck_access(
@@ -659,25 +664,180 @@ def _build_dir(
         total = sum(j[2] for j in jobs)
         tasks, chunked = copier.make_tasks(jobs)
         for i in chunked:  # big files: created here (writable), filled by several workers
-            fd = os.open(
-                jobs[i][1],
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-            )
-            try:
-                os.ftruncate(fd, jobs[i][2])
-            finally:
-                os.close(fd)
+            copier.create_sized(jobs[i][1], jobs[i][2])
     finally:
         os.umask(old_umask)
     nworkers = workers or copier.default_workers()
-    tick = claim.counting(_copy_counter(report, total, len(jobs)))
+    tick = claim.counting(_Counter(report, total, len(jobs)))
     copier.run(jobs, tasks, nworkers, tick, while_copying)
-    for i in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
+    _finish_build(
+        part, tree.root, jobs, [jobs[i] for i in chunked], hard, dirs, verify, nworkers, report
+    )
+    return total
+
+
+FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this
+FIRST_BATCH_FILES = 4096
+
+
+def _build_first(
+    store: Store,
+    name: str,
+    source: str,
+    workers: int | None,
+    verify: str,
+    reserve: int | None,
+    report: Callable[..., None],
+    claim: Claim,
+) -> Tree:
+    """The first copy of a directory source into a new partial/<name>: the copy starts
+    with the first directories the walk lists instead of after the whole walk.
+
+    Space is claimed as the walk finds data, before any of it is handed to the workers
+    (the same fit rule, in steps); a step that does not fit stops the copy, removes the
+    partial tree and refuses with the whole dataset's numbers, as the up-front check would.
+    Writes the new manifest once the walk ended, while the workers still copy."""
+    part = store.partial(name)
+    os.mkdir(part, 0o700)
+    page = page_size(store.dest)
+    src_prefix = source.rstrip("/") + "/"
+    part_prefix = part + "/"
+    own = copier.keeps_owner()
+    nworkers = workers or copier.default_workers()
+    walker = Walker(source, threads=scan_threads(source))
+    found = iter(walker)
+    jobs: list[copier.Job] = []
+    chunked: list[copier.Job] = []
+    hard: list[list[Any]] = []
+    dirs: list[tuple[str, int, int, int]] = []
+    batch: list[copier.Job] = []
+    step = [0, 0, 0]  # bytes (page-rounded), data bytes, inodes found but not yet claimed
+    claimed = [0]  # page-rounded bytes claimed so far
+    counter = _Counter(report, 0, 0)
+
+    def hand_out(stream: copier.Stream) -> None:
+        needed, data, inodes = step
+        claimed[0] += needed
+
+        def check(pending: int) -> None:
+            require_fit(left, inodes, store.dest, reserve, pending=pending)
+
+        left = claimed[0] - stream.landed  # ours, handed out or not, and not yet on DEST
+        try:
+            claim.reserve(left, check)
+        except CapacityError:
+            # Files being copied count in DEST's used space and in ``left``: once they are
+            # done the numbers are exact, and only then is a refusal certain.
+            stream.drain()
+            left = claimed[0] - stream.landed
+            claim.reserve(left, check)
+        counter.grow(data, len(batch))
+        chunked.extend(stream.add(batch))
+        jobs.extend(batch)
+        batch.clear()
+        step[:] = [0, 0, 0]
+
+    old_umask = os.umask(0)
+    try:
+        with copier.Stream(
+            src_prefix, part_prefix, nworkers, claim.counting(counter), page
+        ) as stream:
+            for new in found:
+                atimes = walker.atimes[len(walker.entries) - len(new) :]
+                for (rel, kind, size, mtime, mode, extra), atime in zip(new, atimes):
+                    if kind == "f":
+                        batch.append(
+                            (src_prefix + rel, part_prefix + rel, size, mtime, atime, mode, rel)
+                        )
+                        step[0] += rounded(size, page)
+                        step[1] += size
+                    elif kind == "d":
+                        dirs.append((rel, mode, mtime, atime))
+                        if rel != ".":
+                            os.mkdir(part_prefix + rel, 0o700)
+                    elif kind == "l":
+                        path = part_prefix + rel
+                        os.symlink(extra, path)
+                        if own:
+                            copier.copy_owner(path, os.lstat(src_prefix + rel))
+                        os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+                        if len(os.fsencode(extra)) + 1 > SHORT_SYMLINK:
+                            step[0] += page
+                    else:
+                        hard.append([rel, extra])
+                    step[2] += 1  # tmpfs charges every name, hard links too, against nr_inodes
+                if step[0] >= FIRST_BATCH_BYTES or len(batch) >= FIRST_BATCH_FILES:
+                    hand_out(stream)
+            hand_out(stream)
+            tree = walker.tree()
+            root = os.lstat(part)
+            store.prepare_manifest(
+                name,
+                {
+                    "source": source,
+                    "root": [root.st_ino, root.st_dev],
+                    "entries": [list(e) for e in tree.entries],
+                },
+            )
+            stream.finish()
+    except CapacityError as e:  # the workers are gone: nothing writes into part/ any more
+        _refuse_whole(store, walker, found, part, page, reserve, claim, e)
+    finally:
+        os.umask(old_umask)
+        found.close()  # an early exit: stop the scan threads now
+    _finish_build(part, source, jobs, chunked, hard, dirs, verify, nworkers, report)
+    return tree
+
+
+def _refuse_whole(
+    store: Store,
+    walker: Walker,
+    found: Iterator[list[Any]],
+    part: str,
+    page: int,
+    reserve: int | None,
+    claim: Claim,
+    refused: CapacityError,
+) -> None:
+    """A step of a first copy did not fit: stop, remove what was copied, and refuse with
+    the whole dataset's numbers (exit 2: nothing changed)."""
+    raise_from = refused
+    for _ in found:  # the rest of the walk, for the numbers (no more copying)
+        pass
+    tree = walker.tree()
+    store.discard(part)
+    needed = sum(rounded(e[2], page) for e in tree.entries if e[1] == "f")
+    inodes = len(tree.entries)
+    try:
+        claim.reserve(
+            needed,
+            lambda pending: require_fit(needed, inodes, store.dest, reserve, pending=pending),
+        )
+    except CapacityError as e:
+        raise_from = e
+    raise raise_from
+
+
+def _finish_build(
+    part: str,
+    root: str,
+    jobs: list[copier.Job],
+    chunked: list[copier.Job],
+    hard: list[list[Any]],
+    dirs: list[tuple[str, int, int, int]],
+    verify: str,
+    nworkers: int,
+    report: Callable[..., None],
+) -> None:
+    """After the copy: big files' modes, hard links, the checksum pass, directories' metadata."""
+    own = copier.keeps_owner()
+    src_prefix = root.rstrip("/") + "/"
+    total = sum(j[2] for j in jobs)
+    for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
         if own:
-            copier.copy_owner(jobs[i][1], os.stat(jobs[i][0]))
-        os.chmod(jobs[i][1], jobs[i][5], follow_symlinks=False)
-        os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)
+            copier.copy_owner(job[1], os.stat(job[0]))
+        os.chmod(job[1], job[5], follow_symlinks=False)
+        os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
     for rel, first in hard:
         os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
     if verify == "checksum" and jobs:
@@ -692,10 +852,9 @@ def _build_dir(
     for rel, mode, mtime, atime in reversed(dirs):  # children first: they touch the parent's mtime
         path = os.path.join(part, rel) if rel != "." else part
         if own:
-            copier.copy_owner(path, os.lstat(src_prefix + rel if rel != "." else tree.root))
+            copier.copy_owner(path, os.lstat(src_prefix + rel if rel != "." else root))
         os.chmod(path, mode)
         os.utime(path, ns=(atime, mtime), follow_symlinks=False)
-    return total
 
 
 # --- find / list -------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
@@ -87,69 +87,95 @@ def _scan_dir(root: str, rel_dir: str) -> list[tuple[str, os.stat_result]]:
     return out
 
 
-def _scan_all(root: str, threads: int) -> dict[str, list[tuple[str, os.stat_result]]]:
-    """Every directory's listing; with ``threads`` > 1 scanned by a pool (lstat releases
-    the GIL, so on NFS the round trips of many directories overlap)."""
-    listings: dict[str, list[tuple[str, os.stat_result]]] = {}
-    if threads <= 1:  # local disks: threads only add GIL hand-offs (measured)
-        pending = [""]
-        while pending:
-            rel_dir = pending.pop()
-            listings[rel_dir] = listing = _scan_dir(root, rel_dir)
-            for name, st in listing:
-                if stat.S_ISDIR(st.st_mode):
-                    pending.append(f"{rel_dir}/{name}" if rel_dir else name)
-        return listings
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shmstage-scan") as pool:
-        running = {pool.submit(_scan_dir, root, ""): ""}
+class Walker:
+    """A walk that yields as it goes: ``for new in walker`` gives, directory by directory in
+    the final order, the entries that directory adds; ``walker.tree()`` is the whole
+    :class:`Tree` once the iteration ended.
+
+    Directories are listed (and their entries lstat'ed) by a pool of ``threads`` ahead of
+    the consumer, so a caller can copy the first directories while later ones are still
+    being scanned.  Lifecycle: the pool lives for the iteration; leaving it early (an
+    exception, ``close()``) cancels what was not started and waits for the rest."""
+
+    def __init__(
+        self, root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1
+    ) -> None:
+        self.root = root
+        self.check_links = check_links
+        self.hardlinks = hardlinks
+        self.threads = max(1, threads)
+        self.real_root = os.path.realpath(root)
         try:
-            while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    rel_dir = running.pop(fut)
-                    listing = fut.result()
-                    listings[rel_dir] = listing
-                    for name, st in listing:
-                        if stat.S_ISDIR(st.st_mode):
-                            rel = f"{rel_dir}/{name}" if rel_dir else name
-                            running[pool.submit(_scan_dir, root, rel)] = rel
-        finally:
-            for fut in running:
-                fut.cancel()
-    return listings
+            st = os.lstat(root)
+        except OSError as e:
+            raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
+        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, stat.S_IMODE(st.st_mode), None)]
+        self.atimes = [st.st_atime_ns]
+        self.bytes = self.files = 0
+        self._seen: dict[tuple[int, int], str] = {}
+        self._done = False
 
+    def tree(self) -> Tree:
+        if not self._done:
+            raise RuntimeError("Walker.tree() before the walk ended")
+        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files)
 
-def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1) -> Tree:
-    """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
-    network file systems, where each lstat is a round trip."""
-    real_root = os.path.realpath(root)
-    try:
-        st = os.lstat(root)
-    except OSError as e:
-        raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
-    listings = _scan_all(root, threads)
-    entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, stat.S_IMODE(st.st_mode), None)]
-    atimes = [st.st_atime_ns]
-    seen: dict[tuple[int, int], str] = {}
-    total = files = 0
-    pending = [""]
-    while pending:  # depth-first by name: a deterministic, parent-before-child order
-        rel_dir = pending.pop()
+    def __iter__(self) -> Iterator[list[Entry]]:
+        yield self.entries[:1]
+        if self.threads == 1:  # a tmpfs or a warm tree: threads would only add GIL hand-offs
+            pending = [""]
+            while pending:
+                rel_dir = pending.pop()
+                new, subdirs = self._add(rel_dir, _scan_dir(self.root, rel_dir))
+                pending.extend(reversed(subdirs))
+                yield new
+            self._done = True
+            return
+        listings: dict[str, Future[list[tuple[str, os.stat_result]]]] = {}
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="shmstage-scan") as pool:
+
+            def scan(rel_dir: str) -> list[tuple[str, os.stat_result]]:
+                listing = _scan_dir(self.root, rel_dir)
+                for name, st in listing:  # queue the subdirectories before returning:
+                    if stat.S_ISDIR(st.st_mode):  # the consumer waits for them next
+                        rel = f"{rel_dir}/{name}" if rel_dir else name
+                        listings[rel] = pool.submit(scan, rel)
+                return listing
+
+            listings[""] = pool.submit(scan, "")
+            try:
+                pending = [""]
+                while pending:  # depth-first by name: a deterministic, parent-before-child order
+                    rel_dir = pending.pop()
+                    new, subdirs = self._add(rel_dir, listings.pop(rel_dir).result())
+                    pending.extend(reversed(subdirs))
+                    yield new
+            finally:
+                for fut in list(listings.values()):
+                    fut.cancel()
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._done = True
+
+    def _add(
+        self, rel_dir: str, listing: list[tuple[str, os.stat_result]]
+    ) -> tuple[list[Entry], list[str]]:
+        start = len(self.entries)
+        entries, atimes, seen = self.entries, self.atimes, self._seen
         subdirs = []
-        for name, st in listings[rel_dir]:
+        for name, st in listing:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
             if stat.S_ISREG(mode):
-                files += 1
+                self.files += 1
                 key = (st.st_dev, st.st_ino)
-                if hardlinks and st.st_nlink > 1 and key in seen:
+                if self.hardlinks and st.st_nlink > 1 and key in seen:
                     entries.append(
                         (rel, "h", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, seen[key])
                     )
                 else:
-                    if hardlinks and st.st_nlink > 1:
+                    if self.hardlinks and st.st_nlink > 1:
                         seen[key] = rel
-                    total += st.st_size
+                    self.bytes += st.st_size
                     entries.append(
                         (rel, "f", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, None)
                     )
@@ -157,13 +183,13 @@ def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads
                 entries.append((rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(mode), None))
                 subdirs.append(rel)
             elif stat.S_ISLNK(mode):
-                path = os.path.join(root, rel)
+                path = os.path.join(self.root, rel)
                 try:
                     target = os.readlink(path)
                 except OSError as e:
                     raise ShmstageError(f"cannot read symlink {path}: {e.strerror}") from None
-                if check_links:
-                    stored = link_target(root, real_root, rel, target)
+                if self.check_links:
+                    stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
                         raise RefusedError(
                             f"source has a symlink that points outside it: {path} -> {target}; "
@@ -174,12 +200,20 @@ def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads
                 entries.append((rel, "l", 0, st.st_mtime_ns, 0o777, target))
             else:
                 raise RefusedError(
-                    f"source has a {_kind_name(mode)} at {os.path.join(root, rel)}: only files, "
+                    f"source has a {_kind_name(mode)} at {os.path.join(self.root, rel)}: only files, "
                     "directories and symlinks can be staged"
                 )
             atimes.append(st.st_atime_ns)
-        pending.extend(reversed(subdirs))
-    return Tree(root, entries, atimes, total, files)
+        return entries[start:], subdirs
+
+
+def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1) -> Tree:
+    """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
+    network file systems, where each lstat is a round trip."""
+    walker = Walker(root, check_links=check_links, hardlinks=hardlinks, threads=threads)
+    for _ in walker:
+        pass
+    return walker.tree()
 
 
 def page_bytes(sizes: Iterable[int]) -> int:
