@@ -268,6 +268,7 @@ class Stream:
         self.src_prefix, self.dst_prefix = src_prefix, dst_prefix
         self.page = page
         self.landed = 0  # what the finished tasks take on the destination (whole pages)
+        self.handed = 0  # what all tasks added take there
         self._pages: dict[int, int] = {}  # per task still running
         self.workers = max(1, workers)
         self.progress = progress
@@ -344,7 +345,8 @@ class Stream:
         for t in tasks:
             off, span = offsets[t.first], offsets[t.last] - offsets[t.first]
             sizes = [t.length] if t.length >= 0 else [j[2] for j in jobs[t.first : t.last]]
-            self._pages[self.sent] = sum(-(-n // page) * page for n in sizes)
+            self._pages[self.sent] = pages = sum(-(-n // page) * page for n in sizes)
+            self.handed += pages
             records.append(
                 _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)
             )

@@ -722,13 +722,15 @@ def _build_first(
         def check(pending: int) -> None:
             require_fit(left, inodes, store.dest, reserve, pending=pending)
 
-        left = claimed[0] - stream.landed  # ours, handed out or not, and not yet on DEST
+        # Ours and not yet on DEST lies between claimed - handed and claimed - landed: files
+        # being copied count in DEST's used space already, but not how much of them.
+        left = claimed[0] - stream.landed
         try:
             claim.reserve(left, check)
         except CapacityError:
-            # Files being copied count in DEST's used space and in ``left``: once they are
-            # done the numbers are exact, and only then is a refusal certain.
-            stream.drain()
+            left = claimed[0] - stream.handed
+            claim.reserve(left, check)  # refused even if every handed-out file were written
+            stream.drain()  # near the limit: let those land, then the numbers are exact
             left = claimed[0] - stream.landed
             claim.reserve(left, check)
         counter.grow(data, len(batch))
