@@ -247,6 +247,10 @@ def default_dest(path: str) -> str:
 def dataset_info(
     path: str, dest: str, mem: system.Memory, reserve: int | None = None
 ) -> DatasetInfo:
+    from shmstage.stage.sources import is_url
+
+    if is_url(path):
+        return _object_store_info(path, dest, mem, reserve)
     if not os.path.exists(path):
         raise RefusedError(
             f"dataset {path} does not exist; give the directory to stage with --dataset"
@@ -280,6 +284,19 @@ def dataset_info(
         inodes=est.inodes,
         page_size=est.page_size,
     )
+
+
+def _object_store_info(url: str, dest: str, mem: system.Memory, reserve: int | None) -> DatasetInfo:
+    """An s3:// prefix, measured by one LIST with the estimator stage checks against."""
+    from shmstage.stage.estimate import estimate
+
+    est = estimate(url, dest)
+    return DatasetInfo(
+        path=url, bytes=est.bytes, files=est.files, unreadable=0, mountpoint=None,
+        fstype=None, device=None, block_device=None, rotational=None, network=True, dest=dest,
+        fit=capacity.check_fit(est.page_bytes, dest, reserve, memory=mem, inodes=est.inodes),
+        kind=est.kind, page_bytes=est.page_bytes, inodes=est.inodes, page_size=est.page_size,
+    )  # fmt: skip
 
 
 # --- verdicts ---------------------------------------------------------------
