@@ -298,9 +298,11 @@ class _Checker:
         from shmstage.errors import RefusedError
         from shmstage.stage import sources
 
-        value = self.string(key, node)
-        if value is _MISSING or not sources.is_url(value):
+        if not (isinstance(node, yaml.ScalarNode) and sources.is_url(str(node.value))):
             return self.abspath(key, node)
+        value = self.string(key, node)
+        if value is _MISSING:
+            return value
         try:
             return sources.resolve(value)[1]
         except RefusedError as e:

@@ -346,3 +346,26 @@ def test_inspect_dataset_s3_same_fit_as_stage(aws, shmstage_bin, tmpfs):
     assert info["files"] == 3 and info["bytes"] == 1_800_000 and info["fit"]["fits"] is False
     r = run_cli(shmstage_bin, env, "stage", f"s3://{BUCKET}/{p}", "--dest", str(small / "d"))
     assert r.returncode == 2 and "does not fit" in r.stderr, r.stderr
+
+
+def test_run_stage_s3_fills_staged(aws, shmstage_bin, tmp_path):
+    """`run --stage s3://...` stages the prefix and hands the job its path."""
+    p = prefix()
+    aws.put(f"{p}/a.txt", b"hello from s3")
+    dest = tmp_path / "dest"
+    r = run_cli(shmstage_bin, aws.env(), "run", "--stage", f"s3://{BUCKET}/{p}", "--dest", str(dest),
+                "--", "cat", "{staged}/a.txt")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "hello from s3"
+
+
+def test_config_dataset_source_may_be_s3():
+    """A prepare config's dataset source may be an s3:// URL (normalized, named by its last
+    segment); a bad bucket name is a config error."""
+    from shmstage.config import parse_config
+    from shmstage.errors import RefusedError
+
+    cfg = parse_config("datasets:\n  - s3://data/imagenet/train/\n", "node.yaml")
+    assert [(d.source, d.name) for d in cfg.datasets] == [("s3://data/imagenet/train", "train")]
+    with pytest.raises(RefusedError, match="invalid bucket name"):
+        parse_config("datasets:\n  - source: s3://B_/x\n", "node.yaml")

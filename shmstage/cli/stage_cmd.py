@@ -118,13 +118,15 @@ def stage_cmd(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Stage SRC (a directory or tar archive) into tmpfs; print the staged path.
+    """Stage SRC (a directory, tar archive or s3://BUCKET/PREFIX) into tmpfs; print the staged path.
 
     \b
     The path is the last line of stdout, so scripts can write:
       DATA=$(shmstage stage /nfs/imagenet --quiet)
     Staging an unchanged source again is a no-op; a changed one copies only what
     changed.  Several processes staging the same source share one copy.
+    s3:// reads credentials and the endpoint from AWS_* or a ~/.aws profile
+    (pip install 'shmstage[s3]'; docs/s3.md).
     """
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
