@@ -369,3 +369,94 @@ def test_config_dataset_source_may_be_s3():
     assert [(d.source, d.name) for d in cfg.datasets] == [("s3://data/imagenet/train", "train")]
     with pytest.raises(RefusedError, match="invalid bucket name"):
         parse_config("datasets:\n  - source: s3://B_/x\n", "node.yaml")
+
+
+def test_server_ignoring_if_match_is_caught_by_the_response_etag(aws, tmp_path, monkeypatch):
+    """A server that ignores If-Match still returns the new ETag: the GET is refused (exit 17)."""
+    import obstore
+
+    from shmstage.errors import SourceChanged
+
+    p = prefix()
+    aws.put(f"{p}/a", b"one")
+    real_get = obstore.get
+    rewritten = []
+
+    def get_ignoring_if_match(store, path, options=None):
+        if not rewritten:
+            aws.put(f"{p}/a", b"two")  # after the LIST, before the GET
+            rewritten.append(True)
+        opts = {k: v for k, v in (options or {}).items() if k != "if_match"}
+        return real_get(store, path, options=opts)
+
+    monkeypatch.setattr(obstore, "get", get_ignoring_if_match)
+    with pytest.raises(SourceChanged, match="changed while it was being staged"):
+        stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+
+
+def test_resume_after_kill_fetches_only_the_rest(aws, shmstage_bin, procs, tmp_path):
+    """SIGKILL mid-fetch leaves partial/ (seen by `list --unfinished`); the next stage keeps
+    the finished files and fetches only the rest, and the result is exact."""
+    p = prefix()
+    want = {f"{i:03d}": os.urandom(30000) for i in range(200)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    job = procs.start(
+        [*shmstage_bin, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--workers", "2"],
+        env=aws.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    part = dest / ".shmstage/partial" / p
+    deadline = time.monotonic() + 60
+    while not (part.is_dir() and len(os.listdir(part)) > 40):
+        assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
+        time.sleep(0.01)
+    job.kill()
+    job.wait()
+    assert part.is_dir()
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert tree(Path(ds.path)) == want
+    assert 0 < ds.copied_bytes < 200 * 30000
+
+
+def test_concurrent_stagers_share_one_copy(aws, shmstage_bin, procs, tmp_path):
+    """Four local ranks staging the same prefix at once: all exit 0 with the same path, and
+    only one of them copied (the others found it up to date)."""
+    p = prefix()
+    for i in range(100):
+        aws.put(f"{p}/{i}", os.urandom(20000))
+    dest = tmp_path / "dest"
+    jobs = [
+        procs.start(
+            [*shmstage_bin, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--json"],
+            env=aws.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(4)
+    ]
+    results = []
+    for j in jobs:
+        out, err = j.communicate(timeout=120)
+        assert j.returncode == 0, err
+        results.append(json.loads(out))
+    assert len({r["path"] for r in results}) == 1
+    assert sorted(r["changed"] for r in results) == [False, False, False, True]
+    assert all("secret" not in json.dumps(r).lower() for r in results)
+
+
+def test_verify_checksum_finds_a_flipped_byte(aws, tmp_path):
+    """`verify --checksum` of an s3 copy compares with the MD5 ETags: a flipped byte is found."""
+    p = prefix()
+    aws.put(f"{p}/a", b"x" * 5000)
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    path = Path(ds.path) / "a"
+    st = os.stat(path)
+    path.write_bytes(b"y" + b"x" * 4999)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert verify(ds.name, dest).ok  # sizes and mtimes still match
+    report = verify(ds.name, dest, checksum=True)
+    assert not report.ok and [d.path for d in report.differences] == ["a"]
