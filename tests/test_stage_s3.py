@@ -460,3 +460,24 @@ def test_verify_checksum_finds_a_flipped_byte(aws, tmp_path):
     assert verify(ds.name, dest).ok  # sizes and mtimes still match
     report = verify(ds.name, dest, checksum=True)
     assert not report.ok and [d.path for d in report.differences] == ["a"]
+
+
+def test_bench_stage_s3(aws, shmstage_bin, tmp_path):
+    """`bench stage s3://...` times the tools on the prefix, checks each copy against the
+    listing and leaves nothing in --dest; peers missing from the machine are refused by name."""
+    from shmstage.bench.stage_s3 import find_tool
+
+    p = prefix()
+    for i in range(30):
+        aws.put(f"{p}/d/{i}", os.urandom(1000 + i))
+    tools = "shmstage,s5cmd" if find_tool("s5cmd") else "shmstage"
+    dest = tmp_path / "scratch"
+    args = ["bench", "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--runs", "1"]
+    r = run_cli(shmstage_bin, aws.env(), *args, "--tools", tools, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["files"] == 30 and report["source"] == f"s3://{BUCKET}/{p}"
+    assert [t["tool"] for t in report["tools"]] == tools.split(",")
+    assert list(dest.iterdir()) == []
+    r = run_cli(shmstage_bin, aws.env(), *args, "--tools", "cp")
+    assert r.returncode == 2 and "choose from s5cmd, aws, shmstage" in r.stderr

@@ -25,7 +25,11 @@ class SizeType(click.ParamType):
         try:
             if is_percent(text):
                 if not self.allow_percent:
-                    self.fail(f"{text!r}: a percentage is not allowed here; give a size like 4G", param, ctx)
+                    self.fail(
+                        f"{text!r}: a percentage is not allowed here; give a size like 4G",
+                        param,
+                        ctx,
+                    )
                 parse_size(text, percent_of=100)  # validates the range
                 return text.strip()
             return parse_size(text)
