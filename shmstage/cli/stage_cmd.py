@@ -69,7 +69,9 @@ def _log_waiting(p: Progress) -> None:
     help=f"Where staged datasets live (a tmpfs, or local NVMe for data larger than RAM). Default: {DEFAULT_DEST}.",
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 4 per CPU, 8 to 32."
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Copy processes. Default: 4 per CPU, 8 to 32. For s3://: requests in flight, default 32.",
 )
 @click.option(
     "--verify",
