@@ -291,9 +291,10 @@ def _object_store_info(url: str, dest: str, mem: system.Memory, reserve: int | N
     from shmstage.stage.estimate import estimate
 
     est = estimate(url, dest)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
     return DatasetInfo(
         path=url, bytes=est.bytes, files=est.files, unreadable=0, mountpoint=None,
-        fstype=None, device=None, block_device=None, rotational=None, network=True, dest=dest,
+        fstype=est.kind, device=endpoint, block_device=None, rotational=None, network=True, dest=dest,
         fit=capacity.check_fit(est.page_bytes, dest, reserve, memory=mem, inodes=est.inodes),
         kind=est.kind, page_bytes=est.page_bytes, inodes=est.inodes, page_size=est.page_size,
     )  # fmt: skip
@@ -457,7 +458,9 @@ def check_torch(t: TorchInfo) -> Check:
 
 def check_dataset(d: DatasetInfo) -> list[Check]:
     kind = []
-    if d.network:
+    if d.kind == "s3":
+        kind.append("object store")
+    elif d.network:
         kind.append("network file system")
     elif d.fstype in capacity.MEMORY_BACKED:
         kind.append("already in RAM")
