@@ -481,3 +481,85 @@ def test_bench_stage_s3(aws, shmstage_bin, tmp_path):
     assert list(dest.iterdir()) == []
     r = run_cli(shmstage_bin, aws.env(), *args, "--tools", "cp")
     assert r.returncode == 2 and "choose from s5cmd, aws, shmstage" in r.stderr
+
+
+class Flaky:
+    """An HTTP proxy in front of moto that answers 503 SlowDown to the first ``fail`` tries of
+    every GET path (``fail`` < 0: always), and forwards the rest with their own Host header
+    (so SigV4 signatures still match)."""
+
+    def __init__(self, upstream: int, fail: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen: dict[str, int] = {}
+        self.failed = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                n = seen.get(self.path, 0)
+                seen[self.path] = n + 1
+                if fail < 0 or n < fail:
+                    outer.failed += 1
+                    body = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", upstream)
+                conn.request("GET", self.path, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("fail", [2, -1])
+def test_throttling_retried_then_a_clear_error(aws, tmp_path, monkeypatch, fail):
+    """503 SlowDown twice per request: retried with backoff, the copy is exact.  Always 503:
+    a bounded number of retries, then one error naming the server's answer; nothing published."""
+    from shmstage.errors import SourceError
+
+    p = prefix()
+    want = {f"{i}": os.urandom(2000) for i in range(5)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    proxy = Flaky(aws.port, fail)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        if fail > 0:
+            ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+            assert tree(Path(ds.path)) == want and proxy.failed >= 2 * 6  # LIST + 5 GETs
+        else:
+            with pytest.raises(SourceError) as e:
+                stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+            assert str(e.value) == (
+                f"{proxy.url} answered 503 Service Unavailable (SlowDown) for s3://{BUCKET}/{p}, "
+                "after 4 retries; nothing was published: re-run later"
+            )
+            assert 2 <= proxy.failed <= 6  # the LIST, retried a bounded number of times
+            assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+    finally:
+        proxy.close()

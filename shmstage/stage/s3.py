@@ -209,8 +209,17 @@ class S3Source:
                 f"cannot reach {self.endpoint} for {self.location}: check AWS_ENDPOINT_URL "
                 "and the network"
             )
+        status = re.search(r"status code: (\d{3}) ([A-Za-z ]+)", msg)
+        if status:
+            tries = (
+                m.group(0) if (m := re.search(r"after \d+ retries", msg)) else "without retrying"
+            )
+            return SourceError(
+                f"{self.endpoint} answered {status.group(1)} {status.group(2).strip()}"
+                f"{f' ({code})' if code else ''} for {obj}, {tries}; nothing was published: re-run later"
+            )
         first = msg.splitlines()[0] if msg else name
-        first = re.sub(r"<\?xml.*", "", first)[:300]
+        first = re.sub(r"<\?xml.*|<Error>.*", "", first)[:300]
         return SourceError(f"cannot read {obj}: {first}")
 
     # --- listing -----------------------------------------------------------------
