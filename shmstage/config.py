@@ -316,6 +316,21 @@ class _Checker:
             return self.fail(key, node, f"{value!r} is not an absolute path")
         return os.path.normpath(value)
 
+    def source(self, key: str, node: _Node) -> Any:
+        """A dataset's source: an absolute path or an object-store URL (s3://bucket/prefix)."""
+        from shmstage.errors import RefusedError
+        from shmstage.stage import sources
+
+        if not (isinstance(node, yaml.ScalarNode) and sources.is_url(str(node.value))):
+            return self.abspath(key, node)
+        value = self.string(key, node)
+        if value is _MISSING:
+            return value
+        try:
+            return sources.resolve(value)[1]
+        except RefusedError as e:
+            return self.fail(key, node, e.message)
+
     def boolean(self, key: str, node: _Node) -> Any:
         value = self.scalar(key, node)
         if value is _MISSING:
@@ -486,7 +501,7 @@ class _Checker:
         for i, item in enumerate(node.value):
             ikey = f"{key}[{i}]"
             if isinstance(item, yaml.ScalarNode):  # shorthand: `- /nfs/imagenet`
-                source = self.abspath(ikey, item)
+                source = self.source(ikey, item)
                 if source is _MISSING:
                     continue
                 fields: dict[str, Any] = {"source": source}
@@ -495,7 +510,7 @@ class _Checker:
                     ikey,
                     item,
                     {
-                        "source": self.abspath,
+                        "source": self.source,
                         "name": self.dataset_name,
                         "verify": self.verify_mode,
                     },

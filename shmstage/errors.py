@@ -46,3 +46,52 @@ class VerifyError(ShmstageError):
 
 class ShmstageWarning(UserWarning):
     """Works, but not as it should (e.g. a job reads the unstaged source)."""
+
+
+class SourceError(ShmstageError):
+    """An object-store source failed; nothing was published.  Each kind has its own exit
+    code (docs/s3.md "Exit codes") so scripts can tell a typo from a dead server."""
+
+    exit_code = 1
+
+
+class NoSuchBucket(SourceError):
+    exit_code = 10
+
+
+class EmptySource(SourceError):
+    """A prefix with no objects: S3 answers an empty list, not an error."""
+
+    exit_code = 11
+
+
+class AccessDenied(SourceError):
+    """403: the policy denies it, or the signature does not match (wrong secret)."""
+
+    exit_code = 12
+
+
+class UnknownAccessKey(SourceError):
+    exit_code = 13
+
+
+class NoCredentials(SourceError):
+    exit_code = 14
+
+
+class EndpointUnreachable(SourceError):
+    """No answer from the endpoint before the first byte (wrong URL, server down)."""
+
+    exit_code = 15
+
+
+class SourceLost(SourceError):
+    """The endpoint stopped answering mid-stage (after retries)."""
+
+    exit_code = 16
+
+
+class SourceChanged(SourceError):
+    """An object changed between LIST and GET (its ETag moved)."""
+
+    exit_code = 17

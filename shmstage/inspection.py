@@ -247,6 +247,10 @@ def default_dest(path: str) -> str:
 def dataset_info(
     path: str, dest: str, mem: system.Memory, reserve: int | None = None
 ) -> DatasetInfo:
+    from shmstage.stage.sources import is_url
+
+    if is_url(path):
+        return _object_store_info(path, dest, mem, reserve)
     if not os.path.exists(path):
         raise RefusedError(
             f"dataset {path} does not exist; give the directory to stage with --dataset"
@@ -280,6 +284,20 @@ def dataset_info(
         inodes=est.inodes,
         page_size=est.page_size,
     )
+
+
+def _object_store_info(url: str, dest: str, mem: system.Memory, reserve: int | None) -> DatasetInfo:
+    """An s3:// prefix, measured by one LIST with the estimator stage checks against."""
+    from shmstage.stage.estimate import estimate
+
+    est = estimate(url, dest)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+    return DatasetInfo(
+        path=url, bytes=est.bytes, files=est.files, unreadable=0, mountpoint=None,
+        fstype=est.kind, device=endpoint, block_device=None, rotational=None, network=True, dest=dest,
+        fit=capacity.check_fit(est.page_bytes, dest, reserve, memory=mem, inodes=est.inodes),
+        kind=est.kind, page_bytes=est.page_bytes, inodes=est.inodes, page_size=est.page_size,
+    )  # fmt: skip
 
 
 # --- verdicts ---------------------------------------------------------------
@@ -440,7 +458,9 @@ def check_torch(t: TorchInfo) -> Check:
 
 def check_dataset(d: DatasetInfo) -> list[Check]:
     kind = []
-    if d.network:
+    if d.kind == "s3":
+        kind.append("object store")
+    elif d.network:
         kind.append("network file system")
     elif d.fstype in capacity.MEMORY_BACKED:
         kind.append("already in RAM")

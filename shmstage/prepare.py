@@ -288,7 +288,7 @@ def _published(name: str, dest: str) -> Any:
 def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, str]:
     from shmstage.stage import stage
 
-    if not os.path.exists(ds.source):
+    if "://" not in ds.source and not os.path.exists(ds.source):  # s3:// is checked by a LIST
         raise StepFailed(
             f"source {ds.source} does not exist; mount it or remove it from the config"
         )
@@ -328,6 +328,8 @@ def staged_is_current(source: str, name: str, dest: str) -> bool | None:
     try:
         record = _published(name, dest)
         manifest = Store(dest).read_manifest(name) if record else None
+        if "://" in source:
+            return None  # only a LIST can tell: "check and refresh"
         real = os.path.realpath(source)
         if record is None or manifest is None or record.source != real:
             return False

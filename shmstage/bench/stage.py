@@ -164,22 +164,8 @@ def run_stage_benchmark(
                 times[tool].append(seconds)
                 say(f"run {i + 1}/{runs}  {LABELS[tool]:<16} {seconds:8.3f} s")
 
-    base = statistics.median(times["shmstage"]) if "shmstage" in times else None
-    results = []
-    for tool in tools:
-        med = statistics.median(times[tool])
-        results.append(
-            ToolResult(
-                tool=tool,
-                label=LABELS[tool],
-                command=_display(tool, jobs, workers),
-                times=tuple(times[tool]),
-                median_s=med,
-                mb_per_s=summary.bytes / med / MB if med > 0 else float("inf"),
-                files_per_s=summary.files / med if med > 0 else float("inf"),
-                vs_shmstage=(med / base) if base else None,
-            )
-        )
+    commands = {t: _display(t, jobs, workers) for t in tools}
+    results = tool_results(times, LABELS, commands, summary.bytes, summary.files)
     return StageBenchResult(
         source=str(source),
         dest=str(dest_base),
@@ -190,6 +176,33 @@ def run_stage_benchmark(
         throttle_bps=throttle_bps,
         tools=tuple(results),
     )
+
+
+def tool_results(
+    times: dict[str, list[float]],
+    labels: dict[str, str],
+    commands: dict[str, str],
+    nbytes: int,
+    files: int,
+) -> list[ToolResult]:
+    """Medians, rates and each tool's ratio to shmstage's median, in ``times``' order."""
+    base = statistics.median(times["shmstage"]) if "shmstage" in times else None
+    results = []
+    for tool, runs in times.items():
+        med = statistics.median(runs)
+        results.append(
+            ToolResult(
+                tool=tool,
+                label=labels[tool],
+                command=commands[tool],
+                times=tuple(runs),
+                median_s=med,
+                mb_per_s=nbytes / med / MB if med > 0 else float("inf"),
+                files_per_s=files / med if med > 0 else float("inf"),
+                vs_shmstage=(med / base) if base else None,
+            )
+        )
+    return results
 
 
 def _validate(

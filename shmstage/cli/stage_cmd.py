@@ -88,7 +88,9 @@ def _log_waiting(p: Progress) -> None:
     "Default: /etc/shmstage.yaml if it exists."
 )
 @click.option(
-    "--workers", type=click.IntRange(min=1), help="Copy processes. Default: 4 per CPU, 8 to 32."
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Copy processes. Default: 4 per CPU, 8 to 32. For s3://: requests in flight, default 32.",
 )
 @click.option(
     "--verify",
@@ -140,13 +142,15 @@ def stage_cmd(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Stage SRC (a directory or tar archive) into tmpfs; print the staged path.
+    """Stage SRC (a directory, tar archive or s3://BUCKET/PREFIX) into tmpfs; print the staged path.
 
     \b
     The path is the last line of stdout, so scripts can write:
       DATA=$(shmstage stage /nfs/imagenet --quiet)
     Staging an unchanged source again is a no-op; a changed one copies only what
     changed.  Several processes staging the same source share one copy.
+    s3:// reads credentials and the endpoint from AWS_* or a ~/.aws profile
+    (pip install 'shmstage[s3]'; docs/s3.md).
     """
     dest, policies = configured(dest, config_path)
     if dry_run:

@@ -22,7 +22,7 @@ from typing import Any
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
-from shmstage.stage import access, leases, tarformat
+from shmstage.stage import access, leases, listed, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
@@ -168,25 +168,20 @@ def stage(
     if workers is not None and workers < 1:
         raise RefusedError(f"invalid number of workers {workers}: must be at least 1")
     raw = os.fspath(src)
-    source = os.path.realpath(raw)
-    if not os.path.exists(source):
-        raise RefusedError(f"source {raw} does not exist")
     if strip_components < 0:
         raise RefusedError(f"invalid --strip-components {strip_components}: must be 0 or more")
-    if os.path.isdir(source):
-        kind = "dir"
-        if strip_components:
-            raise RefusedError(
-                f"--strip-components applies to tar archives, and {raw} is a directory; "
-                "stage the subdirectory you want instead"
-            )
-    else:
-        tarformat.detect(source, raw)  # by content, not name; says what else the file is
-        kind = "tar"
+    kind, source = sources.resolve(raw)
+    if kind != "tar" and strip_components:
+        raise RefusedError(
+            f"--strip-components applies to tar archives, and {raw} is a "
+            f"{'directory' if kind == 'dir' else 'prefix'}; stage the subdirectory you want instead"
+        )
     name = check_name(name) if name is not None else name_for(source)
     store = Store(dest)
     real_dest = os.path.realpath(store.dest)
-    if is_within(real_dest, source) or (kind == "dir" and is_within(source, real_dest)):
+    if kind in sources.LISTED_KINDS:
+        pass  # not a path on this machine: nothing to overlap
+    elif is_within(real_dest, source) or (kind == "dir" and is_within(source, real_dest)):
         raise RefusedError(
             f"source {raw} and destination {store.dest} overlap; stage to a separate directory"
         )
@@ -312,6 +307,24 @@ def _stage_locked(
             if not written:
                 write_manifest()
             data_bytes, files = tree.bytes, tree.files
+        elif kind in sources.LISTED_KINDS:
+            src = sources.open_listed(kind, source)
+            listing = src.listing()  # one LIST: the no-op check costs nothing more
+            if same and listed.unchanged(manifest, listing):
+                _drop_leftovers(store, name, marker)
+                return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+            resumable = not force and prev_marker == source
+            _write_marker(marker, source)
+            _kill_at("marker")
+            copied, entries = listed.build(
+                store, name, src, listing, manifest if same else None, workers, verify,
+                reserve, resumable, report, claim, _copy_counter,
+            )  # fmt: skip
+            _kill_at("build")
+            root = os.lstat(part)
+            data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
+            store.prepare_manifest(name, {**data, "objects": listing.keys})
+            data_bytes, files = listing.bytes, listing.files
         else:
             st = os.stat(source)
             fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
@@ -350,7 +363,8 @@ def _stage_locked(
             )
         _kill_at("manifest")
         report("publishing")
-        access.restrict_root(part, source, kind)  # no reader the source path shuts out
+        if kind not in sources.LISTED_KINDS:
+            access.restrict_root(part, source, kind)  # no reader the source path shuts out
         root = os.lstat(part)
         now = time.time()
         seconds = time.monotonic() - t0
@@ -878,7 +892,7 @@ def find(
         except RefusedError:
             record = None
     if record is None and (os.sep in key or os.path.exists(key)):
-        source = os.path.realpath(key)
+        source = sources.location_of(key)
         for n in store.names():
             r = store.published(n)
             if r is not None and r.source == source:
@@ -1032,6 +1046,10 @@ def verify(
             if not os.path.isfile(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
             bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
+        elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
+            from shmstage.stage.s3 import compare
+
+            bad = compare(manifest, path)
         else:
             if not os.path.isdir(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")

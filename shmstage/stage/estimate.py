@@ -27,7 +27,7 @@ class Estimate:
     """What staging ``source`` writes: the numbers every command prints and checks."""
 
     source: str
-    kind: str  # "dir" or "tar"
+    kind: str  # "dir", "tar" or an object store's ("s3")
     bytes: int  # apparent size of the data (hard links once)
     page_bytes: int  # what it takes on the destination tmpfs (whole pages)
     files: int  # regular file paths (hard links included)
@@ -131,6 +131,12 @@ def estimate(
     ``.tar.gz`` is sized by what it extracts to."""
     path = os.fspath(source)
     page = page_size(dest)
+    from shmstage.stage import sources
+
+    if sources.is_url(path):  # an object-store prefix: one LIST, the tree stage would build
+        kind, location = sources.resolve(path)
+        listing = sources.open_listed(kind, location).listing()
+        return of_entries(location, listing.entries, page, kind)
     if os.path.isdir(path):
         return _walk(path, page)
     from shmstage.stage import tar as tarsrc

