@@ -318,7 +318,7 @@ def _stage_locked(
             _kill_at("marker")
             copied, entries = listed.build(
                 store, name, src, listing, manifest if same else None, workers, verify,
-                reserve, resumable, report, claim, _copy_counter,
+                reserve, resumable, report, claim, _Counter,
             )  # fmt: skip
             _kill_at("build")
             root = os.lstat(part)
