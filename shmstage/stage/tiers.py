@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import counters, engine, makeroom
+from shmstage.stage import counters, engine, makeroom, sources
 from shmstage.stage.estimate import Estimate, estimate, page_size
 from shmstage.stage.gc import GcReport
 from shmstage.stage.gc import gc as gc_one
@@ -199,7 +199,7 @@ def plan(
 ) -> Plan:
     """Read-only: where ``stage`` would put ``src`` and what it would evict first."""
     tiers, policies, name = _request(src, name, dest, policies)
-    source = os.path.realpath(os.fspath(src))
+    source = sources.location_of(os.fspath(src))
     home = holding(name, joined(tiers))
     if home is not None:  # restaged where it is; the engine copies only what changed
         return Plan(name, source, home, tiers.index(home), True, 0)
@@ -227,10 +227,8 @@ def _request(
 ) -> tuple[tuple[str, ...], dict[str, CachePolicy], str]:
     """Check a stage request: (tiers, policies by tier path, dataset name)."""
     tiers = split(dest)
-    raw = os.fspath(src)
-    if not os.path.exists(raw):
-        raise RefusedError(f"source {raw} does not exist")
-    name = check_name(name) if name is not None else name_for(os.path.realpath(raw))
+    _kind, source = sources.resolve(os.fspath(src))  # a path that exists, or an s3:// URL
+    name = check_name(name) if name is not None else name_for(source)
     return tiers, {resolve_dest(k): v for k, v in (policies or {}).items()}, name
 
 
