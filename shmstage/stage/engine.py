@@ -150,11 +150,14 @@ def stage(
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
     strip_components: int = 0,
+    peers: Any = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
     ``strip_components`` drops that many leading path components of an archive's
-    members, like ``tar --strip-components``."""
+    members, like ``tar --strip-components``.  ``peers`` (a
+    :class:`shmstage.cluster.Peers`) stages a directory together with other nodes:
+    each reads a share of the source and they exchange the rest."""
     t0 = time.monotonic()
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
@@ -176,6 +179,11 @@ def stage(
     else:
         tarformat.detect(source, raw)  # by content, not name; says what else the file is
         kind = "tar"
+        if peers is not None:
+            raise RefusedError(
+                f"{raw} is a tar archive: staging with several nodes reads directories only; "
+                "stage the archive on each node alone (without --nodes), or unpack it on the share"
+            )
     name = check_name(name) if name is not None else name_for(source)
     store = Store(dest)
     real_dest = os.path.realpath(store.dest)
@@ -205,6 +213,7 @@ def stage(
             t0,
             claim,
             strip_components,
+            peers,
         )
 
 
@@ -244,6 +253,7 @@ def _stage_locked(
     t0: float,
     claim: Claim,
     strip_components: int = 0,
+    peers: Any = None,
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
@@ -262,14 +272,21 @@ def _stage_locked(
     prev_marker = _read_marker(marker)  # put back if the fit check refuses
     copied = 0
     # A first copy reads everything anyway: start reading while the walk runs.
+    # (Not with peers: each node reads only its share.)
     ahead = (
-        Readahead(source) if kind == "dir" and record is None and not os.path.exists(part) else None
+        Readahead(source)
+        if kind == "dir" and record is None and not os.path.exists(part) and peers is None
+        else None
     )
     try:
         if kind == "dir":
             tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
-            if same and manifest["entries"] == entries:  # type: ignore[index]
+            current = same and manifest["entries"] == entries  # type: ignore[index]
+            if peers is not None and not peers.agree(tree, current) and current:
+                peers.fill([], lambda b, f: None, False)  # the others need our share
+                peers.barrier()
+            if current:
                 _drop_leftovers(store, name, marker)
                 _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
@@ -297,6 +314,7 @@ def _stage_locked(
                 report,
                 write_manifest,
                 claim,
+                peers,
             )
             _kill_at("build")
             if not written:
@@ -339,6 +357,8 @@ def _stage_locked(
                 name, {**data, "archive": fingerprint, "strip_components": strip_components}
             )
         _kill_at("manifest")
+        if peers is not None:
+            peers.barrier()  # all or nothing: publish only once every node has every byte
         report("publishing")
         access.restrict_root(part, source, kind)  # no reader the source path shuts out
         root = os.lstat(part)
@@ -355,6 +375,8 @@ def _stage_locked(
             ahead.stop(drop=True)  # files not copied still hold the pages it read ahead
         if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
             _restore_marker(marker, prev_marker)  # a resumable partial included (exit 2)
+            raise
+        if getattr(e, "keeps_partial", False):  # another node failed: resume from here next time
             raise
         store.discard(part)
         _remove_marker(marker)
@@ -580,6 +602,7 @@ def _build_dir(
     report: Callable[..., None],
     while_copying: Callable[[], None],
     claim: Claim,
+    peers: Any = None,
 ) -> int:
     """Build the new version of a directory source in partial/<name>; returns bytes copied."""
     part = store.partial(name)
@@ -672,7 +695,10 @@ def _build_dir(
         os.umask(old_umask)
     nworkers = workers or copier.default_workers()
     tick = claim.counting(_copy_counter(report, total, len(jobs)))
-    copier.run(jobs, tasks, nworkers, tick, while_copying)
+    if peers is not None:
+        peers.fill(jobs, tick, verify == "checksum")  # instead of reading all of SRC here
+    else:
+        copier.run(jobs, tasks, nworkers, tick, while_copying)
     for i in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
         if own:
             copier.copy_owner(jobs[i][1], os.stat(jobs[i][0]))
@@ -680,7 +706,7 @@ def _build_dir(
         os.utime(jobs[i][1], ns=(jobs[i][4], jobs[i][3]), follow_symlinks=False)
     for rel, first in hard:
         os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
-    if verify == "checksum" and jobs:
+    if verify == "checksum" and jobs and peers is None:  # peers: checked against owners' sums
         report("verifying", bytes_total=total, files_total=len(jobs))
         check_tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
         bad = sorted(set(copier.run(jobs, check_tasks, nworkers)))  # chunks: once per file
