@@ -48,7 +48,9 @@ def resolve(
             "comes from SLURM_NODEID"
         )
     if not 0 <= rank < nodes:
-        raise RefusedError(f"invalid --node-rank {rank}: must be 0 to {nodes - 1} for --nodes {nodes}")
+        raise RefusedError(
+            f"invalid --node-rank {rank}: must be 0 to {nodes - 1} for --nodes {nodes}"
+        )
     if rendezvous is None and env.get("SLURM_JOB_NODELIST"):
         rendezvous = first_host(env["SLURM_JOB_NODELIST"])
     if not rendezvous:
@@ -75,7 +77,9 @@ def _host_port(text: str) -> tuple[str, int]:
     if port and not (port.isdigit() and 0 < int(port) < 65536):
         raise RefusedError(f"invalid --rendezvous {text}: the port must be 1 to 65535")
     if not host:
-        raise RefusedError(f"invalid --rendezvous {text}: give HOST[:PORT], e.g. node01:{DEFAULT_PORT}")
+        raise RefusedError(
+            f"invalid --rendezvous {text}: give HOST[:PORT], e.g. node01:{DEFAULT_PORT}"
+        )
     return host, int(port) if port else DEFAULT_PORT
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +41,14 @@ from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
+from shmstage.stage.copy import SLOW_ENV
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
 SLOTS = 8  # buffers per node: read-ahead 2, send + receive 2, writer queue 3, writing 1
 _RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _WR = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
+_RANDOM = getattr(os, "POSIX_FADV_RANDOM", 1)
 _POLL = 0.2
 
 
@@ -98,6 +101,8 @@ class Ring:
             self.pool.put(buf)
         self.ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
         self.written: queue.Queue[Any] = queue.Queue(maxsize=3)
+        # test hook (as the copier's): seconds to sleep after each piece, to land a kill mid-way
+        self.slow = float(os.environ.get(SLOW_ENV, "0") or 0)
         self.errors: list[BaseException] = []  # the threads' failures, raised by the main thread
 
     # --- main thread -------------------------------------------------------------------
@@ -212,6 +217,8 @@ class Ring:
         except OSError as e:
             raise ShmstageError(f"cannot read source file {path}: {e.strerror}") from None
         try:
+            # No readahead: past a segment's end lies the next owner's share (read twice).
+            os.posix_fadvise(fd, 0, 0, _RANDOM)
             out = view[seg.at : seg.at + seg.length]
             done = 0
             while done < seg.length:
@@ -252,6 +259,8 @@ class Ring:
             self.errors.append(e)
 
     def _write_piece(self, share: int, k: int, buf: Any) -> None:
+        if self.slow:
+            time.sleep(self.slow)
         segs = self.plan.segments(share, k)
         if not segs:
             return

@@ -21,7 +21,9 @@ from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import RefusedError, ShmstageError
 
-DEFAULT_TIMEOUT = 300.0  # seconds: gloo's own default (30 min) is far too long to notice a dead node
+DEFAULT_TIMEOUT = (
+    300.0  # seconds: gloo's own default (30 min) is far too long to notice a dead node
+)
 DEFAULT_INFLIGHT = 256 << 20
 
 
@@ -67,7 +69,11 @@ class Peers:
         self.tree = tree
         entries = [list(e) for e in tree.entries]
         digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-        mine = {"digest": digest, "current": current, "piece": piece_size(self.spec.inflight, SLOTS)}
+        mine = {
+            "digest": digest,
+            "current": current,
+            "piece": piece_size(self.spec.inflight, SLOTS),
+        }
         views = self.rv.allgather_json("tree", mine)
         self.piece = views[0]["piece"]  # node 0's: every node must cut the same pieces
         if any(v["digest"] != views[0]["digest"] for v in views):
@@ -140,7 +146,11 @@ class Peers:
             diff = ""
         else:
             theirs = json.loads(zlib.decompress(self.rv.allgather("entries", b"")[0]))
-            diff = first_difference(theirs, entries) if views[self.spec.rank]["digest"] != views[0]["digest"] else ""
+            diff = (
+                first_difference(theirs, entries)
+                if views[self.spec.rank]["digest"] != views[0]["digest"]
+                else ""
+            )
         said = self.rv.allgather("diff", diff.encode())
         for r, text in enumerate(said):
             if text:
@@ -168,7 +178,9 @@ def first_difference(want: list[list[Any]], have: list[list[Any]]) -> str:
                                     ("target", e[5], mine[5]))
                 if a != b
             ]  # fmt: skip
-            return f"{e[0]} differs ({', '.join(what)}: node 0 sees {e[1:5]}, this node {mine[1:5]})"
+            return (
+                f"{e[0]} differs ({', '.join(what)}: node 0 sees {e[1:5]}, this node {mine[1:5]})"
+            )
     for e in have:
         if e[0] not in theirs:
             return f"{e[0]} is extra"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -119,7 +120,8 @@ class Rendezvous:
             if self.store is None:
                 self.connect(timeout=min(5.0, self.timeout))
             self.store.set(
-                f"fail/{self.rank}", json.dumps({"reason": reason, "suspect": suspect, "lost": lost}).encode()
+                f"fail/{self.rank}",
+                json.dumps({"reason": reason, "suspect": suspect, "lost": lost}).encode(),
             )
         except Exception:  # noqa: BLE001 - the store is node 0's: it may be dead already
             pass
@@ -194,10 +196,8 @@ class Rendezvous:
         except Exception:  # noqa: BLE001 - best effort
             pass
         if self.group is not None:
-            try:
+            with suppress(Exception):
                 self.group.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
         self.group = None
         self.store = None
 
