@@ -491,15 +491,24 @@ def _waiting_note(request: StageRequest, log: Callable[[str], None] | None) -> A
 
 
 def _stage_leased(
-    engine: Any, request: StageRequest, dest: str | None, log: Callable[[str], None] | None
+    engine: Any,
+    request: StageRequest,
+    dest: str | None,
+    log: Callable[[str], None] | None,
+    peers: Any = None,
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
     from shmstage.stage.leases import acquire
 
-    for attempt in (1, 2):
+    attempts = (1, 2) if peers is None else (2,)  # peers: every node stages once per source
+    for attempt in attempts:
         ds = engine.stage(
-            request.source, name=request.name, dest=dest, progress=_waiting_note(request, log)
+            request.source,
+            name=request.name,
+            dest=dest,
+            progress=_waiting_note(request, log),
+            peers=peers,
         )
         try:
             return ds, acquire(ds.name, dest)
@@ -520,8 +529,12 @@ def run(
     cleanup: bool = False,
     config_path: str | None = None,
     log: Callable[[str], None] | None = None,
+    cluster: Any = None,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
+
+    ``cluster`` (a :class:`shmstage.cluster.ClusterSpec`): stage together with the other
+    nodes, which run the same command; the job starts once every node has its copy.
 
     Everything that can be refused (placeholders, a missing command, a bad node config, a
     failed staging) is refused before the job starts.
@@ -552,13 +565,15 @@ def run(
     try:
         if requests:
             from shmstage import stage as engine
+            from shmstage.cluster import Peers
 
-            for r in requests:
-                ds, lease = _stage_leased(engine, r, dest, log)
-                held.append(lease)
-                staged.append(ds)
-                if log is not None:
-                    log(f"{engine.summary(ds)} -> {ds.path}")
+            with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
+                for r in requests:
+                    ds, lease = _stage_leased(engine, r, dest, log, peers)
+                    held.append(lease)
+                    staged.append(ds)
+                    if log is not None:
+                        log(f"{engine.summary(ds)} -> {ds.path}")
         pairs = [(ds.name, str(ds.path)) for ds in staged]
         if len({n for n, _ in pairs}) != len(pairs):
             raise RefusedError(

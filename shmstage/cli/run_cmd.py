@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
+from shmstage.cli.params import cluster_options
 
 
 def _log(message: str) -> None:
@@ -115,6 +116,7 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     envvar="SHMSTAGE_CONFIG",
     help="Node config whose loader section gives default loader settings.",
 )
+@cluster_options
 @click.argument(
     "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[--] CMD [ARGS]..."
 )
@@ -129,6 +131,11 @@ def run_cmd(
     prefetch_factor: int | None,
     cleanup: bool,
     config_path: str | None,
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
     command: tuple[str, ...],
 ) -> None:
     """Stage datasets, then run CMD on the staged copy and return its exit status.
@@ -144,6 +151,7 @@ def run_cmd(
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
       shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
+    from shmstage.cluster import resolve
     from shmstage.launch import run
 
     result = run(
@@ -156,5 +164,6 @@ def run_cmd(
         cleanup=cleanup,
         config_path=config_path,
         log=_log,
+        cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
     )
     raise SystemExit(result.returncode)

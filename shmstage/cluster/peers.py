@@ -59,6 +59,11 @@ class Peers:
             self.rv.report(reason or "interrupted")
         self.rv.close()
 
+    def fail(self, reason: str) -> None:
+        """Tell the other nodes this one stops (a caller that reports failures as values,
+        like ``prepare``), so they fail at once instead of after ``timeout``."""
+        self.rv.report(reason)
+
     # --- the hook ----------------------------------------------------------------------
 
     def agree(self, tree: Any, current: bool) -> bool:
