@@ -126,8 +126,8 @@ class Cluster:
     def start(self, body: str, nodes: int = NODES, env=None, per_node=None, args=""):
         """Start ``nodes`` nodes: each mounts its loop device at SRC and a tmpfs at DEST in a
         mount namespace of its own, then runs the shell ``body`` there, in which $STAGE is
-        the `shmstage stage` of that node (``args`` added) and $ALONE the same without
-        --nodes.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
+        the `shmstage stage` of that node (``args`` added), $ALONE the same without
+        --nodes, $EXE shmstage and $CLUSTER the node's cluster flags.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
         Python process would move only the calling thread."""
         port = _free_port()
         exe = shutil.which("shmstage", path=os.path.dirname(sys.executable)) or "shmstage"
@@ -139,7 +139,9 @@ class Cluster:
                 f"mount -o ro,noload {self.devs[rank]} {self.src} || exit 90; "
                 f"mount -t tmpfs -o size=256M shmstage-test {self.dest} || exit 91; "
                 f"{(per_node or {}).get(rank, '')}"
-                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port + 1}; {body}'
+                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port + 1}; EXE={exe}; '
+                f'CLUSTER="--nodes {nodes} --node-rank {rank} --rendezvous 127.0.0.1:{port}"; '
+                f"{body}"
             )
             argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
             out.append(
@@ -299,3 +301,18 @@ def test_a_node_that_sees_a_different_source_makes_every_node_refuse(cluster) ->
         assert out == "rc=2\n", (out, err)
         assert err.startswith("Error: node 3 sees a different"), err
         assert "class3/img0.jpg is missing" in err or "class3 differs" in err, err
+
+
+@pytest.mark.root
+def test_run_stages_cluster_wide_then_starts_the_job_on_every_node(cluster) -> None:
+    """`shmstage run --nodes 2 --stage SRC -- CMD {staged}`: both nodes stage together, then
+    each starts its job on its own complete copy."""
+    body = (
+        f"$EXE run $CLUSTER --dest {cluster.dest} --stage {cluster.src} --name data -- "
+        "sh -c 'cat {staged}/big.bin | sha1sum'"
+    )
+    want = subprocess.run(
+        ["sha1sum"], input=(cluster.data / "big.bin").read_bytes(), capture_output=True, check=True
+    ).stdout.decode()
+    for rc, out, err in _wait_all(cluster.start(body, nodes=2)):
+        assert (rc, out) == (0, want), err
