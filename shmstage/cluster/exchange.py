@@ -21,8 +21,9 @@ NOTE [ring lifecycle]
     to the main thread as a value and raised there; on any error the main thread sets
     ``stop`` and joins both threads (idempotent).
 
-Memory: ``slots`` buffers of one piece each, allocated (and touched) once; that is the
-node's bound on bytes in flight.  A piece is written after it was forwarded, so the
+Memory: SLOTS buffers of one piece each, allocated (and touched) once; that is the
+node's bound on bytes in flight.  The reader may run ahead by SLOTS-3 pieces, which also
+lets it start before the rendezvous (``prefetch``).  A piece is written after it was forwarded, so the
 writer is always the last to use a buffer.
 """
 
@@ -44,7 +45,7 @@ from shmstage.errors import ShmstageError
 from shmstage.stage.copy import SLOW_ENV
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
-SLOTS = 8  # buffers per node: read-ahead 2, send + receive 2, writer queue 3, writing 1
+SLOTS = 8  # buffers per node: read ahead up to 5, send + receive 2, writing 1 (+ queued)
 _RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _WR = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
@@ -72,46 +73,59 @@ class Damaged(ShmstageError):
 
 
 class Ring:
-    """One exchange of ``plan`` over ``group`` (gloo), writing into ``targets``."""
+    """One exchange of ``plan``: ``prefetch`` starts reading this node's share (no torch
+    needed yet, so it overlaps the rendezvous), ``run`` exchanges over a gloo group and
+    writes into ``targets``."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        group: Any,
-        rank: int,
-        root: str,
-        targets: dict[int, Target],
-        tick: Callable[[int, int], None],
-        timeout: float,
-        own: bool,
-        keep_crcs: bool,
-    ) -> None:
-        import torch
-
-        self.plan, self.group, self.rank, self.root = plan, group, rank, root.rstrip("/") + "/"
-        self.targets, self.tick, self.timeout, self.own = targets, tick, timeout, own
-        self.keep_crcs = keep_crcs
+    def __init__(self, plan: Plan, rank: int, root: str, timeout: float, own: bool) -> None:
+        self.plan, self.rank, self.root = plan, rank, root.rstrip("/") + "/"
+        self.timeout, self.own = timeout, own
+        self.group: Any = None
+        self.targets: dict[int, Target] = {}
+        self.tick: Callable[[int, int], None] = lambda b, f: None
+        self.keep_crcs = False
         self.n = plan.nodes
         self.stop = threading.Event()
         self.pool: queue.Queue[Any] = queue.Queue()
         longest = max(plan.size(r, k) for r in range(self.n) for k in range(plan.pieces))
         for _ in range(SLOTS):
-            buf = torch.empty(longest, dtype=torch.uint8)
-            buf.fill_(0)  # first touch now, not while the ring waits (slow in VMs)
-            self.pool.put(buf)
-        self.ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
+            self.pool.put(bytearray(longest))  # zero-filled: touched now, not mid-ring
+        # The reader may fill all buffers but the 3 the ring and the writer need to go on.
+        self.ahead: queue.Queue[Any] = queue.Queue(maxsize=SLOTS - 3)
         self.written: queue.Queue[Any] = queue.Queue(maxsize=3)
         # test hook (as the copier's): seconds to sleep after each piece, to land a kill mid-way
         self.slow = float(os.environ.get(SLOW_ENV, "0") or 0)
         self.errors: list[BaseException] = []  # the threads' failures, raised by the main thread
+        self.reader: threading.Thread | None = None
+
+    def prefetch(self) -> None:
+        """Start reading this node's share (idempotent)."""
+        if self.reader is None:
+            self.reader = threading.Thread(
+                target=self._reader, name="shmstage-ring-read", daemon=True
+            )
+            self.reader.start()
+
+    def close(self) -> None:
+        """Stop the reader (idempotent): a prefetch whose plan was not the one agreed."""
+        self.stop.set()
+        if self.reader is not None:
+            self.reader.join(5)
 
     # --- main thread -------------------------------------------------------------------
 
-    def run(self) -> None:
-        reader = threading.Thread(target=self._reader, name="shmstage-ring-read", daemon=True)
+    def run(
+        self,
+        group: Any,
+        targets: dict[int, Target],
+        tick: Callable[[int, int], None],
+        keep_crcs: bool,
+    ) -> None:
+        self.group, self.targets, self.tick, self.keep_crcs = group, targets, tick, keep_crcs
+        self.prefetch()
         writer = threading.Thread(target=self._writer, name="shmstage-ring-write", daemon=True)
-        reader.start()
         writer.start()
+        reader = self.reader
         try:
             self._ring()
             self._put(self.written, None)  # no more pieces
@@ -121,11 +135,16 @@ class Ring:
             self._raise_from(self.errors)
         finally:
             self.stop.set()
-            reader.join(5)
+            reader.join(5)  # type: ignore[union-attr]
             writer.join(5)
             self._close_fds()
 
     def _ring(self) -> None:
+        import torch
+
+        def tensor(buf: bytearray, size: int) -> Any:
+            return torch.frombuffer(buf, dtype=torch.uint8, count=size)
+
         plan, n, me = self.plan, self.n, self.rank
         nxt, prev = (me + 1) % n, (me - 1) % n
         wait = timedelta(seconds=self.timeout)
@@ -136,8 +155,8 @@ class Ring:
             for s in range(n - 1):
                 src_share = (me - s - 1) % n
                 buf = self._get(self.pool)
-                inbox = buf[: plan.size(src_share, k)]
-                outbox = cur[: plan.size(share, k)]
+                inbox = tensor(buf, plan.size(src_share, k))
+                outbox = tensor(cur, plan.size(share, k))
                 try:
                     sent = self.group.send([outbox], nxt, tag)
                     got = self.group.recv([inbox], prev, tag)
@@ -200,7 +219,7 @@ class Ring:
 
     def _read_piece(self, k: int, buf: Any, pool: ThreadPoolExecutor) -> None:
         segs = self.plan.segments(self.rank, k)
-        view = memoryview(buf.numpy()).cast("B")
+        view = memoryview(buf)
         a, b = self.plan.piece_range(self.rank, k)
         data = b - a
         crcs = list(pool.map(lambda s: self._read_segment(s, view), segs))
@@ -264,7 +283,7 @@ class Ring:
         segs = self.plan.segments(share, k)
         if not segs:
             return
-        view = memoryview(buf.numpy()).cast("B")
+        view = memoryview(buf)
         a, b = self.plan.piece_range(share, k)
         data = b - a
         for i, seg in enumerate(segs):

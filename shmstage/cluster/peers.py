@@ -47,6 +47,7 @@ class Peers:
         self.rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout)
         self.tree: Any = None
         self.piece = 0
+        self.ring: Ring | None = None  # started early on a node that needs every file
 
     def __enter__(self) -> Peers:
         return self
@@ -54,6 +55,8 @@ class Peers:
     def __exit__(
         self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self.ring is not None:
+            self.ring.close()
         if e is not None and not isinstance(e, PeerLost):
             reason = str(e) if isinstance(e, ShmstageError) else f"{kind.__name__}: {e}"  # type: ignore[union-attr]
             self.rv.report(reason or "interrupted")
@@ -66,12 +69,23 @@ class Peers:
 
     # --- the hook ----------------------------------------------------------------------
 
-    def agree(self, tree: Any, current: bool) -> bool:
+    def agree(self, tree: Any, current: bool, cold: bool = False) -> bool:
         """Check every node sees the tree node 0 sees (else all refuse, naming the first
-        difference); True when every node already holds it (then nothing moves)."""
+        difference); True when every node already holds it (then nothing moves).
+
+        ``cold``: this node holds nothing of the dataset, so it needs every file and the
+        plan cannot be other than all files: it starts reading its share now, while torch
+        loads and the others arrive (seconds on a busy node)."""
+        self.tree = tree
+        if cold and not current and self.ring is None:
+            files = [(e[0], e[2]) for e in tree.entries if e[1] == "f"]
+            piece = piece_size(self.spec.inflight, SLOTS)
+            plan = make_plan(files, self.spec.nodes, piece)
+            if plan.total:
+                self.ring = Ring(plan, self.spec.rank, tree.root, self.spec.timeout, _root())
+                self.ring.prefetch()
         self.rv.connect()
         self.rv.round += 1
-        self.tree = tree
         entries = [list(e) for e in tree.entries]
         digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
         mine = {
@@ -106,20 +120,21 @@ class Peers:
             if job is not None:
                 src, dst, size, mtime, atime, mode, _ = job
                 targets[j] = Target(dst, src, size, mtime, atime, mode, size)
-        own = os.geteuid() == 0
+        own = _root()
         for job in jobs:
             if job[2] == 0:
                 _empty_file(job, own)
                 tick(0, 1)
         if plan.total == 0:
             return
+        ring, self.ring = self.ring, None
+        if ring is None or (ring.plan.files, ring.plan.piece) != (plan.files, plan.piece):
+            if ring is not None:
+                ring.close()  # read ahead for another plan (node 0 cuts other pieces)
+            ring = Ring(plan, self.spec.rank, self.tree.root, self.spec.timeout, own)
         group = self.rv.gloo()
-        ring = Ring(
-            plan, group, self.spec.rank, self.tree.root, targets, tick, self.spec.timeout, own,
-            keep_crcs=checksum,
-        )  # fmt: skip
         try:
-            ring.run()
+            ring.run(group, targets, tick, checksum)
         except _Lost as e:
             raise self.rv.lost(e.error, e.peer) from None
         if checksum:
@@ -190,6 +205,10 @@ def first_difference(want: list[list[Any]], have: list[list[Any]]) -> str:
         if e[0] not in theirs:
             return f"{e[0]} is extra"
     return "the order of entries differs"
+
+
+def _root() -> bool:
+    return os.geteuid() == 0  # root keeps owners, as the local copier (copy.keeps_owner)
 
 
 def _empty_file(job: Any, own: bool) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
 from shmstage.errors import ShmstageError
+
+HEARTBEAT = 1.0  # seconds: a node whose count stands still this long is dead or hung
 
 
 class PeerLost(ShmstageError):
@@ -32,6 +35,7 @@ class Rendezvous:
         self.store: Any = None
         self.group: Any = None
         self.round = 0  # one per stage() call, so `prepare` can stage several datasets
+        self.beating = threading.Event()  # set: stop the heartbeat
 
     # --- connecting -------------------------------------------------------------------
 
@@ -65,6 +69,7 @@ class Rendezvous:
                 f"{_first_line(e)}; is node 0 running with the same --rendezvous?"
             ) from None
         self.store.set_timeout(timedelta(seconds=self.timeout))
+        threading.Thread(target=self._heartbeat, name="shmstage-heartbeat", daemon=True).start()
 
     def gloo(self) -> Any:
         """The gloo group (made once, by every node together)."""
@@ -148,40 +153,74 @@ class Rendezvous:
     def lost(self, error: BaseException, suspect: int | None = None) -> PeerLost:
         """Turn a failed gloo or store operation into one line naming the node to blame.
 
-        A dead node shows only to its ring neighbours (connection reset); the others see
-        the neighbours go.  So each node posts whom it lost, waits a moment for the
-        others' posts, and names a node that was lost but never posted (it is dead) or a
-        node that failed for a reason of its own."""
+        A dead node shows only to its ring neighbours (connection reset), and gloo does not
+        always say which link broke; the others see the neighbours go.  So: a node that
+        posted a reason of its own is named with it; else the nodes whose heartbeat stopped
+        without a word (killed, crashed, hung) are."""
         self.report(f"lost contact: {_first_line(error)}", suspect, lost=True)
-        seen: dict[int, dict[str, Any]] = {}
-        for _ in range(10):
+        if self.group is not None:  # drop our links now: nodes waiting on us see it at once
+            with suppress(Exception):
+                self.group.abort()
+        try:
+            first = self._beats()
+        except Exception:  # noqa: BLE001 - node 0 (the store) is gone
+            return self._gone([0])
+        deadline = time.monotonic() + 3 * HEARTBEAT
+        while True:
             seen = self.reports()
-            if any(not rep["lost"] for rep in seen.values()) or len(seen) >= self.nodes - 2:
+            for r, rep in sorted(seen.items()):
+                if not rep["lost"]:
+                    return PeerLost(
+                        f"node {r} of {self.nodes} failed: {rep['reason']}; nothing was published"
+                    )
+            if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        for r, rep in sorted(seen.items()):
-            if not rep["lost"]:
-                return PeerLost(
-                    f"node {r} of {self.nodes} failed: {rep['reason']}; nothing was published"
-                )
-        suspects = {rep.get("suspect") for rep in seen.values()} | {suspect}
-        gone = sorted(s for s in suspects if s is not None and s not in seen and s != self.rank)
-        if not gone and None in suspects:  # lost in a collective: whoever never said why
-            gone = [r for r in range(self.nodes) if r not in seen and r != self.rank]
-        if not gone and self.store is not None and not _store_alive(self.store):
-            gone = [0]
-        if gone:
-            return PeerLost(
-                f"lost {_ranks(gone, self.nodes)} during the exchange (killed, crashed, hung or "
-                f"unreachable for {self.timeout:g} s); nothing was published on any node, "
-                "re-run to resume from the partial copies"
-            )
+        try:
+            last = self._beats()
+        except Exception:  # noqa: BLE001
+            return self._gone([0])
+        # Nodes that posted a report were alive to do so (and may have exited since).
+        seen = self.reports()
+        stalled = [
+            r for r in range(self.nodes) if r != self.rank and last[r] == first[r] and r not in seen
+        ]
+        if stalled:
+            return self._gone(stalled)
         return PeerLost(
             f"the exchange failed: {_first_line(error)}; nothing was published, re-run to resume"
         )
 
+    def _gone(self, ranks: list[int]) -> PeerLost:
+        return PeerLost(
+            f"lost {_ranks(ranks, self.nodes)} during the exchange (killed, crashed, hung or "
+            f"unreachable for {self.timeout:g} s); nothing was published on any node, "
+            "re-run to resume from the partial copies"
+        )
+
+    # --- heartbeats --------------------------------------------------------------------
+
+    def _beats(self) -> list[int]:
+        return [self.store.add(f"hb/{r}", 0) for r in range(self.nodes)]
+
+    def _heartbeat(self) -> None:
+        """Count up ``hb/<rank>`` while this node lives (its own store connection: the
+        main thread's may be blocked in a wait)."""
+        from torch.distributed import TCPStore
+
+        try:
+            store = TCPStore(
+                self.host, self.port, self.nodes, is_master=False,
+                timeout=timedelta(seconds=min(self.timeout, 30)), wait_for_workers=False,
+            )  # fmt: skip
+            while not self.beating.wait(HEARTBEAT / 2):
+                store.add(f"hb/{self.rank}", 1)
+        except Exception:  # noqa: BLE001 - the store is gone: the main thread finds out
+            return
+
     def close(self) -> None:
         """Node 0 holds the store: keep it up until every node has said goodbye (bounded)."""
+        self.beating.set()
         if self.store is None:
             return
         try:
@@ -216,11 +255,3 @@ def _first_line(e: BaseException) -> str:
 def _failed_store(e: BaseException) -> bool:
     """A store wait that failed for another reason than its timeout (node 0 is gone)."""
     return "timeout" not in str(e).lower() and "timed out" not in str(e).lower()
-
-
-def _store_alive(store: Any) -> bool:
-    try:
-        store.check(["bye"])
-        return True
-    except Exception:  # noqa: BLE001
-        return False

@@ -272,18 +272,14 @@ def _stage_locked(
     prev_marker = _read_marker(marker)  # put back if the fit check refuses
     copied = 0
     # A first copy reads everything anyway: start reading while the walk runs.
-    # (Not with peers: each node reads only its share.)
-    ahead = (
-        Readahead(source)
-        if kind == "dir" and record is None and not os.path.exists(part) and peers is None
-        else None
-    )
+    cold = kind == "dir" and record is None and not os.path.exists(part)
+    ahead = Readahead(source) if cold and peers is None else None  # peers: each reads a share
     try:
         if kind == "dir":
             tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
             current = same and manifest["entries"] == entries  # type: ignore[index]
-            if peers is not None and not peers.agree(tree, current) and current:
+            if peers is not None and not peers.agree(tree, current, cold) and current:
                 peers.fill([], lambda b, f: None, False)  # the others need our share
                 peers.barrier()
             if current:
