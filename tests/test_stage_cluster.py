@@ -169,7 +169,9 @@ class Cluster:
         (bitmaps, inode tables, directories; ~1.2 MB here, a fixed cost per node)."""
         before = self.read()
         for dev in self.devs:
-            script = f"mount -o ro,noload {dev} {self.src} && find {self.src} -printf '%s %m %T@\\n'"
+            script = (
+                f"mount -o ro,noload {dev} {self.src} && find {self.src} -printf '%s %m %T@\\n'"
+            )
             subprocess.run(
                 ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                 check=True, capture_output=True,
