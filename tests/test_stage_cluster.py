@@ -74,10 +74,16 @@ def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
 # --- real nodes --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` different ports free right now (bound together, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _sectors_read(dev: str) -> int:
@@ -129,7 +135,7 @@ class Cluster:
         the `shmstage stage` of that node (``args`` added), $ALONE the same without
         --nodes, $EXE shmstage and $CLUSTER the node's cluster flags.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
         Python process would move only the calling thread."""
-        port = _free_port()
+        port, port2 = _free_ports(2)
         exe = shutil.which("shmstage", path=os.path.dirname(sys.executable)) or "shmstage"
         alone = f"{exe} stage {self.src} --name data --dest {self.dest} --reserve 0 --quiet {args}"
         out = []
@@ -139,7 +145,7 @@ class Cluster:
                 f"mount -o ro,noload {self.devs[rank]} {self.src} || exit 90; "
                 f"mount -t tmpfs -o size=256M shmstage-test {self.dest} || exit 91; "
                 f"{(per_node or {}).get(rank, '')}"
-                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port + 1}; EXE={exe}; '
+                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port2}; EXE={exe}; '
                 f'CLUSTER="--nodes {nodes} --node-rank {rank} --rendezvous 127.0.0.1:{port}"; '
                 f"{body}"
             )
@@ -210,6 +216,22 @@ def cluster(tmp_path: Path, procs):
     c.detach()
 
 
+def _when_writing(cluster: Cluster, node) -> int:
+    """The pid of ``node``'s shmstage once it has written data into its partial copy."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
+        if kids:
+            find = ["find", f"{cluster.dest}/.shmstage/partial", "-type", "f", "-size", "+0"]
+            written = subprocess.run(
+                ["nsenter", "-t", kids[0], "-m", *find], capture_output=True, text=True
+            ).stdout
+            if written.strip():
+                return int(kids[0])
+        time.sleep(0.1)
+    raise AssertionError("the node never started writing")
+
+
 def _wait_all(nodes, timeout: float = 120) -> list[tuple[int, str, str]]:
     out = []
     for p in nodes:
@@ -233,7 +255,8 @@ def test_four_nodes_read_the_source_once_and_publish_identical_copies(cluster) -
     assert alone_read > 3.5 * cluster.bytes, (alone_read, cluster.bytes)
 
     before = cluster.read()
-    results = _wait_all(cluster.start(f"$STAGE >/dev/null || exit 1; {digest}"))
+    body = f"$STAGE >/dev/null || exit 1; {digest}"
+    results = _wait_all(cluster.start(body, args="--verify checksum"))
     assert [rc for rc, _, _ in results] == [0] * NODES, results
     read = cluster.read() - before - metadata  # the data, read by the four nodes together
     assert read <= 1.1 * cluster.bytes, (read, cluster.bytes, alone_read, metadata)
@@ -264,22 +287,7 @@ def test_a_killed_node_makes_every_node_fail_and_publish_nothing_then_a_rerun_co
         + DIGEST.format(root=f"{cluster.dest}/data")
     )
     nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
-    victim = None
-    deadline = time.monotonic() + 60
-    while victim is None and time.monotonic() < deadline:
-        kids = Path(f"/proc/{nodes[2].pid}/task/{nodes[2].pid}/children").read_text().split()
-        if kids:
-            written = subprocess.run(
-                ["nsenter", "-t", kids[0], "-m", "find", f"{cluster.dest}/.shmstage/partial",
-                 "-type", "f", "-size", "+0"],
-                capture_output=True, text=True, check=False,
-            ).stdout  # fmt: skip
-            if written.strip():
-                victim = int(kids[0])
-                break
-        time.sleep(0.1)
-    assert victim is not None, "node 2 never started writing"
-    os.kill(victim, signal.SIGKILL)
+    os.kill(_when_writing(cluster, nodes[2]), signal.SIGKILL)
     results = _wait_all(nodes)
     want = cluster.source_digest()
     for rank, (_rc, out, err) in enumerate(results):
@@ -291,6 +299,27 @@ def test_a_killed_node_makes_every_node_fail_and_publish_nothing_then_a_rerun_co
         second, _, copy = rest.partition("\n")
         assert second == "second=0", (rank, out, err)
         assert copy == want
+
+
+@pytest.mark.root
+def test_a_hung_node_makes_every_node_fail_within_the_timeout_naming_it(cluster) -> None:
+    """SIGSTOP node 2 mid-exchange: the others give up after --timeout (no connection breaks:
+    only the timeout and the stopped heartbeat show it) and name node 2; nothing published."""
+    body = (
+        "$STAGE --timeout 4 >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
+    victim = _when_writing(cluster, nodes[2])
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        results = [_wait_all([p])[0] for i, p in enumerate(nodes) if i != 2]
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    for out_err in results:
+        _, out, err = out_err
+        assert out == "rc=1\n", out_err
+        assert err.startswith("Error: lost node 2 of 4"), err
 
 
 @pytest.mark.root
