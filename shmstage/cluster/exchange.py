@@ -292,7 +292,7 @@ class Ring:
                 continue  # a file this node already has
             chunk = view[seg.at : seg.at + seg.length]
             want = int.from_bytes(view[data + CRC * i : data + CRC * (i + 1)], "little")
-            if zlib.crc32(chunk) != want:
+            if share != self.rank and zlib.crc32(chunk) != want:  # ours: computed just now
                 raise Damaged(
                     f"{self.plan.files[seg.file][0]} (bytes {seg.offset}-{seg.offset + seg.length}) "
                     f"arrived from node {share} damaged (checksum mismatch); re-run"
