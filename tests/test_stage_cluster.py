@@ -197,6 +197,7 @@ DIGEST = (
 def cluster(tmp_path: Path, procs):
     if os.geteuid() != 0 or not shutil.which("losetup") or not shutil.which("mkfs.ext4"):
         pytest.skip("needs root, losetup and mkfs.ext4")
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
     data = tmp_path / "data"
     rng = __import__("random").Random(13)
     for d in range(8):

@@ -45,7 +45,13 @@ class Rendezvous:
         # c10d logs every failed store call of a dying cluster as a C++ warning with a stack
         # trace; the one-line error says what happened.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        from torch.distributed import TCPStore
+        try:
+            from torch.distributed import TCPStore
+        except ImportError:
+            raise ShmstageError(
+                "--nodes needs torch (torch.distributed moves the bytes between nodes): "
+                "pip install 'shmstage[cluster]', or stage on each node alone without --nodes"
+            ) from None
 
         wait = self.timeout if timeout is None else timeout
         try:
