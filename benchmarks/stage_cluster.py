@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -153,6 +154,7 @@ def main() -> None:
     ap.add_argument("--mbps", type=int, default=100, help="source read limit, all nodes together")
     ap.add_argument("--workdir", default="/var/tmp/shmstage-bench-cluster")
     ap.add_argument("--modes", nargs="+", default=["naive", "read-once"])
+    ap.add_argument("--runs", type=int, default=3, help="runs per mode, interleaved; median")
     ap.add_argument("--json", dest="as_json", action="store_true")
     ap.add_argument("stage_args", nargs="*", help="more `shmstage stage` options (after --)")
     a = ap.parse_args()
@@ -181,7 +183,7 @@ def main() -> None:
                 )  # fmt: skip
             meta = metadata(devs, src)
             with blkio_throttle(image, a.mbps * MB, name="shmstage-bench-cluster") as throttle:
-                for mode in a.modes:
+                for mode in [m for _ in range(a.runs) for m in a.modes]:
                     drop_caches()
                     warm_software()
                     before = sectors(devs)
@@ -190,7 +192,6 @@ def main() -> None:
                     )
                     read = sectors(devs) - before - meta
                     results.append(Result(n, mode, wall, staged, read, size))
-                    r = results[-1]
                     print(
                         f"{n} nodes {mode:9s}: wall {wall:6.1f} s (staging {staged:6.1f} s), "
                         f"source {read / MB:7.0f} MB = {read / size:4.2f}x the dataset",
@@ -203,14 +204,27 @@ def main() -> None:
         print(json.dumps([asdict(r) for r in results], indent=2))
         return
     bw = a.mbps * MB
-    print("| nodes | mode | wall s | staging s | source MB | x dataset | model s (S/B) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        model = size / bw * (r.nodes if r.mode == "naive" else 1)
-        print(
-            f"| {r.nodes} | {r.mode} | {r.wall:.1f} | {r.staged:.1f} | "
-            f"{r.source_bytes / MB:.0f} | {r.source_bytes / size:.2f} | {model:.1f} |"
-        )
+    print(f"{size / MB:.0f} MB dataset, source throttled to {a.mbps} MB/s for all nodes together")
+    print(
+        "| nodes | mode | wall s (median) | runs min-max s | staging s | source MB | x dataset "
+        "| model s | wall / naive |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for n in a.nodes:
+        naive = None
+        for mode in a.modes:
+            rs = [r for r in results if r.nodes == n and r.mode == mode]
+            wall = statistics.median(r.wall for r in rs)
+            staged = statistics.median(r.staged for r in rs)
+            read = statistics.median(r.source_bytes for r in rs)
+            naive = wall if mode == "naive" else naive
+            model = n * size / bw if mode == "naive" else size / bw
+            ratio = f"{wall / naive:.2f}" if naive else "-"
+            print(
+                f"| {n} | {mode} | {wall:.1f} | {min(r.wall for r in rs):.1f}-"
+                f"{max(r.wall for r in rs):.1f} | {staged:.1f} | {read / MB:.0f} | "
+                f"{read / size:.2f} | {model:.1f} | {ratio} |"
+            )
 
 
 if __name__ == "__main__":
