@@ -133,7 +133,7 @@ class Cluster:
         """Start ``nodes`` nodes: each mounts its loop device at SRC and a tmpfs at DEST in a
         mount namespace of its own, then runs the shell ``body`` there, in which $STAGE is
         the `shmstage stage` of that node (``args`` added), $ALONE the same without
-        --nodes, $EXE shmstage and $CLUSTER the node's cluster flags.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
+        --nodes, $EXE shmstage, $RANK the node's rank and $CLUSTER its cluster flags.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
         Python process would move only the calling thread."""
         port, port2 = _free_ports(2)
         exe = shutil.which("shmstage", path=os.path.dirname(sys.executable)) or "shmstage"
@@ -145,7 +145,7 @@ class Cluster:
                 f"mount -o ro,noload {self.devs[rank]} {self.src} || exit 90; "
                 f"mount -t tmpfs -o size=256M shmstage-test {self.dest} || exit 91; "
                 f"{(per_node or {}).get(rank, '')}"
-                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port2}; EXE={exe}; '
+                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port2}; EXE={exe}; RANK={rank}; '
                 f'CLUSTER="--nodes {nodes} --node-rank {rank} --rendezvous 127.0.0.1:{port}"; '
                 f"{body}"
             )
@@ -271,6 +271,24 @@ def test_four_nodes_read_the_source_once_and_publish_identical_copies(cluster) -
     for _, out, _ in results:
         report, end = json.JSONDecoder().raw_decode(out)
         assert (report["changed"], report["copied_bytes"]) == (False, 0)
+        assert out[end:].lstrip("\n") == want
+
+
+@pytest.mark.root
+def test_nodes_that_hold_the_copy_serve_their_share_to_those_that_do_not(cluster) -> None:
+    """Nodes 0-2 evict their copy, node 3 keeps it: the next run copies nothing on node 3
+    (its share comes from SRC as before) and the others end with the same copy as node 3."""
+    body = (
+        "$STAGE >/dev/null || exit 1; "
+        f"[ $RANK = 3 ] || $EXE evict data --dest {cluster.dest} >/dev/null || exit 2; "
+        "$STAGE --rendezvous 127.0.0.1:$PORT2 --json || exit 3; "
+        + DIGEST.format(root=f"{cluster.dest}/data")
+    )
+    want = cluster.source_digest()
+    for rank, (rc, out, err) in enumerate(_wait_all(cluster.start(body))):
+        assert rc == 0, err
+        report, end = json.JSONDecoder().raw_decode(out)
+        assert report["changed"] is (rank != 3), report
         assert out[end:].lstrip("\n") == want
 
 
