@@ -107,10 +107,10 @@ class Peers:
         for job in jobs:
             mine[index[job[6]]] = 1
         needs = self.rv.allgather("need", zlib.compress(bytes(mine)))
-        union = bytearray(len(files))
+        bits = 0  # one byte (0 or 1) per file: OR as big integers, not 1M Python steps
         for blob in needs:
-            for i, b in enumerate(zlib.decompress(blob)):
-                union[i] |= b
+            bits |= int.from_bytes(zlib.decompress(blob), "little")
+        union = bits.to_bytes(len(files), "little")
         chosen = [i for i, b in enumerate(union) if b and files[i][1] > 0]
         plan = make_plan([files[i] for i in chosen], self.spec.nodes, self.piece)
         by_rel = {job[6]: job for job in jobs}
