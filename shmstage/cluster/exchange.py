@@ -23,8 +23,8 @@ NOTE [ring lifecycle]
 
 Memory: SLOTS buffers of one piece each, allocated (and touched) once; that is the
 node's bound on bytes in flight.  The reader may run ahead by SLOTS-3 pieces, which also
-lets it start before the rendezvous (``prefetch``).  A piece is written after it was forwarded, so the
-writer is always the last to use a buffer.
+lets it start before the rendezvous (``prefetch``).  A piece is written after it was
+forwarded, so the writer is always the last to use a buffer.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ _WR = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 _RANDOM = getattr(os, "POSIX_FADV_RANDOM", 1)
 _POLL = 0.2
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -89,7 +90,9 @@ class Ring:
         self.pool: queue.Queue[Any] = queue.Queue()
         longest = max(plan.size(r, k) for r in range(self.n) for k in range(plan.pieces))
         for _ in range(SLOTS):
-            self.pool.put(bytearray(longest))  # zero-filled: touched now, not mid-ring
+            buf = bytearray(longest)
+            buf[::_PAGE] = bytes(len(range(0, longest, _PAGE)))  # fault pages in now, not mid-ring
+            self.pool.put(buf)
         # The reader may fill all buffers but the 3 the ring and the writer need to go on.
         self.ahead: queue.Queue[Any] = queue.Queue(maxsize=SLOTS - 3)
         self.written: queue.Queue[Any] = queue.Queue(maxsize=3)
