@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 resolves to a local CPU wheel on our nodes; anything
 # else would download several GB of CUDA packages.
 TORCH ?= torch==2.13.0
-APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip binutils
+APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip binutils e2fsprogs
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint deps clean docs

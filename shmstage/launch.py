@@ -495,18 +495,21 @@ def _stage_leased(
     request: StageRequest,
     dest: str | None,
     log: Callable[[str], None] | None,
+    peers: Any = None,
     **room: Any,  # make_room, policies: see shmstage.stage.tiers.stage
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
     from shmstage.stage.leases import acquire
 
-    for attempt in (1, 2):
+    attempts = (1, 2) if peers is None else (2,)  # peers: every node stages once per source
+    for attempt in attempts:
         ds = engine.stage(
             request.source,
             name=request.name,
             dest=dest,
             progress=_waiting_note(request, log),
+            peers=peers,
             **room,
         )
         try:
@@ -529,8 +532,12 @@ def run(
     make_room: bool = False,
     config_path: str | None = None,
     log: Callable[[str], None] | None = None,
+    cluster: Any = None,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
+
+    ``cluster`` (a :class:`shmstage.cluster.ClusterSpec`): stage together with the other
+    nodes, which run the same command; the job starts once every node has its copy.
 
     Everything that can be refused (placeholders, a missing command, a bad node config, a
     failed staging) is refused before the job starts.
@@ -566,19 +573,21 @@ def run(
     try:
         if requests:
             from shmstage import stage as engine
+            from shmstage.cluster import Peers
 
-            for r in requests:
-                ds, lease = _stage_leased(
-                    engine, r, dest, log, make_room=make_room, policies=policies
-                )
-                held.append(lease)
-                staged.append(ds)
-                if log is not None:
-                    for skip in ds.skipped:  # tiers (docs/cache.md)
-                        log(f"skipped tier {skip.tier}: {skip.reason}")
-                    for v in ds.evicted:
-                        log(f"evicted {v.name} from {v.tier} to make room")
-                    log(f"{engine.summary(ds)} -> {ds.path}")
+            with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
+                for r in requests:
+                    ds, lease = _stage_leased(
+                        engine, r, dest, log, peers, make_room=make_room, policies=policies
+                    )
+                    held.append(lease)
+                    staged.append(ds)
+                    if log is not None:
+                        for skip in ds.skipped:  # tiers (docs/cache.md)
+                            log(f"skipped tier {skip.tier}: {skip.reason}")
+                        for v in ds.evicted:
+                            log(f"evicted {v.name} from {v.tier} to make room")
+                        log(f"{engine.summary(ds)} -> {ds.path}")
         pairs = [(ds.name, str(ds.path)) for ds in staged]
         if len({n for n, _ in pairs}) != len(pairs):
             raise RefusedError(

@@ -129,8 +129,12 @@ def prepare(
     *,
     dry_run: bool = False,
     log: Callable[[str], None] | None = None,
+    peers: Any = None,
 ) -> PrepareReport:
-    """Converge the node to ``config``; never raises for a failed step (see ``report.failed``)."""
+    """Converge the node to ``config``; never raises for a failed step (see ``report.failed``).
+
+    ``peers`` (:class:`shmstage.cluster.Peers`): stage each dataset together with the
+    other nodes, which run ``prepare`` with the same datasets."""
     say = log or (lambda _msg: None)
     steps: list[Step] = []
     error: str | None = None
@@ -139,7 +143,7 @@ def prepare(
         ("shm-size", lambda: _size_shm(config, dry_run)),
     ]
     for ds in config.datasets:
-        plan.append((f"stage {ds.name}", lambda ds=ds: _stage(config, ds, dry_run)))
+        plan.append((f"stage {ds.name}", lambda ds=ds: _stage(config, ds, dry_run, peers)))
     plan.append(("pillow-simd", lambda: _pillow(config, dry_run, say)))
     for name, run in plan:
         say(f"prepare: {name}...")
@@ -285,7 +289,9 @@ def _published(name: str, dest: str) -> Any:
     return store.open(create=False).published(name)
 
 
-def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, str]:
+def _stage(
+    config: NodeConfig, ds: DatasetConfig, dry_run: bool, peers: Any = None
+) -> tuple[str, str]:
     from shmstage.stage import stage
 
     if "://" not in ds.source and not os.path.exists(ds.source):  # s3:// is checked by a LIST
@@ -308,7 +314,12 @@ def _stage(config: NodeConfig, ds: DatasetConfig, dry_run: bool) -> tuple[str, s
             "not refreshed: run prepare again when the job has finished"
         )
     result = stage(
-        ds.source, name=ds.name, dest=config.dest, verify=ds.verify, reserve=config.reserve
+        ds.source,
+        name=ds.name,
+        dest=config.dest,
+        verify=ds.verify,
+        reserve=config.reserve,
+        peers=peers,
     )
     if result.changed:
         return CHANGED, (

@@ -66,3 +66,46 @@ def config_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any
         envvar="SHMSTAGE_CONFIG",
         help=help,
     )
+
+
+def cluster_options(f: Any) -> Any:
+    """``--nodes/--node-rank/--rendezvous/--timeout/--inflight``: stage one source with
+    several nodes, each reading a share (``stage``, ``run`` and ``prepare`` take them)."""
+    from shmstage.cluster import DEFAULT_PORT
+
+    options = [
+        click.option(
+            "--nodes",
+            type=click.IntRange(min=1),
+            help="Stage together with this many nodes (one shmstage per node): each reads 1/N "
+            "of SRC and they exchange the rest over torch.distributed (gloo). Default: 1, alone.",
+        ),
+        click.option(
+            "--node-rank",
+            type=click.IntRange(min=0),
+            help="This node's rank, 0 to N-1. Default: $SLURM_NODEID.",
+        ),
+        click.option(
+            "--rendezvous",
+            metavar="HOST[:PORT]",
+            help=f"Node 0's address for the rendezvous (port default {DEFAULT_PORT}). "
+            "Default: the first host of $SLURM_JOB_NODELIST.",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            default=300.0,
+            show_default=True,
+            help="Seconds to wait for another node before all fail, naming it (--nodes).",
+        ),
+        click.option(
+            "--inflight",
+            type=SIZE,
+            default="256M",
+            show_default=True,
+            help="Bytes of the exchange this node holds in memory at most (--nodes).",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import click
 
 from shmstage.cli.output import emit, json_option, log, stderr_is_tty, table
+from shmstage.cli.params import cluster_options
 from shmstage.config import DEFAULT_PATH, ENV_VAR, load_config
 from shmstage.errors import ShmstageError
 from shmstage.prepare import PrepareReport, prepare
@@ -42,8 +45,19 @@ def render(report: PrepareReport) -> None:
     is_flag=True,
     help="Only check the config file (exit 2 with every problem if invalid); run no step.",
 )
+@cluster_options
 @json_option
-def prepare_cmd(config_path: str | None, dry_run: bool, validate: bool, as_json: bool) -> None:
+def prepare_cmd(
+    config_path: str | None,
+    dry_run: bool,
+    validate: bool,
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
+    as_json: bool,
+) -> None:
     """Converge this node to its YAML config (/etc/shmstage.yaml).
 
     \b
@@ -51,6 +65,8 @@ def prepare_cmd(config_path: str | None, dry_run: bool, validate: bool, as_json:
     install pillow-simd if enabled.  Safe to run again: a converged node reports
     "nothing changed".  The whole config is validated before anything runs.
     The first failing step stops the run (exit 1); earlier steps' changes stay.
+    With --nodes N every node runs prepare with the same config and the nodes
+    stage each dataset together, reading it once (see `shmstage stage --nodes`).
     """
     config = load_config(config_path)
     if validate:
@@ -61,7 +77,13 @@ def prepare_cmd(config_path: str | None, dry_run: bool, validate: bool, as_json:
             lambda c: click.echo(f"{c.path}: valid ({n} dataset{'' if n == 1 else 's'})"),
         )
         return
-    report = prepare(config, dry_run=dry_run, log=log if stderr_is_tty() else None)
+    from shmstage.cluster import Peers, resolve
+
+    spec = None if dry_run else resolve(nodes, node_rank, rendezvous, timeout, inflight)
+    with Peers(spec) if spec is not None else nullcontext() as peers:
+        report = prepare(config, dry_run=dry_run, log=log if stderr_is_tty() else None, peers=peers)
+        if report.failed and peers is not None:
+            peers.fail(report.error or "prepare failed")
     emit(report, as_json, render)
     if report.failed:
         raise PrepareFailed(report.error or "a step failed")

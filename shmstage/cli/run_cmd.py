@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
-from shmstage.cli.params import config_option
+from shmstage.cli.params import cluster_options, config_option
 
 
 def _log(message: str) -> None:
@@ -120,6 +120,7 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     "Node config: its loader section gives default loader settings, its dest the tiers and "
     "their cache max_size."
 )
+@cluster_options
 @click.argument(
     "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[--] CMD [ARGS]..."
 )
@@ -135,6 +136,11 @@ def run_cmd(
     make_room: bool,
     cleanup: bool,
     config_path: str | None,
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
     command: tuple[str, ...],
 ) -> None:
     """Stage datasets, then run CMD on the staged copy and return its exit status.
@@ -150,6 +156,7 @@ def run_cmd(
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
       shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
+    from shmstage.cluster import resolve
     from shmstage.launch import run
 
     result = run(
@@ -163,5 +170,6 @@ def run_cmd(
         make_room=make_room,
         config_path=config_path,
         log=_log,
+        cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
     )
     raise SystemExit(result.returncode)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import click
 
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import SIZE_OR_PERCENT, config_option
+from shmstage.cli.params import SIZE_OR_PERCENT, cluster_options, config_option
 from shmstage.errors import CapacityError
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
@@ -118,6 +119,7 @@ def _log_waiting(p: Progress) -> None:
     help="Tar archives only: drop the first N path components of every member, like tar's "
     "option (1 turns an archive of one top folder into that folder's contents).",
 )
+@cluster_options
 @click.option(
     "--quiet",
     "-q",
@@ -139,6 +141,11 @@ def stage_cmd(
     reserve: int | str | None,
     force: bool,
     strip_components: int,
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -151,7 +158,13 @@ def stage_cmd(
     changed.  Several processes staging the same source share one copy.
     s3:// reads credentials and the endpoint from AWS_* or a ~/.aws profile
     (pip install 'shmstage[s3]'; docs/s3.md).
+
+    With --nodes N (one shmstage per node), the nodes read SRC once between
+    them and exchange the rest; every node publishes, or none.
     """
+    from shmstage.cluster import Peers, resolve
+
+    spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
     dest, policies = configured(dest, config_path)
     if dry_run:
         p = plan(src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies)
@@ -162,19 +175,21 @@ def stage_cmd(
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
     try:
-        ds = stage(
-            src,
-            name=name,
-            dest=dest,
-            make_room=make_room,
-            policies=policies,
-            workers=workers,
-            verify=verify,
-            reserve=reserve,
-            force=force,
-            progress=progress,
-            strip_components=strip_components,
-        )
+        with Peers(spec) if spec is not None else nullcontext() as peers:
+            ds = stage(
+                src,
+                name=name,
+                dest=dest,
+                make_room=make_room,
+                policies=policies,
+                workers=workers,
+                verify=verify,
+                reserve=reserve,
+                force=force,
+                progress=progress,
+                strip_components=strip_components,
+                peers=peers,
+            )
     finally:
         if bar is not None:
             bar.close()

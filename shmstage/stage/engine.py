@@ -157,11 +157,14 @@ def stage(
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
     strip_components: int = 0,
+    peers: Any = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
     ``strip_components`` drops that many leading path components of an archive's
-    members, like ``tar --strip-components``."""
+    members, like ``tar --strip-components``.  ``peers`` (a
+    :class:`shmstage.cluster.Peers`) stages a directory together with other nodes:
+    each reads a share of the source and they exchange the rest."""
     t0 = time.monotonic()
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
@@ -175,6 +178,11 @@ def stage(
         raise RefusedError(
             f"--strip-components applies to tar archives, and {raw} is a "
             f"{'directory' if kind == 'dir' else 'prefix'}; stage the subdirectory you want instead"
+        )
+    if kind != "dir" and peers is not None:
+        raise RefusedError(
+            f"{raw} is not a directory: staging with several nodes reads directories only; "
+            "stage it on each node alone (without --nodes), or unpack it on the share"
         )
     name = check_name(name) if name is not None else name_for(source)
     store = Store(dest)
@@ -207,6 +215,7 @@ def stage(
             t0,
             claim,
             strip_components,
+            peers,
         )
 
 
@@ -246,6 +255,7 @@ def _stage_locked(
     t0: float,
     claim: Claim,
     strip_components: int = 0,
+    peers: Any = None,
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
@@ -263,8 +273,10 @@ def _stage_locked(
     marker = os.path.join(store.partial_dir, f".{name}.source")
     prev_marker = _read_marker(marker)  # put back if the fit check refuses
     copied = 0
+    # A first copy with no peers copies while its walk runs; with peers each reads a share.
+    cold = kind == "dir" and record is None and not os.path.lexists(part)
     try:
-        if kind == "dir" and record is None and not os.path.lexists(part):
+        if cold and peers is None:
             # A first copy: nothing to compare or resume, so copy while the walk runs.
             _write_marker(marker, source)
             _kill_at("marker")
@@ -274,7 +286,11 @@ def _stage_locked(
         elif kind == "dir":
             tree = walk(source, threads=scan_threads(source))
             entries = [list(e) for e in tree.entries]
-            if same and manifest["entries"] == entries:  # type: ignore[index]
+            current = same and manifest["entries"] == entries  # type: ignore[index]
+            if peers is not None and not peers.agree(tree, current, cold) and current:
+                peers.fill([], lambda b, f: None, False)  # the others need our share
+                peers.barrier()
+            if current:
                 _drop_leftovers(store, name, marker)
                 _recheck_access(store, name, source, kind, manifest)
                 return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
@@ -302,6 +318,7 @@ def _stage_locked(
                 report,
                 write_manifest,
                 claim,
+                peers,
             )
             _kill_at("build")
             if not written:
@@ -362,6 +379,8 @@ def _stage_locked(
                 name, {**data, "archive": fingerprint, "strip_components": strip_components}
             )
         _kill_at("manifest")
+        if peers is not None:
+            peers.barrier()  # all or nothing: publish only once every node has every byte
         report("publishing")
         if kind not in sources.LISTED_KINDS:
             access.restrict_root(part, source, kind)  # no reader the source path shuts out
@@ -377,6 +396,8 @@ def _stage_locked(
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
         if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
             _restore_marker(marker, prev_marker)  # a resumable partial included (exit 2)
+            raise
+        if getattr(e, "keeps_partial", False):  # another node failed: resume from here next time
             raise
         store.discard(part)
         _remove_marker(marker)
@@ -599,6 +620,7 @@ def _build_dir(
     report: Callable[..., None],
     while_copying: Callable[[], None],
     claim: Claim,
+    peers: Any = None,
 ) -> int:
     """Build the new version of a directory source in partial/<name>; returns bytes copied."""
     part = store.partial(name)
@@ -683,9 +705,13 @@ def _build_dir(
         os.umask(old_umask)
     nworkers = workers or copier.default_workers()
     tick = claim.counting(_Counter(report, total, len(jobs)))
-    copier.run(jobs, tasks, nworkers, tick, while_copying)
+    if peers is not None:
+        peers.fill(jobs, tick, verify == "checksum")  # instead of reading all of SRC here
+    else:
+        copier.run(jobs, tasks, nworkers, tick, while_copying)
+    checked = "size" if peers is not None else verify  # peers: checked against owners' sums
     _finish_build(
-        part, tree.root, jobs, [jobs[i] for i in chunked], hard, dirs, verify, nworkers, report
+        part, tree.root, jobs, [jobs[i] for i in chunked], hard, dirs, checked, nworkers, report
     )
     return total
 

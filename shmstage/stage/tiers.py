@@ -128,6 +128,11 @@ def stage(
     goes to :func:`shmstage.stage.engine.stage`.  Refuses (CapacityError) before removing
     anything when no tier can take it."""
     tiers, policies, name = _request(src, name, dest, policies)
+    if kw.get("peers") is not None and len(tiers) > 1:
+        raise RefusedError(
+            "staging with several nodes takes one destination, not a list of tiers: "
+            "pass --dest with the tier to fill on every node"
+        )
     progress = kw.get("progress")
     waiting = (lambda pid: progress(engine.Progress("waiting", holder=pid))) if progress else None
     with _placing(tiers[0], name, waiting) if len(tiers) > 1 else nullcontext():

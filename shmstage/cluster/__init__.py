@@ -1,0 +1,94 @@
+"""Cluster staging: N nodes each read 1/N of a source and exchange the rest (torch.distributed).
+
+    from shmstage.cluster import Peers, resolve
+    spec = resolve(nodes=4, rank=None, rendezvous=None)   # rank/host from Slurm if unset
+    with Peers(spec) as peers:
+        stage("/nfs/imagenet", peers=peers)
+
+``resolve`` returns None for one node: then ``stage`` runs exactly as on a single node.
+Modules: rendezvous (TCPStore + gloo, failures), plan (shares and pieces), exchange
+(the pipelined ring), peers (the hook the staging engine calls).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec, Peers
+from shmstage.cluster.rendezvous import PeerLost
+from shmstage.errors import RefusedError
+
+DEFAULT_PORT = 29450  # not torchrun's 29400: `shmstage run` may stage, then start torchrun
+
+__all__ = ["DEFAULT_PORT", "ClusterSpec", "PeerLost", "Peers", "first_host", "resolve"]
+
+
+def resolve(
+    nodes: int | None,
+    rank: int | None,
+    rendezvous: str | None,
+    timeout: float | None = None,
+    inflight: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ClusterSpec | None:
+    """This node's place from the flags, the rank and host falling back to Slurm's
+    variables (SLURM_NODEID, the first host of SLURM_JOB_NODELIST); None for one node."""
+    env = os.environ if environ is None else environ
+    if nodes is None or nodes == 1:
+        return None
+    if nodes < 1:
+        raise RefusedError(f"invalid --nodes {nodes}: must be at least 1")
+    if rank is None and env.get("SLURM_NODEID", "").isdigit():
+        rank = int(env["SLURM_NODEID"])
+    if rank is None:
+        raise RefusedError(
+            f"--nodes {nodes} needs this node's --node-rank (0 to {nodes - 1}); under Slurm it "
+            "comes from SLURM_NODEID"
+        )
+    if not 0 <= rank < nodes:
+        raise RefusedError(
+            f"invalid --node-rank {rank}: must be 0 to {nodes - 1} for --nodes {nodes}"
+        )
+    if rendezvous is None and env.get("SLURM_JOB_NODELIST"):
+        rendezvous = first_host(env["SLURM_JOB_NODELIST"])
+    if not rendezvous:
+        raise RefusedError(
+            f"--nodes {nodes} needs --rendezvous HOST[:PORT], node 0's address (under Slurm: "
+            "the first host of SLURM_JOB_NODELIST)"
+        )
+    host, port = _host_port(rendezvous)
+    return ClusterSpec(
+        nodes,
+        rank,
+        host,
+        port,
+        DEFAULT_TIMEOUT if timeout is None else timeout,
+        DEFAULT_INFLIGHT if inflight is None else inflight,
+    )
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or "]" in port:  # no port (or a bare IPv6 address in brackets)
+        host, port = text, ""
+    host = host.strip("[]")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise RefusedError(f"invalid --rendezvous {text}: the port must be 1 to 65535")
+    if not host:
+        raise RefusedError(
+            f"invalid --rendezvous {text}: give HOST[:PORT], e.g. node01:{DEFAULT_PORT}"
+        )
+    return host, int(port) if port else DEFAULT_PORT
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if m is None:
+        return nodelist
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges, maxsplit=1)[0]

@@ -1,0 +1,374 @@
+"""The pipelined ring: every node reads its share from SRC and passes pieces around.
+
+NOTE [ring lifecycle]
+
+    reader thread               main thread (gloo)                 writer thread
+    -------------               ------------------                 -------------
+    take a buffer from pool
+    read piece k of own share
+    (threads pread segments,
+     crc32 per segment)  --q->  for each piece k:
+                                  own = q.get()
+                                  step s = 0 .. N-2:
+                                    isend(cur -> rank+1)
+                                    irecv(buf <- rank-1)
+                                    wait both (gloo timeout)
+                                    cur done -> writer  ------q->  check each segment's crc,
+                                    cur = buf                      pwrite what this node needs,
+                                  last cur -> writer  ---------q->  finish files (mode, mtime),
+                                                                   buffer back to pool
+    Every loop waits with a timeout and looks at ``stop``; an error in a thread is passed
+    to the main thread as a value and raised there; on any error the main thread sets
+    ``stop`` and joins both threads (idempotent).
+
+Memory: SLOTS buffers of one piece each, allocated (and touched) once; that is the
+node's bound on bytes in flight.  The reader may run ahead by SLOTS-3 pieces, which also
+lets it start before the rendezvous (``prefetch``).  A piece is written after it was
+forwarded, so the writer is always the last to use a buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from shmstage.cluster.plan import CRC, Plan, Segment
+from shmstage.errors import ShmstageError
+from shmstage.stage.copy import SLOW_ENV
+
+READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
+SLOTS = 8  # buffers per node: read ahead up to 5, send + receive 2, writing 1 (+ queued)
+_RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
+_WR = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
+_RANDOM = getattr(os, "POSIX_FADV_RANDOM", 1)
+_POLL = 0.2
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Target:
+    """A file this node writes: where, its metadata, and the bytes still to come."""
+
+    dst: str
+    src: str
+    size: int
+    mtime: int
+    atime: int
+    mode: int
+    left: int
+    fd: int = -1
+    crcs: dict[int, int] = field(default_factory=dict)  # offset -> crc (for --verify checksum)
+
+
+class Damaged(ShmstageError):
+    """A piece arrived with bytes that do not match the owner's checksum."""
+
+
+class Ring:
+    """One exchange of ``plan``: ``prefetch`` starts reading this node's share (no torch
+    needed yet, so it overlaps the rendezvous), ``run`` exchanges over a gloo group and
+    writes into ``targets``."""
+
+    def __init__(self, plan: Plan, rank: int, root: str, timeout: float, own: bool) -> None:
+        self.plan, self.rank, self.root = plan, rank, root.rstrip("/") + "/"
+        self.timeout, self.own = timeout, own
+        self.group: Any = None
+        self.targets: dict[int, Target] = {}
+        self.tick: Callable[[int, int], None] = lambda b, f: None
+        self.keep_crcs = False
+        self.n = plan.nodes
+        self.stop = threading.Event()
+        self.pool: queue.Queue[Any] = queue.Queue()
+        longest = max(plan.size(r, k) for r in range(self.n) for k in range(plan.pieces))
+        for _ in range(SLOTS):
+            buf = bytearray(longest)
+            buf[::_PAGE] = bytes(len(range(0, longest, _PAGE)))  # fault pages in now, not mid-ring
+            self.pool.put(buf)
+        # The reader may fill all buffers but the 3 the ring and the writer need to go on.
+        self.ahead: queue.Queue[Any] = queue.Queue(maxsize=SLOTS - 3)
+        self.written: queue.Queue[Any] = queue.Queue(maxsize=3)
+        # test hook (as the copier's): seconds to sleep after each piece, to land a kill mid-way
+        self.slow = float(os.environ.get(SLOW_ENV, "0") or 0)
+        self.errors: list[BaseException] = []  # the threads' failures, raised by the main thread
+        self.reader: threading.Thread | None = None
+
+    def prefetch(self) -> None:
+        """Start reading this node's share (idempotent)."""
+        if self.reader is None:
+            self.reader = threading.Thread(
+                target=self._reader, name="shmstage-ring-read", daemon=True
+            )
+            self.reader.start()
+
+    def close(self) -> None:
+        """Stop the reader (idempotent): a prefetch whose plan was not the one agreed."""
+        self.stop.set()
+        if self.reader is not None:
+            self.reader.join(5)
+
+    # --- main thread -------------------------------------------------------------------
+
+    def run(
+        self,
+        group: Any,
+        targets: dict[int, Target],
+        tick: Callable[[int, int], None],
+        keep_crcs: bool,
+    ) -> None:
+        self.group, self.targets, self.tick, self.keep_crcs = group, targets, tick, keep_crcs
+        self.prefetch()
+        writer = threading.Thread(target=self._writer, name="shmstage-ring-write", daemon=True)
+        writer.start()
+        reader = self.reader
+        try:
+            self._ring()
+            self._put(self.written, None)  # no more pieces
+            while writer.is_alive():
+                writer.join(_POLL)
+                self._raise_from(self.errors)
+            self._raise_from(self.errors)
+        finally:
+            self.stop.set()
+            reader.join(5)  # type: ignore[union-attr]
+            writer.join(5)
+            self._close_fds()
+
+    def _ring(self) -> None:
+        import torch
+
+        def tensor(buf: bytearray, size: int) -> Any:
+            return torch.frombuffer(buf, dtype=torch.uint8, count=size)
+
+        plan, n, me = self.plan, self.n, self.rank
+        nxt, prev = (me + 1) % n, (me - 1) % n
+        wait = timedelta(seconds=self.timeout)
+        tag = 0
+        for k in range(plan.pieces):
+            cur = self._get(self.ahead)
+            share = me
+            for s in range(n - 1):
+                src_share = (me - s - 1) % n
+                buf = self._get(self.pool)
+                inbox = tensor(buf, plan.size(src_share, k))
+                outbox = tensor(cur, plan.size(share, k))
+                try:
+                    sent = self.group.send([outbox], nxt, tag)
+                    got = self.group.recv([inbox], prev, tag)
+                    _wait(sent, wait, nxt)
+                    _wait(got, wait, prev)
+                except _Lost:
+                    raise
+                except Exception as e:
+                    raise _Lost(e, None) from None
+                tag += 1
+                self._put(self.written, (share, k, cur))
+                cur, share = buf, src_share
+            self._put(self.written, (share, k, cur))
+
+    def _get(self, q: queue.Queue[Any]) -> Any:
+        while True:
+            self._raise_from(self.errors)
+            try:
+                return q.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+
+    def _put(self, q: queue.Queue[Any], item: Any) -> None:
+        while True:
+            self._raise_from(self.errors)
+            try:
+                q.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    @staticmethod
+    def _raise_from(errors: list[BaseException]) -> None:
+        if errors:
+            raise errors[0]
+
+    # --- reader thread -----------------------------------------------------------------
+
+    def _reader(self) -> None:
+        try:
+            with ThreadPoolExecutor(READERS, thread_name_prefix="shmstage-ring-pread") as pool:
+                for k in range(self.plan.pieces):
+                    buf = None
+                    while buf is None and not self.stop.is_set():
+                        try:
+                            buf = self.pool.get(timeout=_POLL)
+                        except queue.Empty:
+                            continue
+                    if buf is None:
+                        return
+                    self._read_piece(k, buf, pool)
+                    while not self.stop.is_set():
+                        try:
+                            self.ahead.put(buf, timeout=_POLL)
+                            break
+                        except queue.Full:
+                            continue
+        except BaseException as e:  # handed to the main thread as a value
+            self.errors.append(e)
+
+    def _read_piece(self, k: int, buf: Any, pool: ThreadPoolExecutor) -> None:
+        segs = self.plan.segments(self.rank, k)
+        view = memoryview(buf)
+        a, b = self.plan.piece_range(self.rank, k)
+        data = b - a
+        crcs = list(pool.map(lambda s: self._read_segment(s, view), segs))
+        tail = b"".join(c.to_bytes(CRC, "little") for c in crcs)
+        view[data : data + len(tail)] = tail
+
+    def _read_segment(self, seg: Segment, view: memoryview) -> int:
+        rel, size = self.plan.files[seg.file]
+        path = self.root + rel
+        try:
+            fd = os.open(path, _RD)
+        except PermissionError:
+            fd = os.open(path, _RD & ~getattr(os, "O_NOATIME", 0))  # O_NOATIME: owner only
+        except OSError as e:
+            raise ShmstageError(f"cannot read source file {path}: {e.strerror}") from None
+        try:
+            # No readahead: past a segment's end lies the next owner's share (read twice).
+            os.posix_fadvise(fd, 0, 0, _RANDOM)
+            out = view[seg.at : seg.at + seg.length]
+            done = 0
+            while done < seg.length:
+                got = os.preadv(fd, [out[done:]], seg.offset + done)
+                if got == 0:
+                    break
+                done += got
+            if done != seg.length or os.fstat(fd).st_size != size:
+                raise ShmstageError(
+                    f"source file changed during the copy: {path}; re-run when the source is stable"
+                )
+            os.posix_fadvise(fd, seg.offset, seg.length, _DONTNEED)  # RAM is used once
+        finally:
+            os.close(fd)
+        return zlib.crc32(out)
+
+    # --- writer thread -----------------------------------------------------------------
+
+    def _writer(self) -> None:
+        try:
+            while True:
+                item = None
+                while item is None and not self.stop.is_set():
+                    try:
+                        item = self.written.get(timeout=_POLL)
+                    except queue.Empty:
+                        continue
+                    if item is None:
+                        return
+                if item is None:
+                    return
+                share, k, buf = item
+                try:
+                    self._write_piece(share, k, buf)
+                finally:
+                    self.pool.put(buf)
+        except BaseException as e:  # handed to the main thread as a value
+            self.errors.append(e)
+
+    def _write_piece(self, share: int, k: int, buf: Any) -> None:
+        if self.slow:
+            time.sleep(self.slow)
+        segs = self.plan.segments(share, k)
+        if not segs:
+            return
+        view = memoryview(buf)
+        a, b = self.plan.piece_range(share, k)
+        data = b - a
+        for i, seg in enumerate(segs):
+            t = self.targets.get(seg.file)
+            if t is None:
+                continue  # a file this node already has
+            chunk = view[seg.at : seg.at + seg.length]
+            want = int.from_bytes(view[data + CRC * i : data + CRC * (i + 1)], "little")
+            if share != self.rank and zlib.crc32(chunk) != want:  # ours: computed just now
+                raise Damaged(
+                    f"{self.plan.files[seg.file][0]} (bytes {seg.offset}-{seg.offset + seg.length}) "
+                    f"arrived from node {share} damaged (checksum mismatch); re-run"
+                )
+            if self.keep_crcs:
+                t.crcs[seg.offset] = want
+            if t.fd < 0:
+                t.fd = os.open(t.dst, _WR, 0o600)
+            done = 0
+            while done < seg.length:
+                done += os.pwrite(t.fd, chunk[done:], seg.offset + done)
+            t.left -= seg.length
+            if t.left == 0:
+                self._finish(t)
+                self.tick(t.size, 1)
+
+    def _finish(self, t: Target) -> None:
+        """Owner, mode, then mtime last: a resumed run keeps only files whose mtime matches."""
+        from shmstage.stage import copy as copier
+
+        if self.own:
+            copier.copy_owner(t.fd, os.stat(t.src))
+        os.fchmod(t.fd, t.mode)
+        os.utime(t.fd, ns=(t.atime, t.mtime))
+        os.close(t.fd)
+        t.fd = -1
+
+    def _close_fds(self) -> None:
+        for t in self.targets.values():
+            if t.fd >= 0:
+                os.close(t.fd)
+                t.fd = -1
+
+
+class _Lost(Exception):
+    """A gloo send/recv failed or timed out; ``peer`` is the node it was with."""
+
+    def __init__(self, error: BaseException, peer: int | None) -> None:
+        super().__init__(str(error))
+        self.error, self.peer = error, peer
+
+
+def _wait(work: Any, timeout: timedelta, peer: int) -> None:
+    try:
+        work.wait(timeout)
+    except Exception as e:
+        raise _Lost(e, peer) from None
+
+
+def verify_written(targets: dict[int, Target], plan: Plan) -> list[str]:
+    """Re-read every written range and compare it with the owner's checksum; the bad paths."""
+    bad = []
+    for i, t in targets.items():
+        fd = os.open(t.dst, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for offset, want in t.crcs.items():
+                end = plan.starts[i] + plan.files[i][1]
+                length = _segment_length(plan, i, offset, end)
+                if zlib.crc32(os.pread(fd, length, offset)) != want:
+                    bad.append(plan.files[i][0])
+                    break
+        finally:
+            os.close(fd)
+    return sorted(bad)
+
+
+def _segment_length(plan: Plan, i: int, offset: int, end: int) -> int:
+    """A segment of file i from ``offset`` ends at the next share or piece boundary."""
+    start = plan.starts[i] + offset
+    for r in range(plan.nodes):
+        s, e = plan.share(r)
+        if s <= start < e:
+            k = (start - s) // plan.piece
+            _, b = plan.piece_range(r, k)
+            return min(b, end) - start
+    return end - start

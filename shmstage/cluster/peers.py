@@ -1,0 +1,225 @@
+"""The hook ``stage`` calls when several nodes stage one source together (``peers=``).
+
+The engine stays the same on every node (lock, fit, partial, publish); at four points it
+asks its peers: do we all see the same tree, and do we all hold it already (``agree``)?
+fill these files (``fill``, instead of the local copier); may we publish (``barrier``)?
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from shmstage.cluster.exchange import SLOTS, Ring, Target, _Lost, verify_written
+from shmstage.cluster.plan import make_plan, piece_size
+from shmstage.cluster.rendezvous import PeerLost, Rendezvous
+from shmstage.errors import RefusedError, ShmstageError
+
+DEFAULT_TIMEOUT = (
+    300.0  # seconds: gloo's own default (30 min) is far too long to notice a dead node
+)
+DEFAULT_INFLIGHT = 256 << 20
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where this node stands in the cluster, and how patient it is."""
+
+    nodes: int
+    rank: int
+    host: str
+    port: int
+    timeout: float = DEFAULT_TIMEOUT
+    inflight: int = DEFAULT_INFLIGHT  # bytes of pieces this node holds at most
+
+
+class Peers:
+    """One node's side of cluster staging; use as a context manager around ``stage``."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout)
+        self.tree: Any = None
+        self.piece = 0
+        self.ring: Ring | None = None  # started early on a node that needs every file
+
+    def __enter__(self) -> Peers:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        if e is not None and not isinstance(e, PeerLost):
+            reason = str(e) if isinstance(e, ShmstageError) else f"{kind.__name__}: {e}"  # type: ignore[union-attr]
+            self.rv.report(reason or "interrupted")
+        self.rv.close()
+
+    def fail(self, reason: str) -> None:
+        """Tell the other nodes this one stops (a caller that reports failures as values,
+        like ``prepare``), so they fail at once instead of after ``timeout``."""
+        self.rv.report(reason)
+
+    # --- the hook ----------------------------------------------------------------------
+
+    def agree(self, tree: Any, current: bool, cold: bool = False) -> bool:
+        """Check every node sees the tree node 0 sees (else all refuse, naming the first
+        difference); True when every node already holds it (then nothing moves).
+
+        ``cold``: this node holds nothing of the dataset, so it needs every file and the
+        plan cannot be other than all files: it starts reading its share now, while torch
+        loads and the others arrive (seconds on a busy node)."""
+        self.tree = tree
+        if cold and not current and self.ring is None:
+            files = [(e[0], e[2]) for e in tree.entries if e[1] == "f"]
+            piece = piece_size(self.spec.inflight, SLOTS)
+            plan = make_plan(files, self.spec.nodes, piece)
+            if plan.total:
+                self.ring = Ring(plan, self.spec.rank, tree.root, self.spec.timeout, _root())
+                self.ring.prefetch()
+        self.rv.connect()
+        self.rv.round += 1
+        entries = [list(e) for e in tree.entries]
+        digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+        mine = {
+            "digest": digest,
+            "current": current,
+            "piece": piece_size(self.spec.inflight, SLOTS),
+        }
+        views = self.rv.allgather_json("tree", mine)
+        self.piece = views[0]["piece"]  # node 0's: every node must cut the same pieces
+        if any(v["digest"] != views[0]["digest"] for v in views):
+            self._refuse(entries, views)
+        return all(v["current"] for v in views)
+
+    def fill(self, jobs: list[Any], tick: Callable[[int, int], None], checksum: bool) -> None:
+        """Write ``jobs`` (the engine's copy jobs) with bytes read once across the nodes."""
+        files = [(e[0], e[2]) for e in self.tree.entries if e[1] == "f"]
+        index = {rel: i for i, (rel, _) in enumerate(files)}
+        mine = bytearray(len(files))
+        for job in jobs:
+            mine[index[job[6]]] = 1
+        needs = self.rv.allgather("need", zlib.compress(bytes(mine)))
+        bits = 0  # one byte (0 or 1) per file: OR as big integers, not 1M Python steps
+        for blob in needs:
+            bits |= int.from_bytes(zlib.decompress(blob), "little")
+        union = bits.to_bytes(len(files), "little")
+        chosen = [i for i, b in enumerate(union) if b and files[i][1] > 0]
+        plan = make_plan([files[i] for i in chosen], self.spec.nodes, self.piece)
+        by_rel = {job[6]: job for job in jobs}
+        targets = {}
+        for j, i in enumerate(chosen):
+            job = by_rel.get(files[i][0])
+            if job is not None:
+                src, dst, size, mtime, atime, mode, _ = job
+                targets[j] = Target(dst, src, size, mtime, atime, mode, size)
+        own = _root()
+        for job in jobs:
+            if job[2] == 0:
+                _empty_file(job, own)
+                tick(0, 1)
+        if plan.total == 0:
+            return
+        ring, self.ring = self.ring, None
+        if ring is None or (ring.plan.files, ring.plan.piece) != (plan.files, plan.piece):
+            if ring is not None:
+                ring.close()  # read ahead for another plan (node 0 cuts other pieces)
+            ring = Ring(plan, self.spec.rank, self.tree.root, self.spec.timeout, own)
+        group = self.rv.gloo()
+        try:
+            ring.run(group, targets, tick, checksum)
+        except _Lost as e:
+            raise self.rv.lost(e.error, e.peer) from None
+        if checksum:
+            bad = verify_written(targets, plan)
+            if bad:
+                raise ShmstageError(
+                    f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}: the copy "
+                    "differs from what its owner node read; the memory is faulty? re-run"
+                )
+
+    def barrier(self) -> None:
+        """Return when every node has every byte; the engine publishes right after."""
+        self.rv.allgather("ready", b"1")
+        if self.rv.group is not None:  # also proves the gloo links are still up
+            from datetime import timedelta
+
+            try:
+                self.rv.group.barrier().wait(timedelta(seconds=self.spec.timeout))
+            except Exception as e:
+                raise self.rv.lost(e) from None
+
+    # --- refusing ----------------------------------------------------------------------
+
+    def _refuse(self, entries: list[list[Any]], views: list[dict[str, Any]]) -> None:
+        """Node 0 posts its entries; every node that differs says where; all raise."""
+        if self.spec.rank == 0:
+            blob = zlib.compress(json.dumps(entries).encode())
+            self.rv.allgather("entries", blob)
+            diff = ""
+        else:
+            theirs = json.loads(zlib.decompress(self.rv.allgather("entries", b"")[0]))
+            diff = (
+                first_difference(theirs, entries)
+                if views[self.spec.rank]["digest"] != views[0]["digest"]
+                else ""
+            )
+        said = self.rv.allgather("diff", diff.encode())
+        for r, text in enumerate(said):
+            if text:
+                raise RefusedError(
+                    f"node {r} sees a different {self.tree.root} than node 0: {text.decode()}; "
+                    "every node must see the same source (is the file system mounted and in sync "
+                    "everywhere?); nothing was staged"
+                )
+        raise RefusedError(f"the nodes see different trees at {self.tree.root}; nothing was staged")
+
+
+def first_difference(want: list[list[Any]], have: list[list[Any]]) -> str:
+    """The first entry where ``have`` (this node's tree) differs from ``want`` (node 0's)."""
+    theirs = {e[0]: e for e in want}
+    ours = {e[0]: e for e in have}
+    for e in want:
+        mine = ours.get(e[0])
+        if mine is None:
+            return f"{e[0]} is missing"
+        if mine != e:
+            what = [
+                label
+                for label, a, b in (("kind", e[1], mine[1]), ("size", e[2], mine[2]),
+                                    ("mtime", e[3], mine[3]), ("mode", e[4], mine[4]),
+                                    ("target", e[5], mine[5]))
+                if a != b
+            ]  # fmt: skip
+            return (
+                f"{e[0]} differs ({', '.join(what)}: node 0 sees {e[1:5]}, this node {mine[1:5]})"
+            )
+    for e in have:
+        if e[0] not in theirs:
+            return f"{e[0]} is extra"
+    return "the order of entries differs"
+
+
+def _root() -> bool:
+    return os.geteuid() == 0  # root keeps owners, as the local copier (copy.keeps_owner)
+
+
+def _empty_file(job: Any, own: bool) -> None:
+    from shmstage.stage import copy as copier
+
+    src, dst, _, mtime, atime, mode, _ = job
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if own:
+            copier.copy_owner(fd, os.stat(src))
+        os.fchmod(fd, mode)
+        os.utime(fd, ns=(atime, mtime))
+    finally:
+        os.close(fd)

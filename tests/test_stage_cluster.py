@@ -1,0 +1,368 @@
+"""Cluster staging with real "nodes": 4 processes, each in its own mount namespace with its
+own tmpfs at DEST and its own read-only direct-I/O loop device of one ext4 image mounted at
+SRC, so no two nodes share a page cache for the source (as NFS clients do not).  The
+sectors read from the loop devices are the source traffic."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.cluster import first_host, resolve
+from shmstage.cluster.plan import CRC, make_plan
+from shmstage.errors import RefusedError
+
+NODES = 4
+
+
+# --- pure logic --------------------------------------------------------------------------
+
+
+def test_plan_shares_are_equal_bytes_and_cover_every_byte_once() -> None:
+    """Shares differ by at most a byte; every byte of every file is in exactly one segment."""
+    files = [(f"f{i}", (i * 7919) % 50_000) for i in range(200)] + [("big", 3_000_000)]
+    plan = make_plan(files, 3, 256 << 10)
+    sizes = [e - s for s, e in (plan.share(r) for r in range(3))]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == plan.total
+    covered: dict[int, int] = {}
+    for r in range(3):
+        for k in range(plan.pieces):
+            a, b = plan.piece_range(r, k)
+            segs = plan.segments(r, k)
+            assert sum(s.length for s in segs) == b - a
+            assert plan.size(r, k) == b - a + CRC * len(segs)
+            for s in segs:
+                covered[s.file] = covered.get(s.file, 0) + s.length
+    assert covered == {i: size for i, (_, size) in enumerate(plan.files)}
+    big = plan.files.index(("big", 3_000_000))
+    owners = {
+        r
+        for r in range(3)
+        for k in range(plan.pieces)
+        for s in plan.segments(r, k)
+        if s.file == big
+    }
+    assert len(owners) > 1  # a big file is read by several nodes
+
+
+def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
+    """--nodes 1 / unset is today's single-node path; Slurm fills in the rank and the host."""
+    assert resolve(None, None, None, environ={}) is None
+    assert resolve(1, None, None, environ={"SLURM_NODEID": "3"}) is None
+    env = {"SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1"}
+    spec = resolve(4, None, None, environ=env)
+    assert (spec.rank, spec.host, spec.port) == (2, "gpu07", 29450)
+    assert resolve(4, 1, "10.0.0.5:1234", environ=env).port == 1234
+    with pytest.raises(RefusedError, match="needs this node's --node-rank"):
+        resolve(4, None, "h", environ={})
+    with pytest.raises(RefusedError, match="needs --rendezvous"):
+        resolve(4, 0, None, environ={})
+    with pytest.raises(RefusedError, match="must be 0 to 3"):
+        resolve(4, 4, "h", environ={})
+    assert first_host("n1,n2") == "n1" and first_host("a[3]") == "a3"
+
+
+# --- real nodes --------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` different ports free right now (bound together, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _sectors_read(dev: str) -> int:
+    return int(Path(f"/sys/block/{os.path.basename(dev)}/stat").read_text().split()[2])
+
+
+class Cluster:
+    """An ext4 image of ``data`` attached as NODES read-only direct-I/O loop devices."""
+
+    def __init__(self, base: Path, data: Path, procs) -> None:
+        self.base, self.procs = base, procs
+        self.src = base / "src"  # every node mounts its loop device here
+        self.dest = base / "shm"  # every node mounts its own tmpfs here
+        self.src.mkdir()
+        self.dest.mkdir()
+        self.image = base / "image.ext4"
+        subprocess.run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-d",
+                str(data),
+                "-O",
+                "^has_journal",
+                str(self.image),
+                "96M",
+            ],
+            check=True,
+        )
+        self.devs: list[str] = []
+        self.bytes = sum(p.stat().st_size for p in data.rglob("*") if p.is_file())
+
+    def attach(self) -> None:
+        for _ in range(NODES):
+            out = subprocess.run(
+                ["losetup", "--find", "--show", "--read-only", "--direct-io=on", str(self.image)],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            self.devs.append(out.stdout.strip())
+
+    def detach(self) -> None:
+        for dev in self.devs:
+            subprocess.run(["losetup", "-d", dev], check=False)
+
+    def start(self, body: str, nodes: int = NODES, env=None, per_node=None, args=""):
+        """Start ``nodes`` nodes: each mounts its loop device at SRC and a tmpfs at DEST in a
+        mount namespace of its own, then runs the shell ``body`` there, in which $STAGE is
+        the `shmstage stage` of that node (``args`` added), $ALONE the same without
+        --nodes, $EXE shmstage, $RANK the node's rank and $CLUSTER its cluster flags.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
+        Python process would move only the calling thread."""
+        port, port2 = _free_ports(2)
+        exe = shutil.which("shmstage", path=os.path.dirname(sys.executable)) or "shmstage"
+        alone = f"{exe} stage {self.src} --name data --dest {self.dest} --reserve 0 --quiet {args}"
+        out = []
+        for rank in range(nodes):
+            stage = f"{alone} --nodes {nodes} --node-rank {rank} --rendezvous 127.0.0.1:{port}"
+            script = (
+                f"mount -o ro,noload {self.devs[rank]} {self.src} || exit 90; "
+                f"mount -t tmpfs -o size=256M shmstage-test {self.dest} || exit 91; "
+                f"{(per_node or {}).get(rank, '')}"
+                f'STAGE="{stage}"; ALONE="{alone}"; PORT2={port2}; EXE={exe}; RANK={rank}; '
+                f'CLUSTER="--nodes {nodes} --node-rank {rank} --rendezvous 127.0.0.1:{port}"; '
+                f"{body}"
+            )
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+            out.append(
+                self.procs.start(
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, **(env or {})},
+                )
+            )  # fmt: skip
+        return out
+
+    def read(self) -> int:
+        """Bytes read from all loop devices so far."""
+        return 512 * sum(_sectors_read(d) for d in self.devs)
+
+    def source_digest(self) -> str:
+        """DIGEST of the source as the nodes see it (the image keeps mtimes to the second)."""
+        script = f"mount -o ro,noload {self.devs[0]} {self.src} && " + DIGEST.format(root=self.src)
+        return subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+
+    def metadata(self) -> int:
+        """Bytes every node reads whatever it stages: mounting and walking the image
+        (bitmaps, inode tables, directories; ~1.2 MB here, a fixed cost per node)."""
+        before = self.read()
+        for dev in self.devs:
+            script = (
+                f"mount -o ro,noload {dev} {self.src} && find {self.src} -printf '%s %m %T@\\n'"
+            )
+            subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        return self.read() - before
+
+
+# What a node prints about its copy: every file's checksum, every entry's kind, mode, mtime
+# and link target (not the root's mode: a copy of a source under a 0700 directory is 0700).
+DIGEST = (
+    "(cd {root} && find . -type f -print0 | sort -z | xargs -0 sha1sum && "
+    "find . -mindepth 1 -printf '%p %y %m %T@ %l\\n' | sort)"
+)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, procs):
+    if os.geteuid() != 0 or not shutil.which("losetup") or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root, losetup and mkfs.ext4")
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    data = tmp_path / "data"
+    rng = __import__("random").Random(13)
+    for d in range(8):
+        (data / f"class{d}").mkdir(parents=True)
+        for i in range(40):
+            (data / f"class{d}" / f"img{i}.jpg").write_bytes(rng.randbytes(rng.randint(1, 60_000)))
+    (data / "big.bin").write_bytes(rng.randbytes(6 << 20))
+    (data / "empty").write_bytes(b"")
+    (data / "link").symlink_to("class0/img1.jpg")
+    c = Cluster(tmp_path, data, procs)
+    try:
+        c.attach()
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot attach loop devices: {e.stderr}")
+    c.data = data
+    yield c
+    c.detach()
+
+
+def _when_writing(cluster: Cluster, node) -> int:
+    """The pid of ``node``'s shmstage once it has written data into its partial copy."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
+        if kids:
+            find = ["find", f"{cluster.dest}/.shmstage/partial", "-type", "f", "-size", "+0"]
+            written = subprocess.run(
+                ["nsenter", "-t", kids[0], "-m", *find], capture_output=True, text=True
+            ).stdout
+            if written.strip():
+                return int(kids[0])
+        time.sleep(0.1)
+    raise AssertionError("the node never started writing")
+
+
+def _wait_all(nodes, timeout: float = 120) -> list[tuple[int, str, str]]:
+    out = []
+    for p in nodes:
+        so, se = p.communicate(timeout=timeout)
+        out.append((p.returncode, so, se))
+    return out
+
+
+@pytest.mark.root
+def test_four_nodes_read_the_source_once_and_publish_identical_copies(cluster) -> None:
+    """Each node's copy equals the source; the four loop devices together read ~1x the data,
+    while four nodes staging alone read ~4x (so the nodes really share no page cache)."""
+    want = cluster.source_digest()
+    digest = DIGEST.format(root=f"{cluster.dest}/data")
+
+    metadata = cluster.metadata()
+    before = cluster.read()
+    results = _wait_all(cluster.start(f"$ALONE >/dev/null || exit 1; {digest}"))
+    assert all(rc == 0 for rc, _, _ in results), results
+    alone_read = cluster.read() - before - metadata
+    assert alone_read > 3.5 * cluster.bytes, (alone_read, cluster.bytes)
+
+    before = cluster.read()
+    body = f"$STAGE >/dev/null || exit 1; {digest}"
+    results = _wait_all(cluster.start(body, args="--verify checksum"))
+    assert [rc for rc, _, _ in results] == [0] * NODES, results
+    read = cluster.read() - before - metadata  # the data, read by the four nodes together
+    assert read <= 1.1 * cluster.bytes, (read, cluster.bytes, alone_read, metadata)
+    for _, out, _ in results:
+        assert out == want
+
+    # a second run on unchanged data: one round of agreement, nothing read, nothing copied
+    body = f"$STAGE >/dev/null || exit 1; $STAGE --json || exit 2; {digest}"
+    results = _wait_all(cluster.start(body))
+    assert [rc for rc, _, _ in results] == [0] * NODES, results
+    for _, out, _ in results:
+        report, end = json.JSONDecoder().raw_decode(out)
+        assert (report["changed"], report["copied_bytes"]) == (False, 0)
+        assert out[end:].lstrip("\n") == want
+
+
+@pytest.mark.root
+def test_nodes_that_hold_the_copy_serve_their_share_to_those_that_do_not(cluster) -> None:
+    """Nodes 0-2 evict their copy, node 3 keeps it: the next run copies nothing on node 3
+    (its share comes from SRC as before) and the others end with the same copy as node 3."""
+    body = (
+        "$STAGE >/dev/null || exit 1; "
+        f"[ $RANK = 3 ] || $EXE evict data --dest {cluster.dest} >/dev/null || exit 2; "
+        "$STAGE --rendezvous 127.0.0.1:$PORT2 --json || exit 3; "
+        + DIGEST.format(root=f"{cluster.dest}/data")
+    )
+    want = cluster.source_digest()
+    for rank, (rc, out, err) in enumerate(_wait_all(cluster.start(body))):
+        assert rc == 0, err
+        report, end = json.JSONDecoder().raw_decode(out)
+        assert report["changed"] is (rank != 3), report
+        assert out[end:].lstrip("\n") == want
+
+
+@pytest.mark.root
+def test_a_killed_node_makes_every_node_fail_and_publish_nothing_then_a_rerun_completes(
+    cluster,
+) -> None:
+    """SIGKILL node 2 mid-exchange: the others exit non-zero naming it, no node publishes;
+    the same nodes run again (their partial copies in place) and complete."""
+    body = (
+        "$STAGE --timeout 30 >/dev/null; echo first=$?; "
+        f"test -e {cluster.dest}/data && echo published; "
+        "SHMSTAGE_TEST_SLOW_COPY= $STAGE --timeout 30 "
+        "--rendezvous 127.0.0.1:$PORT2 >/dev/null; echo second=$?; "
+        + DIGEST.format(root=f"{cluster.dest}/data")
+    )
+    nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
+    os.kill(_when_writing(cluster, nodes[2]), signal.SIGKILL)
+    results = _wait_all(nodes)
+    want = cluster.source_digest()
+    for rank, (_rc, out, err) in enumerate(results):
+        first, _, rest = out.partition("\n")
+        assert first == ("first=137" if rank == 2 else "first=1"), (rank, out, err)
+        assert not rest.startswith("published"), (rank, out)
+        if rank != 2:
+            assert "node 2 of 4" in err.splitlines()[0], (rank, err)
+        second, _, copy = rest.partition("\n")
+        assert second == "second=0", (rank, out, err)
+        assert copy == want
+
+
+@pytest.mark.root
+def test_a_hung_node_makes_every_node_fail_within_the_timeout_naming_it(cluster) -> None:
+    """SIGSTOP node 2 mid-exchange: the others give up after --timeout (no connection breaks:
+    only the timeout and the stopped heartbeat show it) and name node 2; nothing published."""
+    body = (
+        "$STAGE --timeout 4 >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
+    victim = _when_writing(cluster, nodes[2])
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        results = [_wait_all([p])[0] for i, p in enumerate(nodes) if i != 2]
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    for out_err in results:
+        _, out, err = out_err
+        assert out == "rc=1\n", out_err
+        assert err.startswith("Error: lost node 2 of 4"), err
+
+
+@pytest.mark.root
+def test_a_node_that_sees_a_different_source_makes_every_node_refuse(cluster) -> None:
+    """Node 3 sees an empty class3/ (a tmpfs over it): all four refuse (exit 2), naming node 3
+    and the first difference; nothing is published anywhere."""
+    body = f"$STAGE >/dev/null; echo rc=$?; test -e {cluster.dest}/data && echo published; true"
+    nodes = cluster.start(body, per_node={3: f"mount -t tmpfs x {cluster.src}/class3; "})
+    for _rc, out, err in _wait_all(nodes):
+        assert out == "rc=2\n", (out, err)
+        assert err.startswith("Error: node 3 sees a different"), err
+        assert "class3/img0.jpg is missing" in err or "class3 differs" in err, err
+
+
+@pytest.mark.root
+def test_run_stages_cluster_wide_then_starts_the_job_on_every_node(cluster) -> None:
+    """`shmstage run --nodes 2 --stage SRC -- CMD {staged}`: both nodes stage together, then
+    each starts its job on its own complete copy."""
+    body = (
+        f"$EXE run $CLUSTER --dest {cluster.dest} --stage {cluster.src} --name data -- "
+        "sh -c 'cat {staged}/big.bin | sha1sum'"
+    )
+    want = subprocess.run(
+        ["sha1sum"], input=(cluster.data / "big.bin").read_bytes(), capture_output=True, check=True
+    ).stdout.decode()
+    for rc, out, err in _wait_all(cluster.start(body, nodes=2)):
+        assert (rc, out) == (0, want), err
