@@ -8,8 +8,8 @@ One process per node (``spec`` from :func:`shmstage.cluster.resolve`) runs this 
 with the others; their own rendezvous (a TCPStore on node 0) only starts runs together and
 gathers the figures.  Per run and mode, all nodes leave a barrier and start ``shmstage stage
 SRC`` at once: alone (naive) or with ``--nodes`` (read-once, on a port node 0 picks for that
-run), each into a fresh name under DEST that is checked against SRC and removed afterwards.
-Modes are interleaved, the order rotated each run.  A run's wall time is the slowest node's
+run), each into a fresh name in a scratch store under DEST, checked against SRC and
+removed afterwards.  Modes are interleaved, the order rotated each run.  A run's wall time is the slowest node's
 time from leaving the barrier to its stage exiting (node clocks need not agree); its source
 bytes are the sum over nodes of what each stage process (with its copy workers) made the
 kernel read from storage: ``read_bytes`` of /proc/PID/io, taken as ``ru_inblock`` x 512
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -49,11 +50,11 @@ LABELS = {"naive": "naive (each node alone)", "read-once": "read-once (--nodes)"
 @dataclass(frozen=True)
 class ModeResult:
     mode: str  # "naive" or "read-once"
-    label: str
+    label: str  # for the table
     times: tuple[float, ...]  # per run: seconds from the common start to the last node done
     source_bytes: tuple[int, ...]  # per run: bytes read from storage, summed over nodes
-    median_s: float
-    median_source_bytes: int
+    median_s: float  # median of times
+    median_source_bytes: int  # median of source_bytes
     x_dataset: float  # median source bytes / dataset bytes (naive: about N)
     vs_read_once: float | None  # this mode's median time / read-once's: > 1, read-once faster
 
@@ -61,13 +62,13 @@ class ModeResult:
 @dataclass(frozen=True)
 class NodesBenchResult:
     source: str
-    dest: str
+    dest: str  # each node's scratch store was a directory in here, removed afterwards
     nodes: int
     files: int
-    bytes: int
-    runs: int
-    drop_caches: bool
-    modes: tuple[ModeResult, ...]
+    bytes: int  # the dataset: regular files' bytes
+    runs: int  # per mode
+    drop_caches: bool  # every node dropped its page cache before every run
+    modes: tuple[ModeResult, ...]  # naive, then read-once
 
     def get(self, mode: str) -> ModeResult:
         for result in self.modes:
@@ -108,13 +109,17 @@ def run_nodes_benchmark(
     cmd = list(shmstage_cmd) if shmstage_cmd else _default_shmstage_cmd()
     say = progress or (lambda _msg: None)
     summary = tree_summary(source)
+    created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     reads: dict[str, list[int]] = {m: [] for m in MODES}
     rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout)
+    work: Path | None = None
     try:
         rv.connect()
         token = rv.allgather_json("token", secrets.token_hex(4))[0]  # node 0's: one name
+        work = dest / f".shmstage-bench-{token}"  # a store of its own, removed at the end
+        work.mkdir()
         for i in range(runs):
             for mode in MODES[i % 2 :] + MODES[: i % 2]:
                 if drop_caches:
@@ -122,8 +127,8 @@ def run_nodes_benchmark(
                     _warm_software(cmd)
                 port = _free_port() if spec.rank == 0 and mode == "read-once" else 0
                 starts = rv.allgather_json(f"start/{i}/{mode}", port)
-                name = f"shmstage-bench-{token}-{mode}-{i}"
-                argv = [*cmd, "stage", str(source), "--dest", str(dest), "--name", name]
+                name = f"{mode}-{i}"
+                argv = [*cmd, "stage", str(source), "--dest", str(work), "--name", name]
                 argv += ["--json", "--quiet"]
                 if mode == "read-once":
                     argv += [
@@ -132,12 +137,12 @@ def run_nodes_benchmark(
                         "--timeout", f"{spec.timeout:g}", "--inflight", str(spec.inflight),
                     ]  # fmt: skip
                 try:
-                    mine = _stage_once(argv, dest / name, summary, mode)
+                    mine = _stage_once(argv, work / name, summary, mode)
                 except BaseException as e:
                     rv.report(str(e) or type(e).__name__)
                     raise
                 finally:
-                    _remove(name, dest)
+                    _remove(name, work)
                 done = rv.allgather_json(f"done/{i}/{mode}", [mine.seconds, mine.read_bytes], True)
                 times[mode].append(max(d[0] for d in done))
                 reads[mode].append(sum(d[1] for d in done))
@@ -148,6 +153,11 @@ def run_nodes_benchmark(
         rv.allgather("end", b"")
     finally:
         rv.close()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        if created:
+            with suppress(OSError):  # not empty: someone else put files there
+                dest.rmdir()
     return NodesBenchResult(
         source=str(source),
         dest=str(dest),
