@@ -124,7 +124,7 @@ def run_nodes_benchmark(
             for mode in MODES[i % 2 :] + MODES[: i % 2]:
                 if drop_caches:
                     drop_page_cache()
-                    _warm_software(cmd)
+                _warm_software(cmd)  # also without dropping: another job may have dropped it
                 port = _free_port() if spec.rank == 0 and mode == "read-once" else 0
                 starts = rv.allgather_json(f"start/{i}/{mode}", port)
                 name = f"{mode}-{i}"
@@ -227,8 +227,8 @@ def _remove(name: str, dest: Path) -> None:
 
 
 def _warm_software(cmd: list[str]) -> None:
-    """Load shmstage's and torch's files back into the page cache after dropping it, so
-    the staging processes' read bytes are the dataset's, not their own start-up's."""
+    """Load shmstage's and torch's files into the page cache (again) just before a run,
+    so the staging processes' read bytes are the dataset's, not their own start-up's."""
     python = cmd[0] if cmd[0].endswith(("python", "python3")) else sys.executable
     subprocess.run(
         [python, "-c", "import shmstage.cli, shmstage.cluster, torch.distributed"],

@@ -404,6 +404,12 @@ def _render_nodes(result) -> None:  # noqa: ANN001 (NodesBenchResult)
         "Note: wall = common start to the last node done; source read = bytes the staging "
         "processes made the kernel read from storage, all nodes together (docs/bench.md)."
     )
+    naive = next((r for r in result.modes if r.mode == "naive"), None)
+    if naive is not None and naive.x_dataset < 0.5:
+        click.echo(
+            "Note: the kernel counted almost no reads from this source (some network and FUSE "
+            "file systems are not counted, docs/bench.md); read the server's own counters."
+        )
     if not result.drop_caches:
         click.echo(
             "Note: the page cache was kept: bytes it served are not counted; as root, "
