@@ -114,3 +114,34 @@ def test_two_nodes_time_both_modes_report_on_node_0_and_remove_their_copies(
     assert len(copies) == 2 * NODES  # naive and read-once, on each node
     for copy in copies:
         assert copy.read_text() == want, copy.name
+
+
+def test_a_patient_gather_waits_for_a_live_node_and_names_a_dead_one() -> None:
+    """``allgather(patient=True)`` outlasts --timeout while the missing node's heartbeat goes
+    on, and fails naming the node once its heartbeat stops (real TCPStore, two ranks)."""
+    pytest.importorskip("torch.distributed", reason="the rendezvous needs torch")
+    import threading
+    import time
+
+    from shmstage.cluster.rendezvous import PeerLost, Rendezvous
+
+    port = _free_port()
+    node0 = Rendezvous("127.0.0.1", port, 2, 0, timeout=1.0)
+    node1 = Rendezvous("127.0.0.1", port, 2, 1, timeout=1.0)
+    node0.connect()
+    node1.connect()
+
+    def late() -> None:
+        time.sleep(3.0)  # three timeouts, heartbeat running
+        node1.allgather("done", b"1")
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    try:
+        assert node0.allgather("done", b"0", patient=True) == [b"0", b"1"]
+    finally:
+        thread.join()
+    node1.beating.set()  # node 1 "dies": its heartbeat stops, it never posts again
+    with pytest.raises(PeerLost, match="lost node 1 of 2"):
+        node0.allgather("next", b"0", patient=True)
+    node0.beating.set()
