@@ -39,8 +39,9 @@ from shmstage.bench.stage import (
     drop_page_cache,
     tree_summary,
 )
+from shmstage.capacity import check_fit
 from shmstage.cluster import ClusterSpec
-from shmstage.cluster.rendezvous import Rendezvous
+from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import PermissionDenied, RefusedError
 
 MODES: tuple[str, ...] = ("naive", "read-once")
@@ -110,7 +111,6 @@ def run_nodes_benchmark(
     say = progress or (lambda _msg: None)
     summary = tree_summary(source)
     created = not dest.exists()
-    dest.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     reads: dict[str, list[int]] = {m: [] for m in MODES}
     rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout)
@@ -118,8 +118,19 @@ def run_nodes_benchmark(
     try:
         rv.connect()
         token = rv.allgather_json("token", secrets.token_hex(4))[0]  # node 0's: one name
-        work = dest / f".shmstage-bench-{token}"  # a store of its own, removed at the end
-        work.mkdir()
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            work = dest / f".shmstage-bench-{token}"  # a store of its own, removed at the end
+            work.mkdir()
+        except OSError as e:
+            raise RefusedError(
+                f"cannot create a scratch directory in {dest}: {e.strerror}; pick another --dest"
+            ) from None
+        fit = check_fit(summary.bytes, work)
+        if not fit.fits:
+            raise RefusedError(
+                f"one copy of {source} does not fit in {dest} on node {spec.rank}: {fit.reason}"
+            )
         for i in range(runs):
             for mode in MODES[i % 2 :] + MODES[: i % 2]:
                 if drop_caches:
@@ -138,9 +149,6 @@ def run_nodes_benchmark(
                     ]  # fmt: skip
                 try:
                     mine = _stage_once(argv, work / name, summary, mode)
-                except BaseException as e:
-                    rv.report(str(e) or type(e).__name__)
-                    raise
                 finally:
                     _remove(name, work)
                 done = rv.allgather_json(f"done/{i}/{mode}", [mine.seconds, mine.read_bytes], True)
@@ -151,6 +159,11 @@ def run_nodes_benchmark(
                     f"{reads[mode][-1] / max(summary.bytes, 1):.2f}x the dataset"
                 )
         rv.allgather("end", b"")
+    except PeerLost:
+        raise
+    except BaseException as e:  # tell the others at once (else they wait for --timeout)
+        rv.report(str(e) or type(e).__name__)
+        raise
     finally:
         rv.close()
         if work is not None:

@@ -121,7 +121,11 @@ class Rendezvous:
                         if beats[r] != count:
                             last_beat[r] = (beats[r], now)
                         elif now - moved > self.timeout and not self.store.check([k]):
-                            raise self._gone([r]) from None
+                            raise PeerLost(
+                                f"lost {_ranks([r], self.nodes)} (no heartbeat for "
+                                f"{self.timeout:g} s: killed, crashed, hung or unreachable) "
+                                f"while waiting for it ({what})"
+                            ) from None
                     continue
                 if time.monotonic() > deadline:
                     missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
