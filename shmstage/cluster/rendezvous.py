@@ -97,11 +97,15 @@ class Rendezvous:
         r = self.rank if rank is None else rank
         return f"r{self.round}/{what}/{r}"
 
-    def allgather(self, what: str, value: bytes) -> list[bytes]:
-        """Post ``value``; return every node's, by rank; names the nodes that never post."""
+    def allgather(self, what: str, value: bytes, patient: bool = False) -> list[bytes]:
+        """Post ``value``; return every node's, by rank; names the nodes that never post.
+
+        ``patient``: wait as long as the missing nodes' heartbeats go on (they are busy,
+        e.g. timing a long copy); give up on one whose heartbeat stood still ``timeout``."""
         self.store.set(self.key(what), value)
         keys = [self.key(what, r) for r in range(self.nodes)]
         deadline = time.monotonic() + self.timeout
+        last_beat: dict[int, tuple[int, float]] = {}  # rank -> (count, when it last moved)
         while True:
             try:
                 self.store.wait(keys, timedelta(seconds=min(1.0, self.timeout)))
@@ -110,6 +114,19 @@ class Rendezvous:
                 if _failed_store(e):
                     raise self.lost(e) from None
                 self.raise_reported()
+                if patient:
+                    now, beats = time.monotonic(), self._beats()
+                    for r, k in enumerate(keys):
+                        count, moved = last_beat.get(r, (-1, now))
+                        if beats[r] != count:
+                            last_beat[r] = (beats[r], now)
+                        elif now - moved > self.timeout and not self.store.check([k]):
+                            raise PeerLost(
+                                f"lost {_ranks([r], self.nodes)} (no heartbeat for "
+                                f"{self.timeout:g} s: killed, crashed, hung or unreachable) "
+                                f"while waiting for it ({what})"
+                            ) from None
+                    continue
                 if time.monotonic() > deadline:
                     missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                     raise PeerLost(
@@ -119,8 +136,9 @@ class Rendezvous:
                     ) from None
         return [self.store.get(k) for k in keys]
 
-    def allgather_json(self, what: str, value: Any) -> list[Any]:
-        return [json.loads(v) for v in self.allgather(what, json.dumps(value).encode())]
+    def allgather_json(self, what: str, value: Any, patient: bool = False) -> list[Any]:
+        blobs = self.allgather(what, json.dumps(value).encode(), patient)
+        return [json.loads(v) for v in blobs]
 
     # --- failures ---------------------------------------------------------------------
 
