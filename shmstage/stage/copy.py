@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
+from shmstage.stage.estimate import rounded
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel)
 Job = tuple
@@ -345,7 +346,7 @@ class Stream:
         for t in tasks:
             off, span = offsets[t.first], offsets[t.last] - offsets[t.first]
             sizes = [t.length] if t.length >= 0 else [j[2] for j in jobs[t.first : t.last]]
-            self._pages[self.sent] = pages = sum(-(-n // page) * page for n in sizes)
+            self._pages[self.sent] = pages = sum(rounded(n, page) for n in sizes)
             self.handed += pages
             records.append(
                 _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)

@@ -25,7 +25,7 @@ from shmstage.sizes import format_size
 from shmstage.stage import access, leases, listed, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
-from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, page_size, rounded
+from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, of_entries, page_size, rounded
 from shmstage.stage.leases import Holder
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
 from shmstage.stage.reserve import Claim
@@ -608,6 +608,14 @@ def _link_unchanged(old: str, job: copier.Job, own: bool) -> bool:
     return ok
 
 
+def _make_symlink(path: str, target: str, mtime: int, owner_of: str | None) -> None:
+    """A symlink of the copy: ``owner_of`` (the source link) when copies keep owners."""
+    os.symlink(target, path)
+    if owner_of is not None:
+        copier.copy_owner(path, os.lstat(owner_of))
+    os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+
+
 def _build_dir(
     store: Store,
     name: str,
@@ -692,11 +700,7 @@ def _build_dir(
             if not _link_unchanged(os.path.join(old_root, job[6]), job, own):
                 jobs.append(job)  # gone or not what we published: copy it again
         for rel, target, mtime in links:
-            path = os.path.join(part, rel)
-            os.symlink(target, path)
-            if own:
-                copier.copy_owner(path, os.lstat(src_prefix + rel))
-            os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+            _make_symlink(part_prefix + rel, target, mtime, src_prefix + rel if own else None)
         total = sum(j[2] for j in jobs)
         tasks, chunked = copier.make_tasks(jobs)
         for i in chunked:  # big files: created here (writable), filled by several workers
@@ -798,11 +802,8 @@ def _build_first(
                         if rel != ".":
                             os.mkdir(part_prefix + rel, 0o700)
                     elif kind == "l":
-                        path = part_prefix + rel
-                        os.symlink(extra, path)
-                        if own:
-                            copier.copy_owner(path, os.lstat(src_prefix + rel))
-                        os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+                        owner = src_prefix + rel if own else None
+                        _make_symlink(part_prefix + rel, extra, mtime, owner)
                         if len(os.fsencode(extra)) + 1 > SHORT_SYMLINK:
                             step[0] += page
                     else:
@@ -848,8 +849,8 @@ def _refuse_whole(
         pass
     tree = walker.tree()
     store.discard(part)
-    needed = sum(rounded(e[2], page) for e in tree.entries if e[1] == "f")
-    inodes = len(tree.entries)
+    est = of_entries(tree.root, tree.entries, page)  # the numbers inspect prints
+    needed, inodes = est.page_bytes, est.inodes
     try:
         claim.reserve(
             needed,
