@@ -217,3 +217,40 @@ def test_first_copy_that_outgrows_the_tmpfs_midway_is_refused_whole(tmpfs, tmp_p
         reap(p)
     assert p.returncode == 0, err
     assert snapshot(src) == snapshot(bigger / "s" / "ds")
+
+
+def test_tar_restage_after_a_kill_counts_the_leftover_partial_as_freed(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """A tar stage killed after its extraction and manifest leaves a whole partial tree; the re-run
+    extracts again into a tmpfs that cannot hold two copies: the fit check counts the
+    leftover as freed (the builder is shared with directories), so it completes."""
+    import tarfile
+
+    src = make_big_tree(tmp_path / "ds", big=2, big_size=70 * MIB, small=100, small_size=100_000)
+    archive = tmp_path / "ds.tar"
+    with tarfile.open(archive, "w") as tf:
+        tf.add(src, arcname=".")
+    mnt = tmpfs("256M")
+    dest = mnt / "shmstage"
+    part = dest / ".shmstage" / "partial" / "ds"
+    killed = subprocess.run(
+        [*shmstage_bin, "stage", str(archive), "--dest", str(dest), "--quiet"],
+        env={**os.environ, "SHMSTAGE_TEST_KILL_AT": "manifest"},
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert used_bytes(part) >= used_bytes(src)  # the whole tree, left behind
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(archive), "--dest", str(dest), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+
+    def contents(root: Path) -> dict[str, str]:  # tar keeps whole-second mtimes: bytes only
+        return {k: v[-1] for k, v in snapshot(root).items() if v[0] == "f"}
+
+    assert contents(src) == contents(dest / "ds") and len(contents(src)) == 102
+    assert os.listdir(dest / ".shmstage" / "partial") == []

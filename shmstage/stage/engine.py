@@ -1,9 +1,9 @@
 """stage / find / list / verify / evict: the staging engine's public operations.
 
-``stage`` takes the dataset's lock, compares a fast walk of the source with the
-manifest (a no-op when equal), builds the new version in ``partial/<name>``
-(hard-linking unchanged files from the published version, copying the rest in
-parallel), then publishes it atomically.
+``stage`` takes the dataset's lock, asks the source (stage/sources.py) whether the published
+copy is current (a no-op when it is), builds the new version in ``partial/<name>``
+(stage/build.py: fit, resume, hard links to unchanged files, fetch, manifest), then
+publishes it atomically.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,12 +21,12 @@ from typing import Any
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
-from shmstage.stage import access, leases, listed, sources
+from shmstage.stage import access, build, leases, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
-from shmstage.stage.estimate import SHORT_SYMLINK, of_archive, of_entries, page_size, rounded
+from shmstage.stage.dirsource import DirSource
 from shmstage.stage.leases import Holder
-from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
+from shmstage.stage.plan import walk
 from shmstage.stage.reserve import Claim
 from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
 
@@ -99,35 +98,6 @@ class Interrupted(ShmstageError):
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name}; the partial copy was removed")
         self.exit_code = 128 + signum
-
-
-class _Counter:
-    """Copy progress: reports "copying" when made, then adds copied bytes/files on each call.
-    The totals may grow while the copy runs (a first copy walks and copies at once)."""
-
-    def __init__(self, report: Callable[..., None], bytes_total: int, files_total: int) -> None:
-        self.report = report
-        self.bytes_total, self.files_total = bytes_total, files_total
-        self.bytes_done = self.files_done = 0
-        self._report()
-
-    def grow(self, nbytes: int, nfiles: int) -> None:
-        self.bytes_total += nbytes
-        self.files_total += nfiles
-
-    def __call__(self, b: int, f: int) -> None:
-        self.bytes_done += b
-        self.files_done += f
-        self._report()
-
-    def _report(self) -> None:
-        self.report(
-            "copying",
-            bytes_done=self.bytes_done,
-            bytes_total=self.bytes_total,
-            files_done=self.files_done,
-            files_total=self.files_total,
-        )
 
 
 def _dataset(record: Record, store: Store, **kw: Any) -> StagedDataset:
@@ -268,116 +238,46 @@ def _stage_locked(
             "or pass --force to replace it"
         )
     same = record is not None and manifest is not None and record.source == source and not force
+    src = sources.open_source(kind, source, strip_components, peers)
     report("scanning")
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")
     prev_marker = _read_marker(marker)  # put back if the fit check refuses
-    copied = 0
     # A first copy with no peers copies while its walk runs; with peers each reads a share.
-    cold = kind == "dir" and record is None and not os.path.lexists(part)
+    cold = record is None and not os.path.lexists(part)
+
+    def unchanged() -> StagedDataset:
+        _drop_leftovers(store, name, marker)
+        if kind not in sources.LISTED_KINDS:
+            _recheck_access(store, name, source, kind, manifest)
+        return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+
     try:
-        if cold and peers is None:
-            # A first copy: nothing to compare or resume, so copy while the walk runs.
+        if cold and peers is None and isinstance(src, DirSource):
             _write_marker(marker, source)
             _kill_at("marker")
-            tree = _build_first(store, name, source, workers, verify, reserve, report, claim)
+            tree = src.build_first(store, name, workers, verify, reserve, report, claim)
             _kill_at("build")
-            data_bytes, files, copied = tree.bytes, tree.files, tree.bytes
-        elif kind == "dir":
-            tree = walk(source, threads=scan_threads(source))
-            entries = [list(e) for e in tree.entries]
-            current = same and manifest["entries"] == entries  # type: ignore[index]
-            if peers is not None and not peers.agree(tree, current, cold) and current:
+            built = build.Built(tree.bytes, tree.bytes, tree.files)
+        else:
+            stamp = src.stamp()  # a tar archive: its size, mtime and inode, without a read
+            if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
+                return unchanged()
+            listing = src.listing()  # a walk, an archive's headers, one LIST
+            current = same and stamp is None and build.current(manifest, listing)
+            if peers is not None and not peers.agree(src.tree, current, cold) and current:
                 peers.fill([], lambda b, f: None, False)  # the others need our share
                 peers.barrier()
             if current:
-                _drop_leftovers(store, name, marker)
-                _recheck_access(store, name, source, kind, manifest)
-                return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+                return unchanged()
             resumable = not force and prev_marker == source
             _write_marker(marker, source)
             _kill_at("marker")
-            written: list[bool] = []
-
-            def write_manifest() -> None:  # runs while the workers copy
-                root = os.lstat(part)
-                data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
-                store.prepare_manifest(name, data)
-                written.append(True)
-
-            old = manifest if same else None
-            copied = _build_dir(
-                store,
-                name,
-                tree,
-                old,
-                workers,
-                verify,
-                reserve,
-                resumable,
-                report,
-                write_manifest,
-                claim,
-                peers,
-            )
-            _kill_at("build")
-            if not written:
-                write_manifest()
-            data_bytes, files = tree.bytes, tree.files
-        elif kind in sources.LISTED_KINDS:
-            src = sources.open_listed(kind, source)
-            listing = src.listing()  # one LIST: the no-op check costs nothing more
-            if same and listed.unchanged(manifest, listing):
-                _drop_leftovers(store, name, marker)
-                return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
-            resumable = not force and prev_marker == source
-            _write_marker(marker, source)
-            _kill_at("marker")
-            copied, entries = listed.build(
+            built = build.build(
                 store, name, src, listing, manifest if same else None, workers, verify,
-                reserve, resumable, report, claim, _Counter,
+                reserve, resumable, report, claim,
             )  # fmt: skip
             _kill_at("build")
-            root = os.lstat(part)
-            data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
-            store.prepare_manifest(name, {**data, "objects": listing.keys})
-            data_bytes, files = listing.bytes, listing.files
-        else:
-            st = os.stat(source)
-            fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
-            strip = manifest.get("strip_components", 0) if manifest else 0  # part of the key
-            if same and manifest.get("archive") == fingerprint and strip == strip_components:  # type: ignore[union-attr]
-                _drop_leftovers(store, name, marker)
-                _recheck_access(store, name, source, kind, manifest)
-                return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
-            archive = tarsrc.scan(source, strip_components)
-            est = of_archive(archive, page_size(store.dest))  # the numbers inspect prints
-            claim.reserve(
-                est.page_bytes,
-                lambda pending: require_fit(
-                    est.page_bytes, est.inodes, store.dest, reserve, pending=pending
-                ),
-            )
-            _write_marker(marker, source)
-            store.discard(part)
-            os.mkdir(part, 0o700)
-            tick = claim.counting(_Counter(report, archive.bytes, archive.files))
-            tarsrc.extract(archive, part, tick)
-            st = os.stat(source)
-            if [st.st_size, st.st_mtime_ns, st.st_ino] != fingerprint:
-                raise ShmstageError(
-                    f"cannot read tar archive {source}: it changed while it was being staged; "
-                    "re-run when it is stable"
-                )
-            tree = walk(part)  # also catches links that escape only in combination
-            entries = [list(e) for e in tree.entries]
-            data_bytes, files = tree.bytes, tree.files
-            copied = archive.bytes
-            root = os.lstat(part)
-            data = {"source": source, "root": [root.st_ino, root.st_dev], "entries": entries}
-            store.prepare_manifest(
-                name, {**data, "archive": fingerprint, "strip_components": strip_components}
-            )
         _kill_at("manifest")
         if peers is not None:
             peers.barrier()  # all or nothing: publish only once every node has every byte
@@ -388,10 +288,19 @@ def _stage_locked(
         now = time.time()
         seconds = time.monotonic() - t0
         new = Record(
-            name, source, kind, data_bytes, files, now, now, seconds, root.st_ino, root.st_dev
+            name,
+            source,
+            kind,
+            built.bytes,
+            built.files,
+            now,
+            now,
+            seconds,
+            root.st_ino,
+            root.st_dev,
         )
         _publish(store, name, new, marker)
-        return _dataset(new, store, changed=True, copied_bytes=copied, seconds=seconds)
+        return _dataset(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
         if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
@@ -524,380 +433,6 @@ def _restore_marker(path: str, source: str | None) -> None:
         _remove_marker(path)
     elif _read_marker(path) != source:
         _write_marker(path, source)
-
-
-def _keeps(have: tuple, want: tuple | None) -> bool:
-    """A file a killed run already copied: size, mtime and mode match the source."""
-    return want is not None and want[1] == "f" and have[1] == "f" and want[2:5] == have[2:5]
-
-
-def _partial_plan(part: str, tree: Tree, resumable: bool) -> tuple[set[str], int]:
-    """Read-only: files of ``part`` a resume keeps, and the bytes the rest frees when removed."""
-    if not os.path.lexists(part):
-        return set(), 0
-    keep: set[str] = set()
-    freed = 0
-    can_keep = resumable and os.path.isdir(part) and not os.path.islink(part)
-    planned = {e[0]: e for e in tree.entries} if can_keep else {}
-    try:
-        have = walk(part, check_links=False, hardlinks=False).entries[1:]
-    except ShmstageError:
-        return set(), 0  # not a tree we can read: count nothing as freed
-    for e in have:
-        if can_keep and _keeps(e, planned.get(e[0])):
-            keep.add(e[0])
-        elif e[1] == "f":
-            with suppress(OSError):
-                st = os.lstat(os.path.join(part, e[0]))
-                if st.st_nlink == 1:  # a link shared with the published copy frees nothing
-                    freed += st.st_blocks * 512
-    return keep, freed
-
-
-def _prepare_partial(part: str, tree: Tree, resumable: bool) -> set[str]:
-    """Make ``part`` ready to build into; returns files a killed earlier run already copied.
-
-    A file counts as copied when its size, mtime and mode match the source: the
-    copier sets the mtime only after the last byte is written."""
-    if not resumable or not os.path.isdir(part) or os.path.islink(part):
-        if os.path.lexists(part):
-            _rmtree(part)
-        os.mkdir(part, 0o700)
-        return set()
-    os.chmod(part, 0o700)
-    have = walk(part, check_links=False, hardlinks=False)
-    planned = {e[0]: e for e in tree.entries}
-    keep: set[str] = set()
-    # children before parents so a removed directory is already empty of what we keep
-    for e in reversed(have.entries[1:]):
-        rel, kind = e[0], e[1]
-        want = planned.get(rel)
-        path = os.path.join(part, rel)
-        if kind == "d" and want is not None and want[1] == "d":
-            os.chmod(path, 0o700)
-            continue
-        if _keeps(e, want):
-            keep.add(rel)
-            continue
-        if kind == "d":
-            _rmtree(path)
-        else:
-            os.unlink(path)
-    return keep
-
-
-def _link_unchanged(old: str, job: copier.Job, own: bool) -> bool:
-    """Hard-link the published ``old`` file as ``job``'s copy if it is still what the manifest
-    and the source say; False (nothing linked) if not.
-
-    The published tree may belong to the source's owner (root keeps owners), who can swap
-    a directory in it for a symlink: the check runs on the link made in our private
-    partial/ tree, so what it accepts is what gets published."""
-    try:
-        os.link(old, job[1], follow_symlinks=False)
-    except OSError:
-        return False
-    st = os.lstat(job[1])
-    same = (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) == (job[2], job[3], job[5])
-    ok = stat.S_ISREG(st.st_mode) and same
-    if ok and own:
-        src = os.lstat(job[0])
-        ok = (st.st_uid, st.st_gid) == (src.st_uid, src.st_gid)
-    if not ok:
-        os.unlink(job[1])
-    return ok
-
-
-def _make_symlink(path: str, target: str, mtime: int, owner_of: str | None) -> None:
-    """A symlink of the copy: ``owner_of`` (the source link) when copies keep owners."""
-    os.symlink(target, path)
-    if owner_of is not None:
-        copier.copy_owner(path, os.lstat(owner_of))
-    os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
-
-
-def _build_dir(
-    store: Store,
-    name: str,
-    tree: Tree,
-    manifest: dict[str, Any] | None,
-    workers: int | None,
-    verify: str,
-    reserve: int | None,
-    resumable: bool,
-    report: Callable[..., None],
-    while_copying: Callable[[], None],
-    claim: Claim,
-    peers: Any = None,
-) -> int:
-    """Build the new version of a directory source in partial/<name>; returns bytes copied."""
-    part = store.partial(name)
-    old_root = store.path(name)
-    old = {e[0]: e for e in manifest["entries"]} if manifest else {}
-    # Check the fit before writing a byte, counting only what is still to be written: files
-    # a killed run already copied into partial/ are kept (their pages are in "used" already),
-    # unchanged files are hard links to the published copy, and the rest of partial/ is freed.
-    page = page_size(store.dest)
-    kept, freed = _partial_plan(part, tree, resumable)
-    needed = new_inodes = 0
-    for e in tree.entries:
-        if e[1] == "f":
-            if e[0] in kept:
-                continue
-            o = old.get(e[0])
-            if o is None or list(o) != list(e):
-                needed += rounded(e[2], page)
-        elif e[1] == "l" and len(os.fsencode(e[5])) + 1 > SHORT_SYMLINK:
-            needed += page
-        new_inodes += 1
-    claim.reserve(
-        needed,
-        lambda pending: require_fit(
-            needed, new_inodes, store.dest, reserve, pending=pending, freed=freed
-        ),
-    )
-    keep = _prepare_partial(part, tree, resumable)
-
-    src_prefix = tree.root.rstrip("/") + "/"
-    part_prefix = part + "/"
-    jobs: list[copier.Job] = []
-    reuse: list[copier.Job] = []
-    links: list[list[Any]] = []
-    hard: list[list[Any]] = []
-    dirs: list[tuple[str, int, int, int]] = []
-    own = copier.keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
-    old_umask = os.umask(0)
-    try:
-        for e, atime in zip(tree.entries, tree.atimes):
-            rel, kind, size, mtime, mode, extra = e
-            if kind == "d":
-                dirs.append((rel, mode, mtime, atime))
-                if rel != ".":
-                    with suppress(FileExistsError):
-                        os.mkdir(os.path.join(part, rel), 0o700)
-            elif kind == "f":
-                if rel in keep:
-                    continue
-                o = old.get(rel)
-                job = (
-                    src_prefix + rel,  # plain concatenation: 1M joins cost seconds
-                    part_prefix + rel,
-                    size,
-                    mtime,
-                    atime,
-                    mode,
-                    rel,
-                )
-                if o is not None and list(o) == list(e):
-                    reuse.append(job)
-                else:
-                    jobs.append(job)
-            elif kind == "l":
-                links.append([rel, extra, mtime])
-            else:
-                hard.append([rel, extra])
-        for job in reuse:  # unchanged since the published version: share its pages
-            if not _link_unchanged(os.path.join(old_root, job[6]), job, own):
-                jobs.append(job)  # gone or not what we published: copy it again
-        for rel, target, mtime in links:
-            _make_symlink(part_prefix + rel, target, mtime, src_prefix + rel if own else None)
-        total = sum(j[2] for j in jobs)
-        tasks, chunked = copier.make_tasks(jobs)
-        for i in chunked:  # big files: created here (writable), filled by several workers
-            copier.create_sized(jobs[i][1], jobs[i][2])
-    finally:
-        os.umask(old_umask)
-    nworkers = workers or copier.default_workers()
-    tick = claim.counting(_Counter(report, total, len(jobs)))
-    if peers is not None:
-        peers.fill(jobs, tick, verify == "checksum")  # instead of reading all of SRC here
-    else:
-        copier.run(jobs, tasks, nworkers, tick, while_copying)
-    checked = "size" if peers is not None else verify  # peers: checked against owners' sums
-    _finish_build(
-        part, tree.root, jobs, [jobs[i] for i in chunked], hard, dirs, checked, nworkers, report
-    )
-    return total
-
-
-FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this
-FIRST_BATCH_FILES = 4096
-
-
-def _build_first(
-    store: Store,
-    name: str,
-    source: str,
-    workers: int | None,
-    verify: str,
-    reserve: int | None,
-    report: Callable[..., None],
-    claim: Claim,
-) -> Tree:
-    """The first copy of a directory source into a new partial/<name>: the copy starts
-    with the first directories the walk lists instead of after the whole walk.
-
-    Space is claimed as the walk finds data, before any of it is handed to the workers
-    (the same fit rule, in steps); a step that does not fit stops the copy, removes the
-    partial tree and refuses with the whole dataset's numbers, as the up-front check would.
-    Writes the new manifest once the walk ended, while the workers still copy."""
-    part = store.partial(name)
-    os.mkdir(part, 0o700)
-    page = page_size(store.dest)
-    src_prefix = source.rstrip("/") + "/"
-    part_prefix = part + "/"
-    own = copier.keeps_owner()
-    nworkers = workers or copier.default_workers()
-    walker = Walker(source, threads=scan_threads(source))
-    found = iter(walker)
-    jobs: list[copier.Job] = []
-    chunked: list[copier.Job] = []
-    hard: list[list[Any]] = []
-    dirs: list[tuple[str, int, int, int]] = []
-    batch: list[copier.Job] = []
-    step = [0, 0, 0]  # bytes (page-rounded), data bytes, inodes found but not yet claimed
-    claimed = [0]  # page-rounded bytes claimed so far
-    counter = _Counter(report, 0, 0)
-
-    def hand_out(stream: copier.Stream) -> None:
-        needed, data, inodes = step
-        claimed[0] += needed
-
-        def check(pending: int) -> None:
-            require_fit(left, inodes, store.dest, reserve, pending=pending)
-
-        # Ours and not yet on DEST lies between claimed - handed and claimed - landed: files
-        # being copied count in DEST's used space already, but not how much of them.
-        left = claimed[0] - stream.landed
-        try:
-            claim.reserve(left, check)
-        except CapacityError:
-            left = claimed[0] - stream.handed
-            claim.reserve(left, check)  # refused even if every handed-out file were written
-            stream.drain()  # near the limit: let those land, then the numbers are exact
-            left = claimed[0] - stream.landed
-            claim.reserve(left, check)
-        counter.grow(data, len(batch))
-        chunked.extend(stream.add(batch))
-        jobs.extend(batch)
-        batch.clear()
-        step[:] = [0, 0, 0]
-
-    old_umask = os.umask(0)
-    try:
-        with copier.Stream(
-            src_prefix, part_prefix, nworkers, claim.counting(counter), page
-        ) as stream:
-            for new in found:
-                atimes = walker.atimes[len(walker.entries) - len(new) :]
-                for (rel, kind, size, mtime, mode, extra), atime in zip(new, atimes):
-                    if kind == "f":
-                        batch.append(
-                            (src_prefix + rel, part_prefix + rel, size, mtime, atime, mode, rel)
-                        )
-                        step[0] += rounded(size, page)
-                        step[1] += size
-                    elif kind == "d":
-                        dirs.append((rel, mode, mtime, atime))
-                        if rel != ".":
-                            os.mkdir(part_prefix + rel, 0o700)
-                    elif kind == "l":
-                        owner = src_prefix + rel if own else None
-                        _make_symlink(part_prefix + rel, extra, mtime, owner)
-                        if len(os.fsencode(extra)) + 1 > SHORT_SYMLINK:
-                            step[0] += page
-                    else:
-                        hard.append([rel, extra])
-                    step[2] += 1  # tmpfs charges every name, hard links too, against nr_inodes
-                if step[0] >= FIRST_BATCH_BYTES or len(batch) >= FIRST_BATCH_FILES:
-                    hand_out(stream)
-            hand_out(stream)
-            tree = walker.tree()
-            root = os.lstat(part)
-            store.prepare_manifest(
-                name,
-                {
-                    "source": source,
-                    "root": [root.st_ino, root.st_dev],
-                    "entries": [list(e) for e in tree.entries],
-                },
-            )
-            stream.finish()
-    except CapacityError as e:  # the workers are gone: nothing writes into part/ any more
-        _refuse_whole(store, walker, found, part, page, reserve, claim, e)
-    finally:
-        os.umask(old_umask)
-        found.close()  # an early exit: stop the scan threads now
-    _finish_build(part, source, jobs, chunked, hard, dirs, verify, nworkers, report)
-    return tree
-
-
-def _refuse_whole(
-    store: Store,
-    walker: Walker,
-    found: Iterator[list[Any]],
-    part: str,
-    page: int,
-    reserve: int | None,
-    claim: Claim,
-    refused: CapacityError,
-) -> None:
-    """A step of a first copy did not fit: stop, remove what was copied, and refuse with
-    the whole dataset's numbers (exit 2: nothing changed)."""
-    raise_from = refused
-    for _ in found:  # the rest of the walk, for the numbers (no more copying)
-        pass
-    tree = walker.tree()
-    store.discard(part)
-    est = of_entries(tree.root, tree.entries, page)  # the numbers inspect prints
-    needed, inodes = est.page_bytes, est.inodes
-    try:
-        claim.reserve(
-            needed,
-            lambda pending: require_fit(needed, inodes, store.dest, reserve, pending=pending),
-        )
-    except CapacityError as e:
-        raise_from = e
-    raise raise_from
-
-
-def _finish_build(
-    part: str,
-    root: str,
-    jobs: list[copier.Job],
-    chunked: list[copier.Job],
-    hard: list[list[Any]],
-    dirs: list[tuple[str, int, int, int]],
-    verify: str,
-    nworkers: int,
-    report: Callable[..., None],
-) -> None:
-    """After the copy: big files' modes, hard links, the checksum pass, directories' metadata."""
-    own = copier.keeps_owner()
-    src_prefix = root.rstrip("/") + "/"
-    total = sum(j[2] for j in jobs)
-    for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
-        if own:
-            copier.copy_owner(job[1], os.stat(job[0]))
-        os.chmod(job[1], job[5], follow_symlinks=False)
-        os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
-    for rel, first in hard:
-        os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
-    if verify == "checksum" and jobs:
-        report("verifying", bytes_total=total, files_total=len(jobs))
-        check_tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
-        bad = sorted(set(copier.run(jobs, check_tasks, nworkers)))  # chunks: once per file
-        if bad:
-            raise ShmstageError(
-                f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source changed "
-                "during the copy or the memory is faulty; re-run"
-            )
-    for rel, mode, mtime, atime in reversed(dirs):  # children first: they touch the parent's mtime
-        path = os.path.join(part, rel) if rel != "." else part
-        if own:
-            copier.copy_owner(path, os.lstat(src_prefix + rel if rel != "." else root))
-        os.chmod(path, mode)
-        os.utime(path, ns=(atime, mtime), follow_symlinks=False)
 
 
 # --- find / list -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import configparser
 import hashlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +33,7 @@ from shmstage.errors import (
     SourceLost,
     UnknownAccessKey,
 )
-from shmstage.stage.sources import Listing, Tick, Want
+from shmstage.stage.sources import Listing, Source, Tick, Want
 
 PART = 32 << 20  # objects above this are fetched as ranged GETs of this size
 STREAM_CHUNK = 1 << 20  # a ranged part is written as it arrives, in chunks of about this
@@ -116,7 +116,7 @@ def _has_credentials(config: dict[str, str]) -> bool:
     )
 
 
-class S3Source:
+class S3Source(Source):
     """A prefix of a bucket as a listed source (see stage/sources.py)."""
 
     kind = "s3"
@@ -252,10 +252,16 @@ class S3Source:
     # --- fetch -------------------------------------------------------------------
 
     def fetch(
-        self, wants: Sequence[Want], root: str, tick: Tick, workers: int | None, checksum: bool
+        self,
+        wants: Sequence[Want],
+        root: str,
+        tick: Tick,
+        workers: int | None,
+        checksum: bool,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         """GET every wanted object into ``root`` (see the module docstring); tick() runs
-        in this thread only."""
+        in this thread only.  ``meanwhile`` runs once the first requests are out."""
         nworkers = workers or WORKERS
         self.checksum = checksum
         pending: dict[Future[tuple[int, int]], None] = {}
@@ -282,9 +288,14 @@ class S3Source:
         with ThreadPoolExecutor(nworkers, thread_name_prefix="shmstage-s3") as pool:
             try:
                 for task in tasks():
+                    if meanwhile is not None and len(pending) == nworkers:
+                        meanwhile()  # the pool is busy: the manifest is written meanwhile
+                        meanwhile = None
                     while len(pending) >= 2 * nworkers:
                         self._reap(pending, tick, wait_for=FIRST_COMPLETED)
                     pending[pool.submit(task[0], root, *task[1:])] = None
+                if meanwhile is not None:
+                    meanwhile()
                 while pending:
                     self._reap(pending, tick, wait_for=FIRST_COMPLETED)
             except BaseException as e:

@@ -1,20 +1,29 @@
 """What a dataset is read from: a local directory, a tar archive or an object-store prefix.
 
-``resolve`` turns what the user typed into a kind and the location the store records.  A
-listed source (an object-store prefix; later the cluster exchange) implements ``Source``:
-``listing`` says what the tree holds (plan.py's entry tuples plus a change key per file) and
-``fetch`` fills files into open files under partial/<name>.  The engine (lock, fit, partial,
-publish, manifest) is written once above it (stage/listed.py).  The directory and the tar
-archive keep their own fill paths, the forked sendfile copier (stage/copy.py) and the
-streaming extractor (stage/tar.py): the same listing/fill split, with the fast paths kept.
+Each is a :class:`Source`: ``listing`` says what the tree holds (plan.py's entry tuples, and a
+change key per file where size+mtime+mode is not one) and ``fetch`` fills files into open
+files under partial/<name>.  The engine's steps (lock, fit, partial, publish, manifest) are
+written once above it, in stage/build.py and stage/engine.py; the sources differ only in how
+they list and fill:
+
+========== ============================= ======================================= ==============
+source      listing                       fetch                                   per file
+========== ============================= ======================================= ==============
+dir         a threaded walk (plan.py)     forked sendfile workers (copy.py), or   yes
+                                          the cluster exchange (cluster/)
+tar         the archive's checked headers one streaming extraction (tar.py)       no: whole tree
+s3          one LIST (s3.py)              GETs from a thread pool, ranged parts   yes
+========== ============================= ======================================= ==============
+
+``resolve`` turns what the user typed into a kind and the location the store records.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from shmstage.errors import RefusedError
 from shmstage.stage import tarformat
@@ -28,37 +37,70 @@ Tick = Callable[[int, int], None]  # (bytes, files) just written
 
 @dataclass(frozen=True)
 class Listing:
-    """A listed source: the tree it stages to and what identifies each file's content."""
+    """What a source holds: the tree it stages to and what identifies each file's content.
+
+    ``entries`` are plan.py's tuples ``(path, kind, size, mtime_ns, mode, extra)``, "." first
+    and parents before children; a directory's mtime of 0 means the source has none (it is
+    left as made).  ``keys`` maps each file to its change key (equal keys: same bytes); None
+    means the entry's size, mtime and mode are the key.  ``record`` is what the manifest keeps
+    besides the entries to tell this version from the next (see ``Source.stamp``)."""
 
     location: str  # what the store records as the source (a URL without credentials)
-    entries: list[tuple]  # (path, kind, size, mtime_ns, mode, extra), "." first, parents first
-    keys: dict[str, list[Any]]  # file path -> change key (equal keys: same bytes)
+    entries: list[tuple]
+    keys: dict[str, list[Any]] | None
     bytes: int
     files: int
+    atimes: list[int] | None = None  # per entry, where the source keeps access times
+    record: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Want:
+class Want(NamedTuple):
     """One file to fetch into partial/: ``path`` relative to the tree's root."""
 
     path: str
     size: int
     mtime_ns: int  # set once the last byte is in (what makes a file count as done)
     mode: int
-    key: list[Any]  # its change key from the listing (fetch refuses other content)
+    key: Any  # its change key from the listing (fetch refuses other content)
+    atime_ns: int = -1  # -1: the mtime
 
 
-class Source(Protocol):
+class Source:
+    """The interface every source implements; the defaults suit a listed, per-file source."""
+
     kind: str
     location: str
+    # Files can be kept one by one: a resume keeps what a killed run fetched and a re-stage
+    # hard-links unchanged files.  A source that is not fills the whole tree in ``fetch``.
+    incremental = True
 
-    def listing(self) -> Listing: ...
+    def stamp(self) -> dict[str, Any] | None:
+        """Manifest fields that tell, without a listing, that the published copy is current
+        (a tar archive's size, mtime and inode); None when only the listing can tell."""
+        return None
+
+    def listing(self) -> Listing:
+        raise NotImplementedError
+
+    def owner(self, rel: str) -> os.stat_result | None:
+        """The source entry whose owner the copy of ``rel`` keeps, or None (copies are ours)."""
+        return None
 
     def fetch(
-        self, wants: Sequence[Want], root: str, tick: Tick, workers: int | None, checksum: bool
-    ) -> None:
+        self,
+        wants: Sequence[Want],
+        root: str,
+        tick: Tick,
+        workers: int | None,
+        checksum: bool,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> Any:
         """Write every wanted file under ``root`` (its directories exist), then set its mode
-        and mtime; raise a ShmstageError (nothing half-fetched counts as done) on failure."""
+        and mtime; raise a ShmstageError (nothing half-fetched counts as done) on failure.
+        ``meanwhile()`` is called once while the fetch is under way (the manifest is written
+        then).  A source that is not ``incremental`` is handed every file and fills the whole
+        tree, and returns the tree it made (plan.Tree); the others return None."""
+        raise NotImplementedError
 
 
 def is_url(raw: str) -> bool:
@@ -102,3 +144,16 @@ def open_listed(kind: str, location: str) -> Source:
 
     assert kind == "s3", kind
     return s3.S3Source(location)
+
+
+def open_source(kind: str, location: str, strip_components: int = 0, peers: Any = None) -> Source:
+    """The ``Source`` behind ``resolve``'s answer (``peers``: a directory read with other nodes)."""
+    if kind == "dir":
+        from shmstage.stage.dirsource import DirSource
+
+        return DirSource(location, peers)
+    if kind == "tar":
+        from shmstage.stage.tarsource import TarSource
+
+        return TarSource(location, strip_components)
+    return open_listed(kind, location)

@@ -1,0 +1,319 @@
+"""Build partial/<name> from any source (stage/sources.py): the steps written once.
+
+Given the source's listing and the published copy's manifest:
+
+1. count what is still to write: files a killed run already fetched into partial/ are kept
+   (a resume), files whose change key equals the published copy's are hard links to it,
+   and what else partial/ holds is freed;
+2. claim that much of DEST (reserve.py) and check the fit, before a byte is written;
+3. make the directories, the links to the published copy and the symlinks;
+4. ``fetch`` the rest, writing the manifest meanwhile;
+5. hard links inside the tree, then directories' modes and times, children first.
+
+A source that is not incremental (a tar archive) is handed every file and fills the whole
+tree itself in step 4; steps 3 and 5 are its own.  The first copy of a directory has a
+faster path of its own (dirsource.build_first), which checks the fit with the same rule in
+steps while its walk runs.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+from shmstage.errors import ShmstageError
+from shmstage.stage import copy as copier
+from shmstage.stage.estimate import SHORT_SYMLINK, page_size, rounded
+from shmstage.stage.plan import Entry, require_fit, walk
+from shmstage.stage.reserve import Claim
+from shmstage.stage.sources import Listing, Source, Want
+from shmstage.stage.store import Store, _rmtree
+
+
+class Counter:
+    """Copy progress: reports "copying" when made, then adds copied bytes/files on each call.
+    The totals may grow while the copy runs (a first copy walks and copies at once)."""
+
+    def __init__(self, report: Callable[..., None], bytes_total: int, files_total: int) -> None:
+        self.report = report
+        self.bytes_total, self.files_total = bytes_total, files_total
+        self.bytes_done = self.files_done = 0
+        self._report()
+
+    def grow(self, nbytes: int, nfiles: int) -> None:
+        self.bytes_total += nbytes
+        self.files_total += nfiles
+
+    def __call__(self, b: int, f: int) -> None:
+        self.bytes_done += b
+        self.files_done += f
+        self._report()
+
+    def _report(self) -> None:
+        self.report(
+            "copying",
+            bytes_done=self.bytes_done,
+            bytes_total=self.bytes_total,
+            files_done=self.files_done,
+            files_total=self.files_total,
+        )
+
+
+@dataclass(frozen=True)
+class Built:
+    copied: int  # bytes written (not linked, not kept)
+    bytes: int  # the tree's data (hard links once)
+    files: int
+
+
+def current(manifest: dict[str, Any] | None, listing: Listing) -> bool:
+    """The published copy already is this listing: nothing to write."""
+    if manifest is None:
+        return False
+    if listing.keys is not None:  # e.g. ETags: one LIST, no GET
+        return manifest.get("objects") == listing.keys
+    return manifest.get("entries") == [list(e) for e in listing.entries]
+
+
+def build(
+    store: Store,
+    name: str,
+    src: Source,
+    listing: Listing,
+    manifest: dict[str, Any] | None,
+    workers: int | None,
+    verify: str,
+    reserve: int | None,
+    resumable: bool,
+    report: Callable[..., None],
+    claim: Claim,
+) -> Built:
+    """Fill partial/<name> from ``src`` and write its manifest (steps in the module docstring).
+    ``manifest`` is the published copy's, when it is of the same source (else None)."""
+    part = store.partial(name)
+    old_root = store.path(name)
+    incremental = src.incremental
+    resumable = resumable and incremental
+    entries = [list(e) for e in listing.entries]
+    keys = listing.keys
+    old = {e[0]: e for e in manifest["entries"]} if manifest and incremental else {}
+    old_keys = (manifest or {}).get("objects") or {}
+
+    def unchanged(e: list[Any]) -> bool:
+        o = old.get(e[0])
+        if o is None or o[1] != "f":
+            return False
+        if keys is None:
+            return list(o) == e
+        return old_keys.get(e[0]) == keys[e[0]]
+
+    # 1-2: the fit, counting only what is still to write.
+    page = page_size(store.dest)
+    kept, freed = plan_partial(part, entries, resumable)
+    reuse: set[str] = set()
+    needed = inodes = 0
+    for e in entries:
+        kind = e[1]
+        if kind == "f":
+            if e[0] in kept:
+                continue
+            if unchanged(e):
+                reuse.add(e[0])
+                e[3] = old[e[0]][3]  # keeps the mtime of the copy it is linked from
+            else:
+                needed += rounded(e[2], page)
+        elif kind == "l" and len(os.fsencode(e[5] or "")) + 1 > SHORT_SYMLINK:
+            needed += page
+        inodes += 1
+    claim.reserve(
+        needed,
+        lambda pending: require_fit(
+            needed, inodes, store.dest, reserve, pending=pending, freed=freed
+        ),
+    )
+    keep = prepare_partial(part, entries, resumable)
+
+    written: list[bool] = []
+
+    def write_manifest() -> None:  # while the source fetches, where it can
+        root = os.lstat(part)
+        data = {"source": listing.location, "root": [root.st_ino, root.st_dev]}
+        data["entries"] = entries
+        if keys is not None:
+            data["objects"] = keys
+        store.prepare_manifest(name, {**data, **listing.record})
+        written.append(True)
+
+    if not incremental:  # 3-5 are the source's: it fills the whole tree
+        wants = [Want(e[0], e[2], e[3], e[4], None) for e in entries if e[1] == "f"]
+        tick = claim.counting(Counter(report, listing.bytes, listing.files))
+        tree = src.fetch(wants, part, tick, workers, verify == "checksum")
+        entries = [list(e) for e in tree.entries]
+        write_manifest()
+        return Built(listing.bytes, tree.bytes, tree.files)
+
+    # 3: directories, links to the published copy, symlinks.
+    atimes = listing.atimes
+    wants: list[Want] = []
+    hard: list[list[Any]] = []
+    dirs: list[tuple[str, int, int, int]] = []
+    old_umask = os.umask(0)
+    try:
+        for i, e in enumerate(entries):
+            rel, kind, size, mtime, mode, extra = e
+            atime = atimes[i] if atimes is not None else -1
+            if kind == "d":
+                dirs.append((rel, mode, mtime, atime))
+                if rel != ".":
+                    with suppress(FileExistsError):
+                        os.mkdir(os.path.join(part, rel), 0o700)
+            elif kind == "f":
+                if rel in keep:
+                    continue
+                if rel in reuse and link_unchanged(
+                    os.path.join(old_root, rel), os.path.join(part, rel), e, src.owner(rel)
+                ):
+                    continue  # gone or not what we published: fetched again below
+                wants.append(Want(rel, size, mtime, mode, keys[rel] if keys else None, atime))
+            elif kind == "l":
+                make_symlink(os.path.join(part, rel), extra, mtime, src.owner(rel))
+            else:
+                hard.append([rel, extra])
+    finally:
+        os.umask(old_umask)
+
+    # 4: the rest from the source.
+    total = sum(w.size for w in wants)
+    tick = claim.counting(Counter(report, total, len(wants)))
+    src.fetch(wants, part, tick, workers, verify == "checksum", write_manifest)
+    if not written:
+        write_manifest()
+
+    # 5: what needs every file in place.
+    finish_tree(part, hard, dirs, src.owner)
+    return Built(total, listing.bytes, listing.files)
+
+
+def finish_tree(
+    part: str,
+    hard: list[list[Any]],
+    dirs: list[tuple[str, int, int, int]],
+    owner: Callable[[str], os.stat_result | None],
+) -> None:
+    """Hard links inside the tree, then each directory's owner, mode and times (children
+    first: they touch the parent's mtime; an mtime of 0 is left as made)."""
+    for rel, first in hard:
+        os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
+    for rel, mode, mtime, atime in reversed(dirs):
+        path = os.path.join(part, rel) if rel != "." else part
+        st = owner(rel)
+        if st is not None:
+            copier.copy_owner(path, st)
+        os.chmod(path, mode)
+        if mtime:
+            os.utime(path, ns=(atime if atime >= 0 else mtime, mtime), follow_symlinks=False)
+
+
+def link_unchanged(old: str, new: str, e: list[Any], owner: os.stat_result | None) -> bool:
+    """Hard-link the published ``old`` file as ``new`` if it is still what the manifest says
+    (entry ``e``; and owned like the source where copies keep owners); False (nothing linked)
+    if not.
+
+    The published tree may belong to the source's owner (root keeps owners), who can swap
+    a directory in it for a symlink: the check runs on the link made in our private
+    partial/ tree, so what it accepts is what gets published."""
+    try:
+        os.link(old, new, follow_symlinks=False)
+    except OSError:
+        return False
+    st = os.lstat(new)
+    ok = stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) == (
+        e[2],
+        e[3],
+        e[4],
+    )
+    if ok and owner is not None:
+        ok = (st.st_uid, st.st_gid) == (owner.st_uid, owner.st_gid)
+    if not ok:
+        os.unlink(new)
+    return ok
+
+
+def make_symlink(path: str, target: str, mtime: int, owner: os.stat_result | None) -> None:
+    """A symlink of the copy, owned like ``owner`` (the source link) when copies keep owners."""
+    os.symlink(target, path)
+    if owner is not None:
+        copier.copy_owner(path, owner)
+    os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+
+
+# --- the partial tree a killed run left ---------------------------------------------------
+
+
+def _keeps(have: tuple, want: Entry | None) -> bool:
+    """A file a killed run already copied: size, mtime and mode match the source."""
+    return (
+        want is not None
+        and want[1] == "f"
+        and have[1] == "f"
+        and tuple(want[2:5]) == tuple(have[2:5])
+    )
+
+
+def plan_partial(part: str, entries: list, resumable: bool) -> tuple[set[str], int]:
+    """Read-only: files of ``part`` a resume keeps, and the bytes the rest frees when removed."""
+    if not os.path.lexists(part):
+        return set(), 0
+    keep: set[str] = set()
+    freed = 0
+    can_keep = resumable and os.path.isdir(part) and not os.path.islink(part)
+    planned = {e[0]: e for e in entries} if can_keep else {}
+    try:
+        have = walk(part, check_links=False, hardlinks=False).entries[1:]
+    except ShmstageError:
+        return set(), 0  # not a tree we can read: count nothing as freed
+    for e in have:
+        if can_keep and _keeps(e, planned.get(e[0])):
+            keep.add(e[0])
+        elif e[1] == "f":
+            with suppress(OSError):
+                st = os.lstat(os.path.join(part, e[0]))
+                if st.st_nlink == 1:  # a link shared with the published copy frees nothing
+                    freed += st.st_blocks * 512
+    return keep, freed
+
+
+def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
+    """Make ``part`` ready to build into; returns files a killed earlier run already copied.
+
+    A file counts as copied when its size, mtime and mode match the source: the
+    copier sets the mtime only after the last byte is written."""
+    if not resumable or not os.path.isdir(part) or os.path.islink(part):
+        if os.path.lexists(part):
+            _rmtree(part)
+        os.mkdir(part, 0o700)
+        return set()
+    os.chmod(part, 0o700)
+    have = walk(part, check_links=False, hardlinks=False)
+    planned = {e[0]: e for e in entries}
+    keep: set[str] = set()
+    # children before parents so a removed directory is already empty of what we keep
+    for e in reversed(have.entries[1:]):
+        rel, kind = e[0], e[1]
+        want = planned.get(rel)
+        path = os.path.join(part, rel)
+        if kind == "d" and want is not None and want[1] == "d":
+            os.chmod(path, 0o700)
+            continue
+        if _keeps(e, want):
+            keep.add(rel)
+            continue
+        if kind == "d":
+            _rmtree(path)
+        else:
+            os.unlink(path)
+    return keep

@@ -1,0 +1,231 @@
+"""A local directory as a source: a threaded walk lists it, forked sendfile workers
+(copy.py) fill it, or, with peers, the cluster exchange (cluster/).
+
+Its first copy has a path of its own, ``build_first``: the copy starts with the first
+directories the walk lists instead of after the whole walk (stage/build.py does the rest).
+Where the stager is root, copies keep owners like ``cp -a``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from shmstage.errors import CapacityError, ShmstageError
+from shmstage.stage import copy as copier
+from shmstage.stage.build import Counter, finish_tree, make_symlink
+from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
+from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
+from shmstage.stage.reserve import Claim
+from shmstage.stage.sources import Listing, Source, Tick, Want
+from shmstage.stage.store import Store
+
+FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this
+FIRST_BATCH_FILES = 4096
+
+
+class DirSource(Source):
+    kind = "dir"
+
+    def __init__(self, location: str, peers: Any = None) -> None:
+        self.location = location
+        self.peers = peers  # a cluster.Peers: each node reads a share, they exchange the rest
+        self.prefix = location.rstrip("/") + "/"
+        self.own = copier.keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
+        self.tree: Tree | None = None
+
+    def listing(self) -> Listing:
+        tree = walk(self.location, threads=scan_threads(self.location))
+        self.tree = tree
+        return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
+
+    def owner(self, rel: str) -> os.stat_result | None:
+        if not self.own:
+            return None
+        return os.lstat(self.prefix + rel if rel != "." else self.location)
+
+    def fetch(
+        self,
+        wants: Sequence[Want],
+        root: str,
+        tick: Tick,
+        workers: int | None,
+        checksum: bool,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        src, dst = self.prefix, root + "/"
+        jobs: list[copier.Job] = [
+            (src + w.path, dst + w.path, w.size, w.mtime_ns, w.atime_ns, w.mode, w.path)
+            for w in wants  # plain concatenation: 1M joins cost seconds
+        ]
+        old_umask = os.umask(0)
+        try:
+            tasks, chunked = copier.make_tasks(jobs)
+            for i in chunked:  # big files: created here (writable), filled by several workers
+                copier.create_sized(jobs[i][1], jobs[i][2])
+        finally:
+            os.umask(old_umask)
+        nworkers = workers or copier.default_workers()
+        if self.peers is not None:
+            if meanwhile is not None:
+                meanwhile()
+            self.peers.fill(jobs, tick, checksum)  # instead of reading all of SRC here
+            checksum = False  # checked against the owners' sums
+        else:
+            copier.run(jobs, tasks, nworkers, tick, meanwhile)
+        self.settle(jobs, [jobs[i] for i in chunked], checksum, nworkers)
+
+    def settle(
+        self, jobs: list[copier.Job], chunked: list[copier.Job], checksum: bool, nworkers: int
+    ) -> None:
+        """After the copy: big files' owners, modes and times; the checksum pass."""
+        for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
+            if self.own:
+                copier.copy_owner(job[1], os.stat(job[0]))
+            os.chmod(job[1], job[5], follow_symlinks=False)
+            os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
+        if checksum and jobs:
+            check_tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
+            bad = sorted(set(copier.run(jobs, check_tasks, nworkers)))  # chunks: once per file
+            if bad:
+                raise ShmstageError(
+                    f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source "
+                    "changed during the copy or the memory is faulty; re-run"
+                )
+
+    # --- the first copy ------------------------------------------------------------------
+
+    def build_first(
+        self,
+        store: Store,
+        name: str,
+        workers: int | None,
+        verify: str,
+        reserve: int | None,
+        report: Callable[..., None],
+        claim: Claim,
+    ) -> Tree:
+        """The first copy into a new partial/<name>, copying while the walk runs.
+
+        Space is claimed as the walk finds data, before any of it is handed to the workers
+        (the same fit rule, in steps); a step that does not fit stops the copy, removes the
+        partial tree and refuses with the whole dataset's numbers, as the up-front check
+        would.  Writes the new manifest once the walk ended, while the workers still copy."""
+        part = store.partial(name)
+        os.mkdir(part, 0o700)
+        page = page_size(store.dest)
+        src_prefix, part_prefix = self.prefix, part + "/"
+        nworkers = workers or copier.default_workers()
+        walker = Walker(self.location, threads=scan_threads(self.location))
+        found = iter(walker)
+        jobs: list[copier.Job] = []
+        chunked: list[copier.Job] = []
+        hard: list[list[Any]] = []
+        dirs: list[tuple[str, int, int, int]] = []
+        batch: list[copier.Job] = []
+        step = [0, 0, 0]  # bytes (page-rounded), data bytes, inodes found but not yet claimed
+        claimed = [0]  # page-rounded bytes claimed so far
+        counter = Counter(report, 0, 0)
+
+        def hand_out(stream: copier.Stream) -> None:
+            needed, data, inodes = step
+            claimed[0] += needed
+
+            def check(pending: int) -> None:
+                require_fit(left, inodes, store.dest, reserve, pending=pending)
+
+            # Ours and not yet on DEST lies between claimed - handed and claimed - landed:
+            # files being copied count in DEST's used space already, but not how much of them.
+            left = claimed[0] - stream.landed
+            try:
+                claim.reserve(left, check)
+            except CapacityError:
+                left = claimed[0] - stream.handed
+                claim.reserve(left, check)  # refused even if every handed-out file were written
+                stream.drain()  # near the limit: let those land, then the numbers are exact
+                left = claimed[0] - stream.landed
+                claim.reserve(left, check)
+            counter.grow(data, len(batch))
+            chunked.extend(stream.add(batch))
+            jobs.extend(batch)
+            batch.clear()
+            step[:] = [0, 0, 0]
+
+        old_umask = os.umask(0)
+        try:
+            with copier.Stream(
+                src_prefix, part_prefix, nworkers, claim.counting(counter), page
+            ) as stream:
+                for new in found:
+                    atimes = walker.atimes[len(walker.entries) - len(new) :]
+                    for (rel, kind, size, mtime, mode, extra), atime in zip(new, atimes):
+                        if kind == "f":
+                            batch.append(
+                                (src_prefix + rel, part_prefix + rel, size, mtime, atime, mode, rel)
+                            )
+                            step[0] += rounded(size, page)
+                            step[1] += size
+                        elif kind == "d":
+                            dirs.append((rel, mode, mtime, atime))
+                            if rel != ".":
+                                os.mkdir(part_prefix + rel, 0o700)
+                        elif kind == "l":
+                            make_symlink(part_prefix + rel, extra, mtime, self.owner(rel))
+                            if len(os.fsencode(extra)) + 1 > SHORT_SYMLINK:
+                                step[0] += page
+                        else:
+                            hard.append([rel, extra])
+                        step[2] += 1  # tmpfs charges every name, hard links too, to nr_inodes
+                    if step[0] >= FIRST_BATCH_BYTES or len(batch) >= FIRST_BATCH_FILES:
+                        hand_out(stream)
+                hand_out(stream)
+                tree = walker.tree()
+                self.tree = tree
+                root = os.lstat(part)
+                store.prepare_manifest(
+                    name,
+                    {
+                        "source": self.location,
+                        "root": [root.st_ino, root.st_dev],
+                        "entries": [list(e) for e in tree.entries],
+                    },
+                )
+                stream.finish()
+        except CapacityError as e:  # the workers are gone: nothing writes into part/ any more
+            _refuse_whole(store, walker, found, part, page, reserve, claim, e)
+        finally:
+            os.umask(old_umask)
+            found.close()  # an early exit: stop the scan threads now
+        self.settle(jobs, chunked, verify == "checksum", nworkers)
+        finish_tree(part, hard, dirs, self.owner)
+        return tree
+
+
+def _refuse_whole(
+    store: Store,
+    walker: Walker,
+    found: Iterator[list[Any]],
+    part: str,
+    page: int,
+    reserve: int | None,
+    claim: Claim,
+    refused: CapacityError,
+) -> None:
+    """A step of a first copy did not fit: stop, remove what was copied, and refuse with
+    the whole dataset's numbers (exit 2: nothing changed)."""
+    raise_from = refused
+    for _ in found:  # the rest of the walk, for the numbers (no more copying)
+        pass
+    tree = walker.tree()
+    store.discard(part)
+    est = of_entries(tree.root, tree.entries, page)  # the numbers inspect prints
+    needed, inodes = est.page_bytes, est.inodes
+    try:
+        claim.reserve(
+            needed,
+            lambda pending: require_fit(needed, inodes, store.dest, reserve, pending=pending),
+        )
+    except CapacityError as e:
+        raise_from = e
+    raise raise_from
