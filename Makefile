@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 # else would download several GB of CUDA packages.
 TORCH ?= torch==2.13.0
 APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip binutils e2fsprogs
+# and node + npm when npm is missing: tests/test_stage_objstores.py installs Azurite (the
+# Azure Blob emulator) with npm into .cache/azurite
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint deps clean docs
@@ -22,11 +24,12 @@ $(BIN)/shmstage: pyproject.toml
 deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  command -v npm >/dev/null || missing="$$missing nodejs npm"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing system packages: $$missing" >&2; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  fi; \
-	else echo "not root or no apt-get: make sure these are installed: $(APT_PACKAGES)" >&2; fi
+	else echo "not root or no apt-get: make sure these are installed: $(APT_PACKAGES) nodejs npm" >&2; fi
 
 demo: deps $(BIN)/shmstage
 	$(BIN)/shmstage demo
@@ -42,4 +45,4 @@ test: deps $(BIN)/shmstage lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache/azurite

@@ -317,7 +317,7 @@ class _Checker:
         return os.path.normpath(value)
 
     def source(self, key: str, node: _Node) -> Any:
-        """A dataset's source: an absolute path or an object-store URL (s3://bucket/prefix)."""
+        """A dataset's source: an absolute path or an object-store URL (s3://, gs://, az://)."""
         from shmstage.errors import RefusedError
         from shmstage.stage import sources
 

@@ -287,11 +287,12 @@ def dataset_info(
 
 
 def _object_store_info(url: str, dest: str, mem: system.Memory, reserve: int | None) -> DatasetInfo:
-    """An s3:// prefix, measured by one LIST with the estimator stage checks against."""
+    """An object-store prefix, measured by one LIST with the estimator stage checks against."""
+    from shmstage.stage import sources
     from shmstage.stage.estimate import estimate
 
     est = estimate(url, dest)
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+    endpoint = sources.open_listed(est.kind, est.source).endpoint  # no request: names it
     return DatasetInfo(
         path=url, bytes=est.bytes, files=est.files, unreadable=0, mountpoint=None,
         fstype=est.kind, device=endpoint, block_device=None, rotational=None, network=True, dest=dest,
@@ -457,8 +458,10 @@ def check_torch(t: TorchInfo) -> Check:
 
 
 def check_dataset(d: DatasetInfo) -> list[Check]:
+    from shmstage.stage.sources import LISTED_KINDS
+
     kind = []
-    if d.kind == "s3":
+    if d.kind in LISTED_KINDS:
         kind.append("object store")
     elif d.network:
         kind.append("network file system")

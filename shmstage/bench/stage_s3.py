@@ -62,6 +62,10 @@ def run_s3_benchmark(
     from shmstage.stage import sources
 
     kind, location = sources.resolve(url)
+    if kind != "s3" and set(tools) - {"shmstage"}:
+        raise RefusedError(
+            f"s5cmd and aws read s3:// only: bench stage {kind}:// with --tools shmstage"
+        )
     listing = sources.open_listed(kind, location).listing()  # the reference: count and bytes
     exes = {}
     for tool in tools:

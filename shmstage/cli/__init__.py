@@ -105,8 +105,8 @@ def cli() -> None:
       shmstage run --stage /nfs/imagenet -- torchrun ... train.py --data {staged}
 
     Exit codes: 0 success, 1 operation failed, 2 bad usage or refused
-    (nothing changed), 3 verification found a difference, 10-17 an s3:// source
-    failed (docs/s3.md), 128+N killed by signal N.
+    (nothing changed), 3 verification found a difference, 10-17 an object-store
+    source failed (docs/s3.md), 128+N killed by signal N.
     Every option can also be set as SHMSTAGE_<COMMAND>_<OPTION>: the long
     option upper-cased, - as _ (--json -> SHMSTAGE_LIST_JSON, --dry-run ->
     SHMSTAGE_EVICT_DRY_RUN; bench stage --runs -> SHMSTAGE_BENCH_STAGE_RUNS).

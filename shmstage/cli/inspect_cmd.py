@@ -30,8 +30,8 @@ def _render(report: NodeReport) -> None:
     "--dataset",
     metavar="DIR",
     default=None,
-    help="Also measure DIR (a directory, tar archive or s3:// prefix: bytes, files, where it "
-    "lives) and check that it fits; exit 1 if not.",
+    help="Also measure DIR (a directory, tar archive or s3://, gs:// or az:// prefix: bytes, "
+    "files, where it lives) and check that it fits; exit 1 if not.",
 )
 @click.option(
     "--dest",

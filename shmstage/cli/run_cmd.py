@@ -73,7 +73,8 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     "stages",
     multiple=True,
     metavar="SRC",
-    help="Stage SRC (a directory, tar archive or s3:// prefix) before the job (repeatable).",
+    help="Stage SRC (a directory, tar archive or s3://, gs:// or az:// prefix) before the job "
+    "(repeatable).",
 )
 @click.option(
     "--name",

@@ -91,7 +91,8 @@ def _log_waiting(p: Progress) -> None:
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
-    help="Copy processes. Default: 4 per CPU, 8 to 32. For s3://: requests in flight, default 32.",
+    help="Copy processes. Default: 4 per CPU, 8 to 32. For s3://, gs://, az://: requests in "
+    "flight, default 32.",
 )
 @click.option(
     "--verify",
@@ -149,15 +150,17 @@ def stage_cmd(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Stage SRC (a directory, tar archive or s3://BUCKET/PREFIX) into tmpfs; print the staged path.
+    """Stage SRC (a directory, tar archive or object-store prefix) into tmpfs; print the staged path.
 
     \b
     The path is the last line of stdout, so scripts can write:
       DATA=$(shmstage stage /nfs/imagenet --quiet)
     Staging an unchanged source again is a no-op; a changed one copies only what
     changed.  Several processes staging the same source share one copy.
-    s3:// reads credentials and the endpoint from AWS_* or a ~/.aws profile
-    (pip install 'shmstage[s3]'; docs/s3.md).
+    s3://BUCKET/PREFIX reads credentials and the endpoint from AWS_* or a
+    ~/.aws profile (pip install 'shmstage[s3]'; docs/s3.md); gs://BUCKET/PREFIX
+    from GOOGLE_* or the metadata server, az://CONTAINER/PREFIX from AZURE_*
+    (docs/object-stores.md).
 
     With --nodes N (one shmstage per node), the nodes read SRC once between
     them and exchange the rest; every node publishes, or none.

@@ -27,7 +27,7 @@ class Estimate:
     """What staging ``source`` writes: the numbers every command prints and checks."""
 
     source: str
-    kind: str  # "dir", "tar" or an object store's ("s3")
+    kind: str  # "dir", "tar" or an object store's ("s3", "gs", "az")
     bytes: int  # apparent size of the data (hard links once)
     page_bytes: int  # what it takes on the destination tmpfs (whole pages)
     files: int  # regular file paths (hard links included)

@@ -6,6 +6,7 @@ from a thread pool calling obstore's sync API (its async streams aborted the int
 exit in some runs; the sync calls release the GIL).  Every GET carries ``If-Match`` and the
 response's ETag is compared too (some servers ignore If-Match).  Credentials and the
 endpoint come from the AWS_* environment or a ~/.aws profile, never from the command line.
+gs:// (gcs.py) and az:// (azure.py) subclass ``S3Source``: the same LIST and fetch.
 """
 
 from __future__ import annotations
@@ -48,30 +49,56 @@ _CONNECT = ("error sending request", "connection refused", "tcp connect", "dns e
 
 @dataclass(frozen=True)
 class S3Url:
+    """An object-store prefix (gcs.py and azure.py use it with their schemes)."""
+
     bucket: str
     prefix: str  # "" or ending in "/"
+    scheme: str = "s3"
 
     @property
     def url(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix.rstrip('/')}".rstrip("/")
+        return f"{self.scheme}://{self.bucket}/{self.prefix.rstrip('/')}".rstrip("/")
+
+    def of(self, key: str) -> str:
+        """The URL of one object (in messages)."""
+        return f"{self.scheme}://{self.bucket}/{key}"
 
 
-def parse(raw: str) -> S3Url:
+def parse(
+    raw: str,
+    scheme: str = "s3",
+    pattern: str = r"[a-z0-9][a-z0-9.\-_]{1,254}",
+    noun: str = "bucket",
+) -> S3Url:
     """``s3://bucket[/prefix]``; the prefix is a "directory": ``train`` lists ``train/...``."""
     rest = raw.split("://", 1)[1]
     bucket, _, prefix = rest.partition("/")
-    if not bucket or not re.fullmatch(r"[a-z0-9][a-z0-9.\-_]{1,254}", bucket):
-        raise RefusedError(f"invalid bucket name in {raw}: write s3://BUCKET/PREFIX")
+    if not bucket or not re.fullmatch(pattern, bucket):
+        raise RefusedError(f"invalid {noun} name in {raw}: write {scheme}://{noun.upper()}/PREFIX")
     prefix = prefix.strip("/")
-    return S3Url(bucket, prefix + "/" if prefix else "")
+    return S3Url(bucket, prefix + "/" if prefix else "", scheme)
 
 
-def _import() -> Any:
+def _import(kind: str = "s3", extra: str = "s3") -> Any:
     try:
         import obstore
     except ImportError:
-        raise RefusedError("s3:// sources need the s3 extra: pip install 'shmstage[s3]'") from None
+        raise RefusedError(
+            f"{kind}:// sources need the {extra} extra: pip install 'shmstage[{extra}]'"
+        ) from None
     return obstore
+
+
+# Every store's requests: bounded retries (docs/s3.md "How it reads"), short connect timeout.
+RETRY = {"max_retries": 4, "retry_timeout": timedelta(seconds=30),
+         "backoff": {"init_backoff": timedelta(milliseconds=100),
+                     "max_backoff": timedelta(seconds=4), "base": 2}}  # fmt: skip
+
+
+def client_options(endpoint: str | None) -> dict[str, Any]:
+    return {"allow_http": bool(endpoint and endpoint.startswith("http://")),
+            "connect_timeout": timedelta(seconds=5), "timeout": timedelta(seconds=120),
+            "pool_max_idle_per_host": "64"}  # fmt: skip
 
 
 def _endpoint() -> str | None:
@@ -117,14 +144,40 @@ def _has_credentials(config: dict[str, str]) -> bool:
 
 
 class S3Source(Source):
-    """A prefix of a bucket as a listed source (see stage/sources.py)."""
+    """A prefix of a bucket as a listed source (see stage/sources.py).
+
+    The LIST and fetch machinery of every object store: gcs.py and azure.py subclass it and
+    override only the hooks (``parse``, ``endpoint_name``, ``open_store``, ``coded_error``
+    and the two hints)."""
 
     kind = "s3"
+    extra = "s3"  # the pip extra that brings obstore
+    parse = staticmethod(parse)
+    credentials_hint = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+    endpoint_hint = "AWS_ENDPOINT_URL"
 
     def __init__(self, location: str) -> None:
-        self.obs = _import()
-        self.where = parse(location)
+        self.obs = _import(self.kind, self.extra)
+        self.where = self.parse(location)
         self.location = self.where.url
+        self.endpoint = self.endpoint_name()
+        self.started = False  # a response came back: later connection errors are "lost"
+        self.checksum = False  # fetch: compare single-part objects' bytes with their MD5 ETag
+        try:
+            self.store = self.open_store()
+        except ShmstageError:
+            raise
+        except Exception as e:  # obstore refused the configuration (e.g. a malformed key)
+            raise self.error(e) from None
+
+    # --- the store (hooks) ---------------------------------------------------------
+
+    def endpoint_name(self) -> str:
+        """Where requests go, as messages name it (no credentials in it)."""
+        return _endpoint() or "AWS"
+
+    def open_store(self) -> Any:
+        """The obstore store, configured from the environment only."""
         from obstore.store import S3Store
 
         config = _profile_config()
@@ -136,29 +189,16 @@ class S3Source(Source):
         endpoint = _endpoint()
         if not (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
             config.setdefault("region", "us-east-1")
-        client = {"allow_http": bool(endpoint and endpoint.startswith("http://")),
-                  "connect_timeout": timedelta(seconds=5), "timeout": timedelta(seconds=120),
-                  "pool_max_idle_per_host": "64"}  # fmt: skip
-        retry = {"max_retries": 4, "retry_timeout": timedelta(seconds=30),
-                 "backoff": {"init_backoff": timedelta(milliseconds=100),
-                             "max_backoff": timedelta(seconds=4), "base": 2}}  # fmt: skip
-        self.store = S3Store(
-            self.where.bucket, config=config, client_options=client, retry_config=retry
+        return S3Store(
+            self.where.bucket,
+            config=config,
+            client_options=client_options(endpoint),
+            retry_config=RETRY,
         )
-        self.endpoint = endpoint or "AWS"
-        self.started = False  # a response came back: later connection errors are "lost"
-        self.checksum = False  # fetch: compare single-part objects' bytes with their MD5 ETag
 
-    # --- errors ------------------------------------------------------------------
-
-    def error(self, e: BaseException, key: str | None = None) -> ShmstageError:
-        """One line for an obstore failure (its S3 code is in the message, see docs/s3.md)."""
-        msg = str(e)
-        code = m.group(1) if (m := _CODE.search(msg)) else ""
-        low = msg.lower()
+    def coded_error(self, msg: str, code: str, name: str, obj: str) -> ShmstageError | None:
+        """The store's own error codes (S3's ``<Code>``); None: the common mapping applies."""
         what = f"{self.location} ({self.endpoint})"
-        obj = f"s3://{self.where.bucket}/{key}" if key else self.location
-        name = type(e).__name__
         if code == "NoSuchBucket":
             return NoSuchBucket(
                 f"no bucket {self.where.bucket!r} at {self.endpoint}: check the URL, "
@@ -180,11 +220,25 @@ class S3Source(Source):
             return AccessDenied(
                 f"cannot read {obj}: {why} ({code or name}); check the credentials and the bucket policy"
             )
+        return None
+
+    # --- errors ------------------------------------------------------------------
+
+    def error(self, e: BaseException, key: str | None = None) -> ShmstageError:
+        """One line for an obstore failure (the store's code is in the message, see docs/s3.md)."""
+        msg = str(e)
+        code = m.group(1) if (m := _CODE.search(msg)) else ""
+        low = msg.lower()
+        obj = self.where.of(key) if key else self.location
+        name = type(e).__name__
+        coded = self.coded_error(msg, code, name, obj)
+        if coded is not None:
+            return coded
         if code == "PreconditionFailed" or name == "PreconditionError":
             return SourceChanged(
                 f"{obj} changed while it was being staged; re-run when it is stable"
             )
-        if name == "NotFoundError" or code == "NoSuchKey":
+        if name in ("NotFoundError", "FileNotFoundError") or code == "NoSuchKey":
             return SourceChanged(
                 f"{obj} was deleted while it was being staged; re-run when the prefix is stable"
             )
@@ -195,10 +249,7 @@ class S3Source(Source):
                 "segment); rename it or stage a prefix without it"
             )
         if "credential" in low or "169.254.169.254" in low or "metadata" in low:
-            return NoCredentials(
-                f"no credentials for {self.location}: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
-            )
+            return NoCredentials(f"no credentials for {self.location}: {self.credentials_hint}")
         if any(s in low for s in _CONNECT):
             if self.started:
                 return SourceLost(
@@ -206,7 +257,7 @@ class S3Source(Source):
                     "(after retries); nothing was published: re-run when it answers"
                 )
             return EndpointUnreachable(
-                f"cannot reach {self.endpoint} for {self.location}: check AWS_ENDPOINT_URL "
+                f"cannot reach {self.endpoint} for {self.location}: check {self.endpoint_hint} "
                 "and the network"
             )
         status = re.search(r"status code: (\d{3}) ([A-Za-z ]+)", msg)
@@ -244,8 +295,8 @@ class S3Source(Source):
             raise self.error(e) from None
         if not files:
             raise EmptySource(
-                f"no objects under {self.location}/: check the prefix (S3 lists an empty or "
-                "missing prefix without an error)"
+                f"no objects under {self.location}/: check the prefix (an object store lists an "
+                "empty or missing prefix without an error)"
             )
         return _tree(self.location, files)
 
@@ -334,7 +385,7 @@ class S3Source(Source):
         etag = (res.meta.get("e_tag") or "").strip('"')
         if w.key[0] and etag and etag != w.key[0]:  # a server that ignores If-Match
             raise SourceChanged(
-                f"s3://{self.where.bucket}/{key} changed while it was being staged; re-run when it is stable"
+                f"{self.where.of(key)} changed while it was being staged; re-run when it is stable"
             )
         return res, data
 
@@ -343,7 +394,7 @@ class S3Source(Source):
         data = self._get(key, w, None)[1] if w.size else b""  # nothing to fetch for 0 bytes
         if len(data) != w.size:
             raise SourceChanged(
-                f"s3://{self.where.bucket}/{key} changed size while it was being staged; re-run"
+                f"{self.where.of(key)} changed size while it was being staged; re-run"
             )
         path = os.path.join(root, w.path)
         fd = os.open(
@@ -356,9 +407,7 @@ class S3Source(Source):
         finally:
             os.close(fd)
         if self.checksum and _is_md5(w.key[0]) and hashlib.md5(data).hexdigest() != w.key[0]:
-            raise SourceChanged(
-                f"s3://{self.where.bucket}/{key}: bytes do not match its ETag (MD5)"
-            )
+            raise SourceChanged(f"{self.where.of(key)}: bytes do not match its ETag (MD5)")
         _finish(path, w)
         return w.size, 1
 
@@ -368,7 +417,7 @@ class S3Source(Source):
         got = tuple(res.range)
         if got != (start, end):
             raise SourceError(
-                f"s3://{self.where.bucket}/{key}: asked for bytes {start}-{end}, got {got[0]}-{got[1]}"
+                f"{self.where.of(key)}: asked for bytes {start}-{end}, got {got[0]}-{got[1]}"
             )
         # Streamed in small chunks: malloc reuses them, where a fresh 32 MiB buffer per part
         # costs its page faults (measured: a third more system time than s5cmd).
@@ -387,7 +436,7 @@ class S3Source(Source):
         finally:
             os.close(fd)
         if off != end:
-            raise SourceError(f"s3://{self.where.bucket}/{key}: bytes {start}-{end} ended at {off}")
+            raise SourceError(f"{self.where.of(key)}: bytes {start}-{end} ended at {off}")
         return end - start, 1 if end == w.size else 0
 
 

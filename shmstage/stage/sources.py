@@ -12,7 +12,8 @@ source      listing                       fetch                                 
 dir         a threaded walk (plan.py)     forked sendfile workers (copy.py), or   yes
                                           the cluster exchange (cluster/)
 tar         the archive's checked headers one streaming extraction (tar.py)       no: whole tree
-s3          one LIST (s3.py)              GETs from a thread pool, ranged parts   yes
+s3, gs, az  one LIST (s3.py; gcs.py and      GETs from a thread pool, ranged parts   yes
+            azure.py subclass it)
 ========== ============================= ======================================= ==============
 
 ``resolve`` turns what the user typed into a kind and the location the store records.
@@ -28,9 +29,10 @@ from typing import Any, NamedTuple
 from shmstage.errors import RefusedError
 from shmstage.stage import tarformat
 
-# Schemes of object stores; only s3:// is implemented (gs://, az:// are refused by name).
-URL_SCHEMES = ("s3", "gs", "az")
-LISTED_KINDS = ("s3",)
+# Schemes of object stores (docs/object-stores.md); Azure's other spellings (obstore's and
+# fsspec's: azure, abfs, abfss, adl) are recorded as az://.  A kind is its recorded scheme.
+URL_SCHEMES = ("s3", "gs", "az", "azure", "abfs", "abfss", "adl")
+LISTED_KINDS = ("s3", "gs", "az")
 
 Tick = Callable[[int, int], None]  # (bytes, files) just written
 
@@ -113,13 +115,12 @@ def resolve(raw: str) -> tuple[str, str]:
     or an object-store kind with its normalized URL.  Refuses what cannot be a source."""
     if is_url(raw):
         scheme = raw.partition("://")[0].lower()
-        if scheme not in LISTED_KINDS:
-            if scheme in URL_SCHEMES:
-                raise RefusedError(f"{scheme}:// sources are not supported yet: use s3://")
-            raise RefusedError(f"unknown source scheme {scheme}:// in {raw}: use a path or s3://")
-        from shmstage.stage import s3
-
-        return scheme, s3.parse(raw).url
+        if scheme not in URL_SCHEMES:
+            raise RefusedError(
+                f"unknown source scheme {scheme}:// in {raw}: use a path, s3://, gs:// or az://"
+            )
+        where = _parse(scheme, raw)
+        return where.scheme, where.url
     source = os.path.realpath(raw)
     if not os.path.exists(source):
         raise RefusedError(f"source {raw} does not exist")
@@ -131,19 +132,37 @@ def resolve(raw: str) -> tuple[str, str]:
 
 def location_of(raw: str) -> str:
     """What the store records for ``raw`` (no checks): a URL normalized, a path made real."""
-    if is_url(raw) and raw.partition("://")[0].lower() in LISTED_KINDS:
-        from shmstage.stage import s3
-
-        return s3.parse(raw).url
+    scheme = raw.partition("://")[0].lower()
+    if is_url(raw) and scheme in URL_SCHEMES:
+        return _parse(scheme, raw).url
     return os.path.realpath(raw)
+
+
+def _parse(scheme: str, raw: str) -> Any:
+    """The object-store URL (s3.S3Url) in ``raw``, parsed by its store's module."""
+    if scheme == "s3":
+        from shmstage.stage.s3 import parse
+    elif scheme == "gs":
+        from shmstage.stage.gcs import parse
+    else:
+        from shmstage.stage.azure import parse
+    return parse(raw)
 
 
 def open_listed(kind: str, location: str) -> Source:
     """The ``Source`` behind a listed kind's location."""
-    from shmstage.stage import s3
+    if kind == "gs":
+        from shmstage.stage.gcs import GCSSource
+
+        return GCSSource(location)
+    if kind == "az":
+        from shmstage.stage.azure import AzureSource
+
+        return AzureSource(location)
+    from shmstage.stage.s3 import S3Source
 
     assert kind == "s3", kind
-    return s3.S3Source(location)
+    return S3Source(location)
 
 
 def open_source(kind: str, location: str, strip_components: int = 0, peers: Any = None) -> Source:
