@@ -4,14 +4,14 @@ changed, a resume of a killed copy, and a tar archive; code trees compared side 
     .venv/bin/python benchmarks/stage_restage.py --runs 5 --tree before=/path/to/old/checkout --tree after=.
 
 Each ``--tree`` is a checkout whose ``shmstage`` package is imported (PYTHONPATH) by a fresh
-interpreter per run; the runs of the trees are interleaved.  The source is a directory of many
-small files in the page cache (``--files`` x 1 KiB, cached after the first read), so what is timed
-is the engine (walk, plan, fit, links, manifest, publish), not a disk.  Steps per run:
+interpreter per run; the runs of the trees are interleaved.  Source and destinations live in one
+tmpfs (as root: mounted in a private mount namespace; otherwise under /dev/shm), so what is
+timed is the engine (walk, plan, fit, links, manifest, publish), not a disk.  Steps per run:
 
+- ``first``: the first copy into an empty store (the streaming path).
 - ``restage``: 1% of the files rewritten (new size), then ``stage`` again: links the rest.
-- ``resume``: a first copy stopped by SIGTERM while copying (slowed by SHMSTAGE_TEST_SLOW_COPY),
-  then ``stage`` again, which keeps what landed.  Note: SIGTERM removes the partial copy, so
-  this times a whole copy after an interrupted one (the resume after SIGKILL is in the tests).
+- ``resume``: a first copy killed (SIGKILL) with half of its files in partial/, then ``stage``
+  again, which keeps those and copies the rest.
 - ``tar``: an uncompressed tar of the tree staged into an empty store.
 """
 
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,22 +56,19 @@ def run_stage(tree: str, src: str, dest: str, env: dict[str, str] | None = None)
 
 
 def interrupted(tree: str, src: str, dest: str) -> None:
-    """Start a stage and SIGTERM it once about half the files landed in partial/."""
-    p = subprocess.Popen(
+    """A killed first copy, the same every run: SIGKILL at the end of the build
+    (SHMSTAGE_TEST_KILL_AT=build), then half of the partial tree's directories emptied,
+    as if the kill had come halfway."""
+    subprocess.run(
         [sys.executable, "-c", STAGE, src, dest],
-        env={**os.environ, "PYTHONPATH": tree, "SHMSTAGE_TEST_SLOW_COPY": "0.0005"},
+        env={**os.environ, "PYTHONPATH": tree, "SHMSTAGE_TEST_KILL_AT": "build"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     part = os.path.join(dest, ".shmstage", "partial", "ds")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and p.poll() is None:
-        if os.path.isdir(part) and len(os.listdir(part)) > 5:
-            break
-        time.sleep(0.05)
-    time.sleep(1.0)
-    p.send_signal(signal.SIGTERM)
-    p.wait()
+    for d in sorted(os.listdir(part))[::2]:
+        for f in os.listdir(os.path.join(part, d)):
+            os.unlink(os.path.join(part, d, f))
 
 
 def one_run(trees: dict[str, str], src: str, tarball: str, work: str) -> dict[str, dict]:
@@ -81,12 +77,12 @@ def one_run(trees: dict[str, str], src: str, tarball: str, work: str) -> dict[st
         dest = os.path.join(work, f"dest-{label}")
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
-        run_stage(tree, src, dest)  # the first copy (not timed: benchmarks/stage.py times it)
+        first = run_stage(tree, src, dest)  # the streaming first copy (vs peers: benchmarks/stage.py)
         changed = sorted(os.listdir(os.path.join(src, "d0000")))[:10]
         for name in changed:  # 1% of a 1000-file directory (and one of the tree's mtimes)
             with open(os.path.join(src, "d0000", name), "ab") as f:
                 f.write(b"x")
-        r = {"restage": run_stage(tree, src, dest)}
+        r = {"first": first, "restage": run_stage(tree, src, dest)}
         shutil.rmtree(dest)
         os.makedirs(dest)
         interrupted(tree, src, dest)
@@ -109,7 +105,14 @@ def main() -> None:
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
     trees = {k: os.path.abspath(v) for k, v in trees.items()}
-    work = tempfile.mkdtemp(prefix="shmstage-restage-", dir=args.workdir)
+    if os.geteuid() == 0 and not os.environ.get("_RESTAGE_NS"):  # a tmpfs of our own
+        os.environ["_RESTAGE_NS"] = "1"
+        here = os.path.abspath(__file__)
+        cmd = ["unshare", "--mount", "--propagation", "private", sys.executable, here]
+        os.execvp("unshare", cmd + sys.argv[1:])
+    work = tempfile.mkdtemp(prefix="shmstage-restage-", dir=args.workdir or "/dev/shm")
+    if os.environ.get("_RESTAGE_NS"):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4G", "tmpfs", work], check=True)
     try:
         src = os.path.join(work, "src")
         make_tree(src, args.files)
@@ -118,6 +121,8 @@ def main() -> None:
             tf.add(src, arcname=".")
         runs = [one_run(trees, src, tarball, work) for _ in range(args.runs)]
     finally:
+        if os.environ.get("_RESTAGE_NS"):
+            subprocess.run(["umount", work], check=False)
         shutil.rmtree(work, ignore_errors=True)
     med = {
         label: {step: statistics.median(r[label][step] for r in runs) for step in runs[0][label]}

@@ -10,7 +10,7 @@ Given the source's listing and the published copy's manifest:
 4. ``fetch`` the rest, writing the manifest meanwhile;
 5. hard links inside the tree, then directories' modes and times, children first.
 
-A source that is not incremental (a tar archive) is handed every file and fills the whole
+A source that is not incremental (a tar archive) is handed no files: it fills the whole
 tree itself in step 4; steps 3 and 5 are its own.  The first copy of a directory has a
 faster path of its own (dirsource.build_first), which checks the fit with the same rule in
 steps while its walk runs.
@@ -98,7 +98,8 @@ def build(
     old_root = store.path(name)
     incremental = src.incremental
     resumable = resumable and incremental
-    entries = [list(e) for e in listing.entries]
+    # lists: a linked file takes the published entry's mtime (tuples suffice for the rest)
+    entries: list[Any] = [list(e) for e in listing.entries] if incremental else listing.entries
     keys = listing.keys
     old = {e[0]: e for e in manifest["entries"]} if manifest and incremental else {}
     old_keys = (manifest or {}).get("objects") or {}
@@ -149,9 +150,8 @@ def build(
         written.append(True)
 
     if not incremental:  # 3-5 are the source's: it fills the whole tree
-        wants = [Want(e[0], e[2], e[3], e[4], None) for e in entries if e[1] == "f"]
         tick = claim.counting(Counter(report, listing.bytes, listing.files))
-        tree = src.fetch(wants, part, tick, workers, verify == "checksum")
+        tree = src.fetch((), part, tick, workers, verify == "checksum")
         entries = [list(e) for e in tree.entries]
         write_manifest()
         return Built(listing.bytes, tree.bytes, tree.files)

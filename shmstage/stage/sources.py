@@ -100,8 +100,8 @@ class Source:
         """Write every wanted file under ``root`` (its directories exist), then set its mode
         and mtime; raise a ShmstageError (nothing half-fetched counts as done) on failure.
         ``meanwhile()`` is called once while the fetch is under way (the manifest is written
-        then).  A source that is not ``incremental`` is handed every file and fills the whole
-        tree, and returns the tree it made (plan.Tree); the others return None."""
+        then).  A source that is not ``incremental`` is handed no ``wants``: it fills the whole
+        tree and returns the tree it made (plan.Tree); the others return None."""
         raise NotImplementedError
 
 
