@@ -5,6 +5,7 @@ made, every request must be signed with that key: a wrong secret fails as it wou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -563,3 +564,180 @@ def test_throttling_retried_then_a_clear_error(aws, tmp_path, monkeypatch, fail)
             assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
     finally:
         proxy.close()
+
+
+class IgnoresRange:
+    """An HTTP proxy in front of moto that answers every ranged GET with the whole object
+    (200), as a server or proxy that ignores Range does.
+
+    The Range header is signed (object_store signs every header it sends), so the proxy
+    cannot strip it and forward: moto would refuse the signature.  It forwards the request
+    as signed (moto checks the signature and the If-Match, and answers 206), then fetches
+    the whole object itself with the test's own key and answers 200 with it.  Counts the
+    GETs by kind."""
+
+    def __init__(self, moto: Moto) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import unquote, urlsplit
+
+        self.ranged: list[str] = []  # keys of ranged GETs (all answered whole)
+        self.whole: list[str] = []  # keys of GETs without Range
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def reply(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(OSError):  # a dropped unwanted 200: expected
+                    self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                conn = http.client.HTTPConnection("127.0.0.1", moto.port)
+                conn.request("GET", self.path, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                url = urlsplit(self.path)
+                key = unquote(url.path).split("/", 2)[-1]
+                if not url.query:
+                    (outer.ranged if self.headers.get("Range") else outer.whole).append(key)
+                if r.status != 206:
+                    self.reply(r.status, r.getheaders(), data)
+                    return
+                full = moto.s3.get_object(Bucket=BUCKET, Key=key)
+                body = full["Body"].read()
+                head = full["ResponseMetadata"]["HTTPHeaders"]
+                self.reply(
+                    200, [("ETag", head["etag"]), ("Last-Modified", head["last-modified"])], body
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def ignores_range(aws, monkeypatch):
+    proxy = IgnoresRange(aws)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def test_server_ignoring_range_gets_whole_objects(aws, ignores_range, tmp_path, monkeypatch):
+    """A ranged GET answered 200 with the whole object: that object is fetched whole, and
+    so is every later big object (one ranged GET in all); the copy is byte-exact and
+    `--verify checksum` passes."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    monkeypatch.setattr(s3, "SMALL", 64 << 10)
+    p = prefix()
+    want = {"a.bin": os.urandom((3 << 20) + 5), "b/c.bin": os.urandom((2 << 20) + 77),
+            "d.bin": os.urandom(200_000), "e": b"small"}  # fmt: skip
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest, workers=1, verify="checksum")
+    assert tree(Path(ds.path)) == want
+    assert ignores_range.ranged == [f"{p}/a.bin"]
+    assert sorted(ignores_range.whole) == sorted(f"{p}/{k}" for k in want)
+    assert (os.stat(Path(ds.path) / "a.bin").st_mode & 0o777) == 0o644
+    assert verify(ds.name, dest, checksum=True).ok
+
+
+def test_server_ignoring_range_many_workers_exact(aws, ignores_range, tmp_path, monkeypatch):
+    """With many workers, parts already in flight when the first whole 200 arrives do not
+    double-count or corrupt: the copy is exact, progress adds up to the bytes, and the file
+    is finished (mode, mtime) after its last write."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 256 << 10)
+    p = prefix()
+    want = {f"{i}.bin": os.urandom((1 << 20) + 1000 * i) for i in range(3)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    seen = []
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=8, progress=seen.append)
+    root = Path(ds.path)
+    assert tree(root) == want
+    copying = [s for s in seen if s.phase == "copying"]
+    assert (copying[-1].bytes_done, copying[-1].files_done) == (sum(map(len, want.values())), 3)
+    assert all(a.bytes_done <= b.bytes_done for a, b in zip(copying, copying[1:]))
+    for k in want:
+        st = os.stat(root / k)
+        assert st.st_mode & 0o777 == 0o644
+    assert 1 <= len(ignores_range.ranged) <= 3 * 5
+    assert verify(ds.name, tmp_path / "dest").ok
+
+
+def test_server_ignoring_range_streams_in_bounded_memory(aws, ignores_range, tmp_path):
+    """The whole-object fallback streams into the file: staging a 64 MiB object through a
+    server that ignores Range raises the stager's peak memory by far less than 64 MiB."""
+    p = prefix()
+    body = os.urandom(64 << 20)
+    aws.put(f"{p}/big.bin", body)
+    script = (
+        "import sys\n"
+        "from shmstage.stage import s3, stage\n"
+        "def peak():  # KiB; ru_maxrss would include the forking parent's\n"
+        "    return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n"
+        "s3.PART = 8 << 20\n"
+        "s3.S3Source(sys.argv[1])  # obstore loaded before the baseline\n"
+        "before = peak()\n"
+        "stage(sys.argv[1], dest=sys.argv[2])\n"
+        "print(before, peak())\n"
+    )
+    env = aws.env(AWS_ENDPOINT_URL=ignores_range.url)
+    dest = tmp_path / "dest"
+    r = subprocess.run([sys.executable, "-c", script, f"s3://{BUCKET}/{p}", str(dest)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    before, after = map(int, r.stdout.split())
+    assert (dest / p / "big.bin").read_bytes() == body
+    assert ignores_range.ranged and ignores_range.whole == [f"{p}/big.bin"]
+    assert after - before < 24 << 10, (before, after)
+
+
+def test_sigterm_mid_fetch_exits_143_nothing_left(procs, shmstage_bin, tmp_path):
+    """SIGTERM while objects are being fetched: the fetch threads stop, exit 143 with one
+    line, nothing published, no partial tree left."""
+    m = Moto()
+    try:
+        m.s3.create_bucket(Bucket=BUCKET)
+        for i in range(400):
+            m.put(f"k/{i:04d}", os.urandom(20000))
+        dest = tmp_path / "dest"
+        job = procs.start(
+            [*shmstage_bin, "stage", f"s3://{BUCKET}/k", "--dest", str(dest), "--workers", "2"],
+            env=m.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        part = dest / ".shmstage/partial/k"
+        deadline = time.monotonic() + 60
+        while not (part.is_dir() and len(os.listdir(part)) > 20):
+            assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
+            time.sleep(0.01)
+        job.terminate()
+        _, err = job.communicate(timeout=120)
+    finally:
+        m.stop()
+    assert job.returncode == 143, err
+    assert err == "Error: interrupted by SIGTERM; the partial copy was removed\n"
+    assert not (dest / "k").exists() and os.listdir(dest / ".shmstage/partial") == []
