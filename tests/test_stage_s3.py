@@ -33,12 +33,16 @@ def _free_port() -> int:
 
 
 class Moto:
-    """A moto server subprocess with one IAM user whose key signs every later request."""
+    """A moto server subprocess with one IAM user whose key signs every later request
+    (``auth=False``: signatures not checked, for presigned URLs, which moto's auth check
+    cannot read: it answers them 500, KeyError HTTP_AUTHORIZATION)."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: bool = True) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3")
+        env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
+        if auth:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -99,6 +103,41 @@ def aws(moto, monkeypatch):
         if k.startswith("AWS_") or k == "HOME":
             monkeypatch.setenv(k, v)
     return moto
+
+
+@pytest.fixture(scope="module")
+def moto_noauth():
+    m = Moto(auth=False)
+    try:
+        m.s3.create_bucket(Bucket=BUCKET)
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def noauth(moto_noauth, monkeypatch):
+    """Like ``aws``, with a moto that does not check signatures (so presigned URLs work)."""
+    for k, v in moto_noauth.env().items():
+        if k.startswith("AWS_") or k == "HOME":
+            monkeypatch.setenv(k, v)
+    return moto_noauth
+
+
+@pytest.fixture
+def signed_results(monkeypatch):
+    """What each GET over a signed URL returned (True: its bytes are in), in order."""
+    from shmstage.stage import signedget
+
+    out: list[bool] = []
+    real = signedget.SignedGets.get_into
+
+    def spy(self, *a, **k):
+        out.append(real(self, *a, **k))
+        return out[-1]
+
+    monkeypatch.setattr(signedget.SignedGets, "get_into", spy)
+    return out
 
 
 _n = [0]
@@ -584,6 +623,8 @@ class IgnoresRange:
 
         self.ranged: list[str] = []  # keys of ranged GETs (all answered whole)
         self.whole: list[str] = []  # keys of GETs without Range
+        self.signed: list[tuple[str, bool]] = []  # GETs of signed URLs: key, ranged
+        self.moto = moto
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -608,7 +649,9 @@ class IgnoresRange:
                 conn.close()
                 url = urlsplit(self.path)
                 key = unquote(url.path).split("/", 2)[-1]
-                if not url.query:
+                if "X-Amz-Signature=" in url.query:
+                    outer.signed.append((key, bool(self.headers.get("Range"))))
+                elif not url.query:
                     (outer.ranged if self.headers.get("Range") else outer.whole).append(key)
                 if r.status != 206:
                     self.reply(r.status, r.getheaders(), data)
@@ -632,8 +675,9 @@ class IgnoresRange:
 
 
 @pytest.fixture
-def ignores_range(aws, monkeypatch):
-    proxy = IgnoresRange(aws)
+def ignores_range(request, monkeypatch):
+    """The proxy in front of moto (``aws`` unless parametrized with ``noauth``)."""
+    proxy = IgnoresRange(request.getfixturevalue(getattr(request, "param", "aws")))
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
         yield proxy
@@ -641,10 +685,11 @@ def ignores_range(aws, monkeypatch):
         proxy.close()
 
 
-def test_server_ignoring_range_gets_whole_objects(aws, ignores_range, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ignores_range", ["aws", "noauth"], indirect=True)
+def test_server_ignoring_range_gets_whole_objects(ignores_range, tmp_path, monkeypatch):
     """A ranged GET answered 200 with the whole object: that object is fetched whole, and
-    so is every later big object (one ranged GET in all); the copy is byte-exact and
-    `--verify checksum` passes."""
+    so is every later big object (one ranged GET in all, after the signed one where moto
+    takes signed URLs); the copy is byte-exact and `--verify checksum` passes."""
     from shmstage.stage import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
@@ -653,10 +698,11 @@ def test_server_ignoring_range_gets_whole_objects(aws, ignores_range, tmp_path, 
     want = {"a.bin": os.urandom((3 << 20) + 5), "b/c.bin": os.urandom((2 << 20) + 77),
             "d.bin": os.urandom(200_000), "e": b"small"}  # fmt: skip
     for k, v in want.items():
-        aws.put(f"{p}/{k}", v)
+        ignores_range.moto.put(f"{p}/{k}", v)
     dest = tmp_path / "dest"
     ds = stage(f"s3://{BUCKET}/{p}", dest=dest, workers=1, verify="checksum")
     assert tree(Path(ds.path)) == want
+    assert ignores_range.signed == [(f"{p}/a.bin", True)]  # answered 500 or 200: not taken
     assert ignores_range.ranged == [f"{p}/a.bin"]
     assert sorted(ignores_range.whole) == sorted(f"{p}/{k}" for k in want)
     assert (os.stat(Path(ds.path) / "a.bin").st_mode & 0o777) == 0o644
@@ -741,3 +787,130 @@ def test_sigterm_mid_fetch_exits_143_nothing_left(procs, shmstage_bin, tmp_path)
     assert job.returncode == 143, err
     assert err == "Error: interrupted by SIGTERM; the partial copy was removed\n"
     assert not (dest / "k").exists() and os.listdir(dest / ".shmstage/partial") == []
+
+
+def test_big_bodies_over_signed_urls(noauth, signed_results, tmp_path, monkeypatch):
+    """Ranged parts and streamed whole objects go over signed URLs read straight into the
+    file (no obstore copy): every one lands, the copy is exact, `verify --checksum` passes;
+    small objects stay on obstore."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    monkeypatch.setattr(s3, "SMALL", 64 << 10)
+    p = prefix()
+    want = {"big.bin": os.urandom((3 << 20) + 17), "mid/a.bin": os.urandom(300_000),
+            "small": os.urandom(1000), "space name.bin": os.urandom(100_000)}  # fmt: skip
+    for k, v in want.items():
+        noauth.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest, verify="checksum")
+    assert tree(Path(ds.path)) == want
+    assert signed_results == [True] * (4 + 1 + 1)  # 4 parts, 2 streamed whole objects
+    assert verify(ds.name, dest, checksum=True).ok
+
+
+def test_signed_url_refused_falls_back_to_obstore(aws, signed_results, tmp_path, monkeypatch):
+    """A server that does not take the signed URL (moto with signatures checked answers
+    500): one try, then obstore for the rest of the run; the copy is exact."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    want = {f"{i}.bin": os.urandom((2 << 20) + i) for i in range(3)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
+    assert tree(Path(ds.path)) == want
+    assert signed_results == [False]
+
+
+def test_big_object_changed_over_signed_url(noauth, signed_results, tmp_path, monkeypatch):
+    """A big object rewritten between the LIST and its signed GET: the If-Match answer is
+    not taken, obstore's GET says "changed" (exit 17), nothing is published."""
+    from shmstage.errors import SourceChanged
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+    real = s3.S3Source.listing
+
+    def listing_then_rewrite(self):
+        out = real(self)
+        noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+        return out
+
+    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    with pytest.raises(SourceChanged) as e:
+        stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
+    assert e.value.exit_code == 17 and "changed while it was being staged" in str(e.value)
+    assert signed_results == [False]
+    assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+
+
+class DropsIfMatch:
+    """An HTTP proxy that forwards GETs without their If-Match header, as a server that
+    ignores If-Match (in front of moto without signature checks: If-Match is signed in
+    obstore's own requests)."""
+
+    def __init__(self, upstream: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "if-match"}
+                conn = http.client.HTTPConnection("127.0.0.1", upstream)
+                conn.request("GET", self.path, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_signed_get_checks_the_etag_too(noauth, signed_results, tmp_path, monkeypatch):
+    """A server that ignores If-Match, and a big object rewritten after the LIST: the signed
+    GET sees the new ETag and is not taken; obstore's GET refuses it too (exit 17)."""
+    from shmstage.errors import SourceChanged
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+    real = s3.S3Source.listing
+
+    def listing_then_rewrite(self):
+        out = real(self)
+        noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+        return out
+
+    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    proxy = DropsIfMatch(noauth.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with pytest.raises(SourceChanged, match="changed while it was being staged"):
+            stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
+    finally:
+        proxy.close()
+    assert signed_results == [False]

@@ -49,6 +49,7 @@ from shmstage.errors import (
     SourceLost,
     UnknownAccessKey,
 )
+from shmstage.stage.signedget import SignedGets
 from shmstage.stage.sources import Listing, Tick, Want
 
 PART = 64 << 20  # objects above this are fetched as ranged GETs of this size
@@ -57,6 +58,8 @@ STREAM_CHUNK = 256 << 10  # bigger ones are written as they arrive, in chunks of
 WORKERS = 32  # requests in flight (measured: 32-64 saturate a local server; docs/s3.md)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOT_PARTIAL = "non-partial response"  # object_store's error for a 200 to a ranged GET
+_SIGNED_FOR = timedelta(hours=1)  # a signed URL is used at once; this only bounds a stall
+_PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")
 FILE_MODE, DIR_MODE = 0o644, 0o755
 _NAME_MAX = 255
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
@@ -168,6 +171,7 @@ class S3Source:
         self.started = False  # a response came back: later connection errors are "lost"
         self.checksum = False  # fetch: compare single-part objects' bytes with their MD5 ETag
         self.ignores_range = False  # a ranged GET came back whole: no more ranged GETs
+        self.signed: SignedGets | None = None  # fetch: big bodies over signed URLs
 
     # --- errors ------------------------------------------------------------------
 
@@ -277,6 +281,8 @@ class S3Source:
         """GET every wanted object into ``root`` (see NOTE [fetch lifecycle]); tick() runs
         in this thread only."""
         self.checksum = checksum
+        self.signed = _signed_gets(self.store)
+        signed = self.signed
         tasks = self._tasks(wants, root)
         take = threading.Lock()  # the task generator is not thread-safe
         results: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -294,6 +300,8 @@ class S3Source:
                 stop.set()
                 results.put(e)
             finally:
+                if signed is not None:
+                    signed.close()
                 results.put(None)
 
         threads = [
@@ -403,12 +411,11 @@ class S3Source:
     def _whole(self, w: Want, path: str) -> tuple[int, int]:
         """One GET streamed into a new file (above SMALL bytes, or any size when the server
         ignores Range)."""
-        md5 = hashlib.md5() if self.checksum and _is_md5(w.key[0]) else None
         fd = os.open(path, _CREATE, 0o600)
         try:
-            self._stream(fd, w, None, md5)
-            if md5 is not None and md5.hexdigest() != w.key[0]:
-                raise SourceChanged(f"{w.path}: bytes do not match its ETag (MD5); re-run")
+            self._stream(fd, w, None)
+            if self.checksum:
+                _check_md5(path, w)
             _finish(fd, w)
         finally:
             os.close(fd)
@@ -443,11 +450,22 @@ class S3Source:
         _finish(big.path, w)
         return landed, 1
 
-    def _stream(self, fd: int, w: Want, rng: tuple[int, int] | None, md5: Any = None) -> None:
-        """GET ``rng`` (None: the whole object) and ``pwrite`` it into ``fd`` as it arrives
-        (and into ``md5``, if given)."""
+    def _stream(self, fd: int, w: Want, rng: tuple[int, int] | None) -> None:
+        """GET ``rng`` (None: the whole object) and ``pwrite`` it into ``fd`` as it arrives:
+        over a signed URL (stage/signedget.py) while that works, else through obstore."""
         key = self.where.prefix + w.path
         start, end = rng or (0, w.size)
+        signed = self.signed
+        if signed is not None and not w.key[2]:  # a version id is not in the signed URL
+            try:
+                url = self.obs.sign(self.store, "GET", key, _SIGNED_FOR)
+            except Exception:
+                url = None
+            if url and signed.get_into(url, fd, start, end, w.size, w.key[0], rng is not None):
+                self.started = True
+                return
+            self.signed = None  # not as expected: obstore for the rest of the run (and it
+            # retries, or says what is wrong)
         res = self._get(key, w, rng)
         got = tuple(res.range)
         if rng is None and got[1] != w.size:
@@ -464,8 +482,6 @@ class S3Source:
         try:
             for chunk in res.stream(min_chunk_size=STREAM_CHUNK):
                 view = memoryview(chunk)
-                if md5 is not None:
-                    md5.update(view)
                 while view:
                     n = os.pwrite(fd, view, off)
                     view, off = view[n:], off + n
@@ -532,6 +548,16 @@ def _finish(file: str | int, w: Want) -> None:
     """The last byte is in: the mode and mtime that make the file count as copied."""
     os.chmod(file, w.mode)
     os.utime(file, ns=(w.mtime_ns, w.mtime_ns))
+
+
+def _signed_gets(store: Any) -> SignedGets | None:
+    """The signed-URL path for big bodies, where it can go the way obstore would: an S3
+    store, and no proxy in the environment (reqwest would use it; http.client would not)."""
+    if type(store).__name__ != "S3Store":
+        return None
+    if any(os.environ.get(v) or os.environ.get(v.lower()) for v in _PROXY_VARS):
+        return None
+    return SignedGets()
 
 
 def _is_md5(etag: str) -> bool:
