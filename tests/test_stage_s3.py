@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -914,3 +915,76 @@ def test_signed_get_checks_the_etag_too(noauth, signed_results, tmp_path, monkey
     finally:
         proxy.close()
     assert signed_results == [False]
+
+
+WEED = shutil.which("weed", path=os.path.dirname(sys.executable))
+
+
+def _weed_ports(n: int) -> list[int]:
+    """``n`` free ports whose port + 10000 is free too (weed's gRPC ports)."""
+    import random
+
+    while True:
+        base = random.randrange(20000, 35000)
+        try:
+            for p in range(base, base + n):
+                for q in (p, p + 10000):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", q))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+
+
+@pytest.mark.skipif(WEED is None, reason="needs seaweedfs (pip install '.[bench-s3]')")
+def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypatch):
+    """seaweedfs with an identity checks every signature (moto cannot check signed URLs):
+    big bodies land over signed URLs with the unsigned Range and If-Match headers, the
+    copy is exact; a wrong secret is refused on the LIST already (exit 12)."""
+    from shmstage.errors import AccessDenied
+    from shmstage.stage import s3, signedget
+
+    port, master, volume, filer = _weed_ports(4)
+    (tmp_path / "s3.json").write_text(json.dumps({"identities": [{
+        "name": "t", "credentials": [{"accessKey": "tkey", "secretKey": "tsecret"}],
+        "actions": ["Admin", "Read", "Write", "List"]}]}))  # fmt: skip
+    (tmp_path / "data").mkdir()
+    argv = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={tmp_path / 'data'}",
+            "-s3", f"-s3.port={port}", f"-s3.config={tmp_path / 's3.json'}",
+            f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+            "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
+    srv = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                              aws_access_key_id="tkey", aws_secret_access_key="tsecret")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket=BUCKET)
+                break
+            except Exception:
+                assert time.monotonic() < deadline and srv.poll() is None, "weed did not start"
+                time.sleep(0.5)
+        want = {"big.bin": os.urandom((3 << 20) + 3), "mid.bin": os.urandom(300_000)}
+        for k, v in want.items():
+            client.put_object(Bucket=BUCKET, Key=f"w/{k}", Body=v)
+        for k, v in dict(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="tkey",
+                         AWS_SECRET_ACCESS_KEY="tsecret", AWS_REGION="us-east-1",
+                         AWS_EC2_METADATA_DISABLED="true", HOME=str(tmp_path)).items():  # fmt: skip
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(s3, "PART", 1 << 20)
+        results: list[bool] = []
+        real = signedget.SignedGets.get_into
+        monkeypatch.setattr(signedget.SignedGets, "get_into",
+                            lambda self, *a: results.append(real(self, *a)) or results[-1])  # fmt: skip
+        ds = stage(f"s3://{BUCKET}/w", dest=tmp_path / "dest")
+        assert tree(Path(ds.path)) == want
+        assert results == [True] * 5  # 4 parts and one whole object
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(AccessDenied):
+            stage(f"s3://{BUCKET}/w", dest=tmp_path / "dest2")
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
