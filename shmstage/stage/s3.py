@@ -464,8 +464,9 @@ class S3Source:
             if url and signed.get_into(url, fd, start, end, w.size, w.key[0], rng is not None):
                 self.started = True
                 return
-            self.signed = None  # not as expected: obstore for the rest of the run (and it
-            # retries, or says what is wrong)
+            # Not as expected: obstore from here on, for the rest of the run; it retries,
+            # or says what is wrong.
+            self.signed = None
         res = self._get(key, w, rng)
         got = tuple(res.range)
         if rng is None and got[1] != w.size:
