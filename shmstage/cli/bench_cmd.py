@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from shmstage.cli.output import emit, json_option, log, table
 from shmstage.cli.params import cluster_options
-from shmstage.cluster import ClusterSpec
 from shmstage.errors import RefusedError
 from shmstage.sizes import format_size
+
+if TYPE_CHECKING:  # the cluster package (torch.distributed glue) loads only for --nodes
+    from shmstage.cluster import ClusterSpec
 
 
 @click.group("bench")

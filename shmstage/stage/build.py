@@ -122,7 +122,7 @@ def build(
         if kind == "f":
             if e[0] in kept:
                 continue
-            if unchanged(e):
+            if old and unchanged(e):  # no published copy: nothing to link
                 reuse.add(e[0])
                 e[3] = old[e[0]][3]  # keeps the mtime of the copy it is linked from
             else:
