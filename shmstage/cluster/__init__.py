@@ -12,17 +12,32 @@ Modules: rendezvous (TCPStore + gloo, failures), plan (shares and pieces), excha
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec, Peers
-from shmstage.cluster.rendezvous import PeerLost
 from shmstage.errors import RefusedError
+
+if TYPE_CHECKING:
+    from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec, Peers
+    from shmstage.cluster.rendezvous import PeerLost
 
 DEFAULT_PORT = 29450  # not torchrun's 29400: `shmstage run` may stage, then start torchrun
 
-__all__ = ["DEFAULT_PORT", "ClusterSpec", "PeerLost", "Peers", "first_host", "resolve"]
+__all__ = ["DEFAULT_INFLIGHT", "DEFAULT_PORT", "DEFAULT_TIMEOUT", "ClusterSpec", "PeerLost", "Peers",
+           "first_host", "resolve"]  # fmt: skip
+
+# Loaded on first use: every command's --help names DEFAULT_PORT, few stage with --nodes.
+_LAZY = {"Peers": "peers", "ClusterSpec": "peers", "DEFAULT_INFLIGHT": "peers",
+         "DEFAULT_TIMEOUT": "peers", "PeerLost": "rendezvous"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"shmstage.cluster.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve(
@@ -35,6 +50,8 @@ def resolve(
 ) -> ClusterSpec | None:
     """This node's place from the flags, the rank and host falling back to Slurm's
     variables (SLURM_NODEID, the first host of SLURM_JOB_NODELIST); None for one node."""
+    from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec
+
     env = os.environ if environ is None else environ
     if nodes is None or nodes == 1:
         return None

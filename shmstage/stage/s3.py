@@ -363,7 +363,7 @@ class S3Source(Source):
 
         threads = [
             threading.Thread(target=work, name=f"shmstage-s3-{i}", daemon=True)
-            for i in range(max(1, workers or WORKERS))
+            for i in range(max(1, min(workers or WORKERS, _requests(wants))))
         ]
         failed: BaseException | None = None
         try:
@@ -616,6 +616,11 @@ def _signed_gets(store: Any) -> SignedGets | None:
     if any(os.environ.get(v) or os.environ.get(v.lower()) for v in _PROXY_VARS):
         return None
     return SignedGets()
+
+
+def _requests(wants: Sequence[Want]) -> int:
+    """How many GETs ``wants`` takes at most (no more threads than that are started)."""
+    return sum(-(-w.size // PART) if w.size > PART else 1 for w in wants)
 
 
 def _is_md5(etag: str) -> bool:
