@@ -322,24 +322,31 @@ def test_changed_between_list_and_get(aws, tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "dest/.shmstage/partial") == []
 
 
+def _stage_until_copying(m, procs, shmstage_bin, tmp_path):
+    """400 objects under k/, a stager started on them (2 workers), returned once more than
+    20 files are in its partial tree: (the process, DEST)."""
+    m.s3.create_bucket(Bucket=BUCKET)
+    for i in range(400):
+        m.put(f"k/{i:04d}", os.urandom(20000))
+    dest = tmp_path / "dest"
+    job = procs.start(
+        [*shmstage_bin, "stage", f"s3://{BUCKET}/k", "--dest", str(dest), "--workers", "2"],
+        env=m.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    part = dest / ".shmstage/partial/k"
+    deadline = time.monotonic() + 60
+    while not (part.is_dir() and len(os.listdir(part)) > 20):
+        assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
+        time.sleep(0.01)
+    return job, dest
+
+
 def test_server_killed_mid_stage(procs, shmstage_bin, tmp_path):
     """The server dies while objects are being fetched: exit 16 (lost) one line, nothing
     published, no partial tree left."""
     m = Moto()
     try:
-        m.s3.create_bucket(Bucket=BUCKET)
-        for i in range(400):
-            m.put(f"k/{i:04d}", os.urandom(20000))
-        dest = tmp_path / "dest"
-        job = procs.start(
-            [*shmstage_bin, "stage", f"s3://{BUCKET}/k", "--dest", str(dest), "--workers", "2"],
-            env=m.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        part = dest / ".shmstage/partial/k"
-        deadline = time.monotonic() + 60
-        while not (part.is_dir() and len(os.listdir(part)) > 20):
-            assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
-            time.sleep(0.01)
+        job, dest = _stage_until_copying(m, procs, shmstage_bin, tmp_path)
         m.stop()
         _, err = job.communicate(timeout=120)
     finally:
@@ -768,19 +775,7 @@ def test_sigterm_mid_fetch_exits_143_nothing_left(procs, shmstage_bin, tmp_path)
     line, nothing published, no partial tree left."""
     m = Moto()
     try:
-        m.s3.create_bucket(Bucket=BUCKET)
-        for i in range(400):
-            m.put(f"k/{i:04d}", os.urandom(20000))
-        dest = tmp_path / "dest"
-        job = procs.start(
-            [*shmstage_bin, "stage", f"s3://{BUCKET}/k", "--dest", str(dest), "--workers", "2"],
-            env=m.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        part = dest / ".shmstage/partial/k"
-        deadline = time.monotonic() + 60
-        while not (part.is_dir() and len(os.listdir(part)) > 20):
-            assert time.monotonic() < deadline and job.poll() is None, "stage never started copying"
-            time.sleep(0.01)
+        job, dest = _stage_until_copying(m, procs, shmstage_bin, tmp_path)
         job.terminate()
         _, err = job.communicate(timeout=120)
     finally:
