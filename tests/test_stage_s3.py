@@ -983,3 +983,26 @@ def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypat
     finally:
         srv.terminate()
         srv.wait(timeout=30)
+
+
+def test_signed_get_accepts_exactly_the_bytes_asked_for():
+    """Pure logic of the signed-URL path: what answer counts as bytes start-end of this
+    version (anything else goes back to obstore: test_signed_url_refused_falls_back_to_obstore)."""
+    from shmstage.stage.signedget import expected
+
+    def hdr(**h):
+        h = {k.replace("_", "-"): v for k, v in h.items()}
+        return lambda name: {k.lower(): v for k, v in h.items()}.get(name.lower())
+
+    part = dict(Content_Length="100", Content_Range="bytes 100-199/1000", ETag='"e1"')
+    assert expected(206, hdr(**part), 100, 200, 1000, "e1", True)
+    assert expected(200, hdr(**part), 100, 200, 1000, "e1", True)  # 200 + matching range
+    assert not expected(200, hdr(Content_Length="1000", ETag='"e1"'), 100, 200, 1000, "e1", True)
+    assert not expected(206, hdr(**{**part, "Content_Range": "bytes 0-99/1000"}), 100, 200, 1000, "e1", True)  # fmt: skip
+    assert not expected(206, hdr(**{**part, "ETag": '"e2"'}), 100, 200, 1000, "e1", True)
+    assert not expected(412, hdr(**part), 100, 200, 1000, "e1", True)
+    assert not expected(206, hdr(**{**part, "Content_Length": "99"}), 100, 200, 1000, "e1", True)
+    whole = dict(Content_Length="1000", ETag='"e1"')
+    assert expected(200, hdr(**whole), 0, 1000, 1000, "e1", False)
+    assert not expected(206, hdr(**whole), 0, 1000, 1000, "e1", False)
+    assert expected(200, hdr(Content_Length="1000"), 0, 1000, 1000, "e1", False)  # no ETag sent

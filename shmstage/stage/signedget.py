@@ -14,11 +14,33 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 BUFFER = 256 << 10  # per thread, reused for every body
 TIMEOUT = 30  # seconds without a byte before giving the GET back to obstore
 _NETWORK = (http.client.HTTPException, OSError)  # OSError: refused, reset, timeout, TLS
+
+
+def expected(
+    status: int,
+    header: Callable[[str], str | None],
+    start: int,
+    end: int,
+    size: int,
+    etag: str,
+    ranged: bool,
+) -> bool:
+    """The answer is exactly bytes ``start``-``end`` of this version of the object: 200 for a
+    whole GET; for a ranged one 206, or 200 with the matching Content-Range (some servers)."""
+    got = (header("ETag") or "").strip('"')
+    if etag and got and got != etag:
+        return False
+    if header("Content-Length") != str(end - start):
+        return False
+    if not ranged:
+        return status == 200
+    return status in (200, 206) and header("Content-Range") == f"bytes {start}-{end - 1}/{size}"
 
 
 class SignedGets:
@@ -43,13 +65,7 @@ class SignedGets:
             r = conn.getresponse()
         except _NETWORK:
             return self._drop(conn)
-        got = (r.getheader("ETag") or "").strip('"')
-        if (
-            r.status != (206 if ranged else 200)
-            or r.getheader("Content-Length") != str(end - start)
-            or (ranged and r.getheader("Content-Range") != f"bytes {start}-{end - 1}/{size}")
-            or (etag and got and got != etag)
-        ):
+        if not expected(r.status, r.getheader, start, end, size, etag, ranged):
             return self._drop(conn)  # its body unread: the connection cannot be reused
         buf = self._buffer()
         off = start
