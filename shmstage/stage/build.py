@@ -141,12 +141,8 @@ def build(
     written: list[bool] = []
 
     def write_manifest() -> None:  # while the source fetches, where it can
-        root = os.lstat(part)
-        data = {"source": listing.location, "root": [root.st_ino, root.st_dev]}
-        data["entries"] = entries
-        if keys is not None:
-            data["objects"] = keys
-        store.prepare_manifest(name, {**data, **listing.record})
+        objects = {"objects": keys} if keys is not None else {}
+        prepare_manifest(store, name, listing.location, entries, **objects, **listing.record)
         written.append(True)
 
     if not incremental:  # 3-5 are the source's: it fills the whole tree
@@ -196,6 +192,16 @@ def build(
     # 5: what needs every file in place.
     finish_tree(part, hard, dirs, src.owner)
     return Built(total, listing.bytes, listing.files)
+
+
+def prepare_manifest(
+    store: Store, name: str, location: str, entries: list[Any], **more: Any
+) -> None:
+    """The new manifest of partial/<name>: its source, its root's inode (what publish
+    checks), its entries and what else the source keeps (change keys, an archive's stamp)."""
+    root = os.lstat(store.partial(name))
+    data = {"source": location, "root": [root.st_ino, root.st_dev], "entries": entries}
+    store.prepare_manifest(name, {**data, **more})
 
 
 def finish_tree(

@@ -14,7 +14,7 @@ from typing import Any
 
 from shmstage.errors import CapacityError, ShmstageError
 from shmstage.stage import copy as copier
-from shmstage.stage.build import Counter, finish_tree, make_symlink
+from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
 from shmstage.stage.reserve import Claim
@@ -182,15 +182,8 @@ class DirSource(Source):
                 hand_out(stream)
                 tree = walker.tree()
                 self.tree = tree
-                root = os.lstat(part)
-                store.prepare_manifest(
-                    name,
-                    {
-                        "source": self.location,
-                        "root": [root.st_ino, root.st_dev],
-                        "entries": [list(e) for e in tree.entries],
-                    },
-                )
+                entries = [list(e) for e in tree.entries]
+                prepare_manifest(store, name, self.location, entries)
                 stream.finish()
         except CapacityError as e:  # the workers are gone: nothing writes into part/ any more
             _refuse_whole(store, walker, found, part, page, reserve, claim, e)

@@ -115,10 +115,7 @@ def of_entries(source: str, entries: Iterable[tuple], page: int, kind: str = "di
 
 def of_archive(archive: Any, page: int) -> Estimate:
     """Size a scanned archive (``tar.scan``) by its members, as extracted."""
-    members = [(m.name, m.kind, m.size, m.mtime_ns, m.mode, m.extra) for m in archive.members]
-    if not any(m[0] == "." for m in members):
-        members.append((".", "d", 0, 0, 0o755, None))  # extraction creates the root
-    return of_entries(archive.path, members, page, "tar")
+    return of_entries(archive.path, archive.entries(), page, "tar")
 
 
 def estimate(

@@ -57,6 +57,14 @@ class Archive:
     def page_bytes(self) -> int:
         return page_bytes(m.size for m in self.members if m.kind == "f")
 
+    def entries(self) -> list[tuple]:
+        """The members as plan.py's entry tuples, as extracted: the root first (extraction
+        creates it when no member names it)."""
+        out = [(m.name, m.kind, m.size, m.mtime_ns, m.mode, m.extra) for m in self.members]
+        if not any(e[0] == "." for e in out):
+            out.insert(0, (".", "d", 0, 0, 0o755, None))
+        return out
+
 
 class UnsafeArchive(RefusedError):
     """A member would escape the tree or create something we refuse to create."""

@@ -34,10 +34,9 @@ class TarSource(Source):
         record = self.stamp()
         archive = tarsrc.scan(self.location, self.strip)
         self.archive = archive
-        entries = [(m.name, m.kind, m.size, m.mtime_ns, m.mode, m.extra) for m in archive.members]
-        if not any(e[0] == "." for e in entries):
-            entries.insert(0, (".", "d", 0, 0, 0o755, None))  # extraction creates the root
-        return Listing(self.location, entries, None, archive.bytes, archive.files, record=record)
+        return Listing(
+            self.location, archive.entries(), None, archive.bytes, archive.files, record=record
+        )
 
     def fetch(
         self,
