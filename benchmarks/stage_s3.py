@@ -19,10 +19,8 @@ import argparse
 import http.client
 import json
 import os
-import random
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +29,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
+
+from shmstage.bench.stage_s3 import weed_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stage import enter_private_mount_namespace, mount_tmpfs  # noqa: E402
@@ -41,26 +41,8 @@ SHAPES = {"small": (2000, 110_000), "big": (4, 256 << 20)}
 TOOLS = ("raw", "shmstage", "s5cmd", "aws")  # and "base" with --baseline
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` ports below 45536: weed listens on each port + 10000 for gRPC too."""
-    while True:
-        base = random.randrange(20000, 35000)
-        try:
-            for p in range(base, base + n):
-                for q in (p, p + 10000):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", q))
-            return list(range(base, base + n))
-        except OSError:
-            continue
-
-
 def start_weed(data: Path) -> tuple[subprocess.Popen, int]:
-    s3, master, volume, filer = free_ports(4)
-    argv = [str(BIN / "weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
-            "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
-            f"-filer.port={filer}", "-master.volumeSizeLimitMB=1024", "-volume.max=0",
-            "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
+    argv, s3 = weed_server(str(BIN / "weed"), data, "-master.volumeSizeLimitMB=1024")
     log = open(data / "weed.log", "w")  # noqa: SIM115 (the server outlives this function)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=data)
     deadline = time.monotonic() + 60

@@ -39,6 +39,35 @@ def tool_argv(tool: str, url: str, dest: Path, exe: str, workers: int | None = N
     return [exe, "s3", "sync", "--quiet", *ep, url, f"{dest}/copy"]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` consecutive free ports on 127.0.0.1 whose port + 10000 is free too (seaweedfs
+    listens there for gRPC)."""
+    import random
+    import socket
+
+    while True:
+        base = random.randrange(20000, 35000)
+        try:
+            for p in range(base, base + n):
+                for q in (p, p + 10000):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", q))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+
+
+def weed_server(weed: str, data: str | os.PathLike[str], *extra: str) -> tuple[list[str], int]:
+    """The command line of a seaweedfs S3 server on 127.0.0.1 keeping its data in ``data``
+    (``extra``: more flags, e.g. ``-s3.config=FILE``), and its S3 port."""
+    s3, master, volume, filer = free_ports(4)
+    argv = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
+            f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
+            f"-filer.port={filer}", "-volume.max=0", "-volume.preStopSeconds=0",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", *extra]  # fmt: skip
+    return argv, s3
+
+
 def _timed(argv: list[str], tool: str) -> float:
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True)
