@@ -87,42 +87,43 @@ class Moto:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def moto():
-    m = Moto()
+def _moto_server(auth: bool):
+    m = Moto(auth=auth)
     try:
         m.s3.create_bucket(Bucket=BUCKET)
         yield m
     finally:
         m.stop()
+
+
+def _point_at(m: Moto, monkeypatch) -> Moto:
+    """The library reads the AWS_* environment: point it at ``m`` for this test."""
+    for k, v in m.env().items():
+        if k.startswith("AWS_") or k == "HOME":
+            monkeypatch.setenv(k, v)
+    return m
+
+
+@pytest.fixture(scope="module")
+def moto():
+    yield from _moto_server(auth=True)
 
 
 @pytest.fixture
 def aws(moto, monkeypatch):
-    """The library reads the AWS_* environment: point it at moto for this test."""
-    for k, v in moto.env().items():
-        if k.startswith("AWS_") or k == "HOME":
-            monkeypatch.setenv(k, v)
-    return moto
+    """A moto server that checks signatures, in the AWS_* environment of this test."""
+    return _point_at(moto, monkeypatch)
 
 
 @pytest.fixture(scope="module")
 def moto_noauth():
-    m = Moto(auth=False)
-    try:
-        m.s3.create_bucket(Bucket=BUCKET)
-        yield m
-    finally:
-        m.stop()
+    yield from _moto_server(auth=False)
 
 
 @pytest.fixture
 def noauth(moto_noauth, monkeypatch):
     """Like ``aws``, with a moto that does not check signatures (so presigned URLs work)."""
-    for k, v in moto_noauth.env().items():
-        if k.startswith("AWS_") or k == "HOME":
-            monkeypatch.setenv(k, v)
-    return moto_noauth
+    return _point_at(moto_noauth, monkeypatch)
 
 
 @pytest.fixture
@@ -915,40 +916,21 @@ def test_signed_get_checks_the_etag_too(noauth, signed_results, tmp_path, monkey
 WEED = shutil.which("weed", path=os.path.dirname(sys.executable))
 
 
-def _weed_ports(n: int) -> list[int]:
-    """``n`` free ports whose port + 10000 is free too (weed's gRPC ports)."""
-    import random
-
-    while True:
-        base = random.randrange(20000, 35000)
-        try:
-            for p in range(base, base + n):
-                for q in (p, p + 10000):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", q))
-            return list(range(base, base + n))
-        except OSError:
-            continue
-
-
 @pytest.mark.skipif(WEED is None, reason="needs seaweedfs (pip install '.[test]')")
 def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypatch):
     """seaweedfs with an identity checks every signature (moto cannot check signed URLs):
     big bodies land over signed URLs with the unsigned Range and If-Match headers, the
     copy is exact; a wrong secret is refused on the LIST already (exit 12)."""
+    from shmstage.bench.stage_s3 import weed_server
     from shmstage.errors import AccessDenied
     from shmstage.stage import s3, signedget
 
-    port, master, volume, filer = _weed_ports(4)
     (tmp_path / "s3.json").write_text(json.dumps({"identities": [{
         "name": "t", "credentials": [{"accessKey": "tkey", "secretKey": "tsecret"}],
         "actions": ["Admin", "Read", "Write", "List"]}]}))  # fmt: skip
     (tmp_path / "data").mkdir()
-    argv = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={tmp_path / 'data'}",
-            "-s3", f"-s3.port={port}", f"-s3.config={tmp_path / 's3.json'}",
-            f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
-            "-master.volumeSizeLimitMB=64", "-volume.max=0",
-            "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
+    argv, port = weed_server(WEED, tmp_path / "data", f"-s3.config={tmp_path / 's3.json'}",
+                             "-master.volumeSizeLimitMB=64")  # fmt: skip
     srv = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
