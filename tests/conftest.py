@@ -204,3 +204,23 @@ def procs():
     p = Procs()
     yield p
     p.cleanup()
+
+
+@pytest.fixture
+def rewrite_after_listing(monkeypatch):
+    """``rewrite_after_listing(rewrite)``: ``rewrite()`` runs right after an object-store
+    source's LIST, so an object changes between the LIST and its GET."""
+
+    def arm(rewrite):
+        from shmstage.stage import s3
+
+        real = s3.S3Source.listing
+
+        def listing_then_rewrite(self):
+            out = real(self)
+            rewrite()
+            return out
+
+        monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+
+    return arm

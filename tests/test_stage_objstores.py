@@ -320,22 +320,14 @@ def test_changed_refetched_deleted_removed(store, tmp_path):
     assert verify(ds.name, dest).ok
 
 
-def test_object_changed_between_list_and_get(store, tmp_path, monkeypatch):
+def test_object_changed_between_list_and_get(store, tmp_path, monkeypatch, rewrite_after_listing):
     """An object rewritten after the LIST is refused (exit 17; Azurite answers the If-Match
     412, fake-gcs-server ignores If-Match and the response's ETag catches it); nothing is
     published."""
-    from shmstage.stage import s3
 
     p = prefix()
     store.put(f"{p}/a", b"one")
-    real = s3.S3Source.listing
-
-    def listing_then_rewrite(self):
-        out = real(self)
-        store.put(f"{p}/a", b"two")
-        return out
-
-    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    rewrite_after_listing(lambda: store.put(f"{p}/a", b"two"))
     with pytest.raises(SourceChanged) as e:
         stage(src(store, p), dest=tmp_path / "dest")
     assert e.value.exit_code == 17

@@ -301,21 +301,13 @@ def test_errors_one_line_own_exit_code(moto, shmstage_bin, tmp_path, case, code,
     assert sorted(os.listdir(dest)) in ([], [".shmstage"])
 
 
-def test_changed_between_list_and_get(aws, tmp_path, monkeypatch):
+def test_changed_between_list_and_get(aws, tmp_path, monkeypatch, rewrite_after_listing):
     """An object rewritten after the LIST fails the If-Match GET: exit 17, nothing published."""
     from shmstage.errors import SourceChanged
-    from shmstage.stage import s3
 
     p = prefix()
     aws.put(f"{p}/a", b"one")
-    real = s3.S3Source.listing
-
-    def listing_then_rewrite(self):
-        out = real(self)
-        aws.put(f"{p}/a", b"two")
-        return out
-
-    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    rewrite_after_listing(lambda: aws.put(f"{p}/a", b"two"))
     with pytest.raises(SourceChanged) as e:
         stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
     assert e.value.exit_code == 17 and "changed while it was being staged" in str(e.value)
@@ -821,7 +813,9 @@ def test_signed_url_refused_falls_back_to_obstore(aws, signed_results, tmp_path,
     assert signed_results == [False]
 
 
-def test_big_object_changed_over_signed_url(noauth, signed_results, tmp_path, monkeypatch):
+def test_big_object_changed_over_signed_url(
+    noauth, signed_results, tmp_path, monkeypatch, rewrite_after_listing
+):
     """A big object rewritten between the LIST and its signed GET: the If-Match answer is
     not taken, obstore's GET says "changed" (exit 17), nothing is published."""
     from shmstage.errors import SourceChanged
@@ -830,14 +824,7 @@ def test_big_object_changed_over_signed_url(noauth, signed_results, tmp_path, mo
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()
     noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
-    real = s3.S3Source.listing
-
-    def listing_then_rewrite(self):
-        out = real(self)
-        noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
-        return out
-
-    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    rewrite_after_listing(lambda: noauth.put(f"{p}/big.bin", os.urandom(3 << 20)))
     with pytest.raises(SourceChanged) as e:
         stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest", workers=1)
     assert e.value.exit_code == 17 and "changed while it was being staged" in str(e.value)
@@ -886,7 +873,9 @@ class DropsIfMatch:
         self.thread.join(timeout=10)
 
 
-def test_signed_get_checks_the_etag_too(noauth, signed_results, tmp_path, monkeypatch):
+def test_signed_get_checks_the_etag_too(
+    noauth, signed_results, tmp_path, monkeypatch, rewrite_after_listing
+):
     """A server that ignores If-Match, and a big object rewritten after the LIST: the signed
     GET sees the new ETag and is not taken; obstore's GET refuses it too (exit 17)."""
     from shmstage.errors import SourceChanged
@@ -895,14 +884,7 @@ def test_signed_get_checks_the_etag_too(noauth, signed_results, tmp_path, monkey
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()
     noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
-    real = s3.S3Source.listing
-
-    def listing_then_rewrite(self):
-        out = real(self)
-        noauth.put(f"{p}/big.bin", os.urandom(3 << 20))
-        return out
-
-    monkeypatch.setattr(s3.S3Source, "listing", listing_then_rewrite)
+    rewrite_after_listing(lambda: noauth.put(f"{p}/big.bin", os.urandom(3 << 20)))
     proxy = DropsIfMatch(noauth.port)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
