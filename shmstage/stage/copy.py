@@ -175,6 +175,13 @@ def _deal(groups: list[list[Task]]) -> list[Task]:
     return [g[k] for k in range(rounds) for g in groups if k < len(g)]
 
 
+def compare(jobs: Sequence[Job], workers: int) -> list[str]:
+    """The paths (``job[6]``) whose bytes differ between source and copy, sorted, each once
+    (a chunked file is compared by several workers)."""
+    tasks, _ = make_tasks(jobs, COMPARE)
+    return sorted(set(run(jobs, tasks, workers)))
+
+
 def run(
     jobs: Sequence[Job],
     tasks: Sequence[Task],

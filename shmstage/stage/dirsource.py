@@ -86,8 +86,7 @@ class DirSource(Source):
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
-            check_tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
-            bad = sorted(set(copier.run(jobs, check_tasks, nworkers)))  # chunks: once per file
+            bad = copier.compare(jobs, nworkers)
             if bad:
                 raise ShmstageError(
                     f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source "

@@ -628,8 +628,7 @@ def verify(
                 for rel, e in expected.items()
                 if e[1] == "f" and rel not in damaged
             ]
-            tasks, _ = copier.make_tasks(jobs, copier.COMPARE)
-            bad = copier.run(jobs, tasks, workers or copier.default_workers())
+            bad = copier.compare(jobs, workers or copier.default_workers())
         diffs.extend(
             Difference(rel, "content", "bytes differ from the source")
             for rel in sorted(set(bad))
