@@ -28,7 +28,16 @@ from shmstage.stage.dirsource import DirSource
 from shmstage.stage.leases import Holder
 from shmstage.stage.plan import walk
 from shmstage.stage.reserve import Claim
-from shmstage.stage.store import Record, Store, _rmtree, check_name, name_for
+from shmstage.stage.store import (
+    Record,
+    Store,
+    _rmtree,
+    alive,
+    check_name,
+    managed_by,
+    name_for,
+    trash_owner,
+)
 
 VERIFY_MODES = ("size", "checksum")
 
@@ -163,13 +172,18 @@ def stage(
         raise RefusedError(
             f"source {raw} and destination {store.dest} overlap; stage to a separate directory"
         )
-    store.open()
 
     def report(phase: str, **kw: Any) -> None:
         if progress is not None:
             progress(Progress(phase, elapsed=time.monotonic() - t0, **kw))
 
     waiting = lambda pid: report("waiting", holder=pid)  # noqa: E731
+    if os.path.lexists(store.book) and not store.writable():
+        # A store root (or another user) manages: a current copy needs no write.
+        store.open(create=False)
+        with _signals_raise(), store.lock(name, on_wait=waiting, shared=True):
+            return _hand_out(store, source, kind, name, force, strip_components, t0)
+    store.open()
     # The claim is this stager's share of DEST's free space (reserve.py).
     with _signals_raise(), store.lock(name, on_wait=waiting), Claim(store.book, name) as claim:
         return _stage_locked(
@@ -187,6 +201,42 @@ def stage(
             strip_components,
             peers,
         )
+
+
+def _hand_out(
+    store: Store,
+    source: str,
+    kind: str,
+    name: str,
+    force: bool,
+    strip_components: int,
+    t0: float,
+) -> StagedDataset:
+    """``stage`` for a user who may not write DEST: the published copy if it is current,
+    else one line saying what they can do (exit 2).  Reads only."""
+    try:
+        owner = os.lstat(store.book).st_uid
+    except OSError:
+        owner = -1
+    record = store.published(name)
+    manifest = store.manifest_for(record) if record else None
+    if record is None or manifest is None:
+        why = f"{name} is not staged in {store.dest}"
+    elif record.source != source:
+        why = f"{store.path(name)} holds {record.source}, not {source}"
+    elif force:
+        why = f"--force restages {name}"
+    else:
+        src = sources.open_source(kind, source, strip_components, None)
+        stamp = src.stamp()
+        if stamp is not None:
+            current = all(manifest.get(k) == v for k, v in stamp.items())
+        else:
+            current = build.current(manifest, src.listing())
+        if current:
+            return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)
+        why = f"{name} in {store.dest} is out of date with {source}"
+    raise RefusedError(f"{why}; {managed_by(store.dest, owner)}")
 
 
 @contextmanager
@@ -308,7 +358,8 @@ def _stage_locked(
             raise
         if getattr(e, "keeps_partial", False):  # another node failed: resume from here next time
             raise
-        store.discard(part)
+        with suppress(OSError):  # never hide why it failed; what stays, gc removes
+            store.discard(part)
         _remove_marker(marker)
         nxt = store.read_next(name)
         if nxt is None or store.published(name) != nxt:  # else it describes DEST/<name> now
@@ -395,8 +446,8 @@ def _publish(store: Store, name: str, new: Record, marker: str) -> None:
 
 def _clear_dead_trash(store: Store, name: str) -> None:
     for entry in _listdir(store.trash_dir):
-        owner, pid = _trash_owner(entry)
-        if owner == name and pid is not None and not _alive(pid):
+        owner, pid, start = trash_owner(entry)
+        if owner == name and pid is not None and not alive(pid, start):
             _rmtree(os.path.join(store.trash_dir, entry))
 
 
@@ -502,13 +553,13 @@ def _leftovers(store: Store) -> list[Listed]:
         )  # fmt: skip
     for entry in _listdir(store.trash_dir):
         path = os.path.join(store.trash_dir, entry)
-        name, pid = _trash_owner(entry)
+        name, pid, start = trash_owner(entry)
         size, files = _tree_size(path)
-        alive = pid is not None and _alive(pid)
+        live = pid is not None and alive(pid, start)
         out.append(
             Listed(
                 name, "", path, size, files, 0.0, 0.0, state="trash",
-                stager_alive=alive, stager_pid=pid if alive else None,
+                stager_alive=live, stager_pid=pid if live else None,
             )
         )  # fmt: skip
     return out
@@ -528,18 +579,6 @@ def _lock_holders(store: Store, name: str) -> tuple[int, ...]:
     except OSError:
         return ()
     return tuple(h.pid for h in leases.holders_of(st.st_dev, st.st_ino))
-
-
-def _trash_owner(entry: str) -> tuple[str, int | None]:
-    """trash/<name>.<pid>.<ns> -> (name, pid)."""
-    parts = entry.rsplit(".", 2)
-    if len(parts) == 3 and parts[1].isdigit():
-        return parts[0], int(parts[1])
-    return entry, None
-
-
-def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
 
 
 def _tree_size(path: str) -> tuple[int, int]:
@@ -770,6 +809,7 @@ def evict_report(
                     store.forget(n)
                     leases.unlink_locked(store, n)
                     store.drop_lock(n)  # nothing of the dataset is left behind
+                    store.drop_placing(n)
                 finally:
                     if fd is not None:
                         os.close(fd)

@@ -1,8 +1,8 @@
 """``gc``: remove what killed and failed runs left under DEST, but nothing a live process owns.
 
 Partial trees, source markers, ``.<name>.json.new`` manifests, half-written records, lock
-and lease files of datasets that are gone, space reservations of dead stagers, records whose tree is gone, and old trees in
-trash.  Each dataset's leftovers are removed only while holding its lock (taken without
+and lease files of datasets that are gone, space reservations of dead stagers, records whose tree is gone, old trees in
+trash, and ``placing/`` locks nobody holds.  Each dataset's leftovers are removed only while holding its lock (taken without
 waiting: a dataset being staged is skipped), so gc is safe while others stage.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
 from shmstage.stage import leases
-from shmstage.stage.engine import _alive, _listdir, _trash_owner, _tree_size
-from shmstage.stage.store import Busy, Store, _rmtree, check_name
+from shmstage.stage.engine import _listdir, _tree_size
+from shmstage.stage.store import Busy, Store, _rmtree, alive, check_name, trash_owner
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,20 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                     skipped.append(Leftover(path, what, 0, str(e)))
     for entry in _listdir(store.trash_dir):
         path = os.path.join(store.trash_dir, entry)
-        _, pid = _trash_owner(entry)
+        _, pid, start = trash_owner(entry)
         size = _tree_size(path)[0]
-        if pid is not None and pid != os.getpid() and _alive(pid):
+        if pid is not None and pid != os.getpid() and alive(pid, start):
             skipped.append(Leftover(path, "trash", size, f"being removed by pid {pid}"))
             continue
         removed.append(Leftover(path, "trash", size))
         if not dry_run:
             _remove(path)
+    for entry in store.placing_names():  # tiers.py's locks: only while a stager places
+        path = store.placing_path(entry)
+        if not store.drop_placing(entry, dry_run=dry_run):
+            skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
+        else:
+            removed.append(Leftover(path, "placing lock", 0))
     return GcReport(store.dest, dry_run, tuple(removed), tuple(skipped))
 
 

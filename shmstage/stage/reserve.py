@@ -12,6 +12,7 @@ DESTs on one tmpfs do not see each other's (docs/staging.md).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from collections.abc import Callable
@@ -35,6 +36,9 @@ class Claim:
         self._written = self._since = 0
 
     def __enter__(self) -> Claim:
+        return self  # the file is made by the first reserve(): a no-op stage writes nothing
+
+    def _create(self) -> None:
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self.dir, 0o755)
@@ -42,10 +46,11 @@ class Claim:
                 self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
             )
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise  # the engine says "no space left" and what to do
             raise ShmstageError(f"cannot create reservation {self.path}: {e.strerror}") from None
         fcntl.flock(self.fd, fcntl.LOCK_EX)  # the dataset lock is held: only a dead one had it
-        self._store(0)
-        return self
+        os.ftruncate(self.fd, 0)  # a dead stager's value (0 until reserve() stores ours)
 
     def __exit__(
         self,
@@ -53,6 +58,8 @@ class Claim:
         ev: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self.fd < 0:
+            return
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         os.close(self.fd)
@@ -61,6 +68,8 @@ class Claim:
     def reserve(self, needed: int, check: Callable[[int], None]) -> None:
         """Under the store-wide lock: ``check(pending)`` (raises when ``needed`` does not fit
         next to what the live others still have to write), then claim ``needed`` bytes."""
+        if self.fd < 0:
+            self._create()
         # The directory is the store-wide lock: no extra file to leave behind.
         lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -87,6 +96,8 @@ class Claim:
     def _store(self, value: int, keep: bool = False) -> None:
         if not keep:
             self.outstanding = value
+        if self.fd < 0:
+            return  # nothing reserved yet: nothing to lower
         os.pwrite(self.fd, str(value).rjust(_WIDTH).encode(), 0)
 
     def _others(self) -> int:

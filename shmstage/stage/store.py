@@ -30,6 +30,7 @@ from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 DEFAULT_DEST = "/dev/shm/shmstage"
 BOOK = ".shmstage"
 FORMAT = 1
+PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <name>'s tier
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,199}$")
 _RENAME_NOREPLACE = 1
@@ -161,48 +162,95 @@ class Store:
 
     @contextmanager
     def lock(
-        self, name: str, *, wait: bool = True, on_wait: Callable[[int | None], None] | None = None
+        self,
+        name: str,
+        *,
+        wait: bool = True,
+        on_wait: Callable[[int | None], None] | None = None,
+        shared: bool = False,
     ) -> Iterator[None]:
         """Hold the per-dataset lock (flock; released by the kernel if we die).
 
-        ``evict`` unlinks the lock file while holding it, so after each flock we check
-        the path still names the file we locked and start over if it does not.
+        ``shared``: a reader's lock for a user who may not write DEST (see :meth:`writable`):
+        the file is opened read-only (flock needs no write access) and not created; it waits
+        while a stager or evict holds the lock.  No lock file: nobody ever staged ``name``.
         """
         path = self.lock_path(name)
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                raise _os_error(e, f"cannot open lock file {path}") from None
-            try:
-                st = os.fstat(fd)
-                _check_owner(path, st)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = _read_pid(fd)
-                    if not wait:
-                        raise Busy(
-                            f"{name} is being staged by another shmstage (pid {holder or '?'}); try again later"
-                        ) from None
-                    if on_wait is not None:
-                        on_wait(holder)
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                try:
-                    now = os.lstat(path)
-                except FileNotFoundError:
-                    now = None
-                if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                    continue  # evicted (and unlinked) while we waited: lock the new file
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                yield
-                return
-            finally:
-                os.close(fd)
+        with lock_file(
+            path,
+            shared=shared,
+            wait=wait,
+            on_wait=on_wait,
+            busy=lambda holder: Busy(
+                f"{name} is being staged by another shmstage (pid {holder or '?'}); try again later"
+            ),
+            refused=lambda e: self.refused(e, f"cannot open lock file {path}"),
+        ):
+            yield
 
     def lock_path(self, name: str) -> str:
         return os.path.join(self.lock_dir, name + ".lock")
+
+    def writable(self) -> bool:
+        """Whether this process may create lock files here: False for a user on a store root
+        (or another stager) manages, or on a read-only mount.  Such a user may still use a
+        dataset staged there and current (``stage`` hands it out under a shared lock)."""
+        if not os.path.lexists(self.lock_dir):
+            return True  # a new store: open() creates it (or says why it cannot)
+        return os.access(self.lock_dir, os.W_OK | os.X_OK, effective_ids=True)
+
+    def refused(self, e: OSError, what: str) -> ShmstageError:
+        """The one line for an operation that needs to write a store this user may not."""
+        if e.errno == errno.EROFS:
+            return RefusedError(
+                f"{what}: {self.dest} is on a read-only file system; datasets staged there "
+                "and current can be used, nothing can be staged or removed: pick another --dest"
+            )
+        if e.errno not in (errno.EACCES, errno.EPERM):
+            return _os_error(e, what)
+        try:
+            owner = os.lstat(self.book).st_uid
+        except OSError:
+            owner = -1
+        return RefusedError(managed_by(self.dest, owner))
+
+    # --- placing ----------------------------------------------------------------
+
+    def placing_path(self, name: str) -> str:
+        return os.path.join(self.book, PLACING, name)
+
+    @contextmanager
+    def placing(
+        self, name: str, on_wait: Callable[[int | None], None] | None = None
+    ) -> Iterator[None]:
+        """Hold ``placing/<name>`` (tiers.py: serialises choosing ``name``'s tier).  A user who
+        may not write this store takes none: they can only be handed a current copy."""
+        where = os.path.join(self.book, PLACING)
+        if not self.writable():
+            yield
+            return
+        try:
+            with suppress(FileExistsError):
+                os.mkdir(where, 0o755)
+        except OSError as e:
+            raise ShmstageError(f"cannot lock {name} in {where}: {e.strerror}") from None
+        with lock_file(
+            self.placing_path(name),
+            on_wait=on_wait,
+            refused=lambda e: ShmstageError(f"cannot lock {name} in {where}: {e.strerror}"),
+        ):
+            yield
+
+    def drop_placing(self, name: str, *, dry_run: bool = False) -> bool:
+        """Remove ``placing/<name>`` unless someone holds it (they re-check after their flock:
+        see :func:`lock_file`); True when it is gone (``dry_run``: would be)."""
+        return drop_unheld(self.placing_path(name), dry_run=dry_run)
+
+    def placing_names(self) -> list[str]:
+        try:
+            return sorted(os.listdir(os.path.join(self.book, PLACING)))
+        except OSError:
+            return []
 
     def drop_lock(self, name: str) -> None:
         """Unlink the lock file of an evicted dataset; call while holding its lock."""
@@ -351,6 +399,18 @@ class Store:
         """Move partial/<name> to DEST/<name> in one step; returns where the old version now
         is (partial/<name> or in trash), for the caller to remove, or None."""
         new, target = self.partial(name), self.path(name)
+        try:
+            return self._publish(new, target)
+        except PermissionError:
+            pass
+        # Moving a directory to another parent rewrites its "..": the kernel wants write
+        # permission on the directory itself, which a 0555 source root (a non-root stager)
+        # or a root owned by the source's owner (root without CAP_DAC_OVERRIDE) denies.  Make
+        # both trees ours and writable for the move; the new one gets its owner and mode back.
+        with _movable(new, restore=True), _movable(target, restore=False):
+            return self._publish(new, target)
+
+    def _publish(self, new: str, target: str) -> str | None:
         if not os.path.lexists(target):
             if _renameat2(new, target, _RENAME_NOREPLACE):
                 return None
@@ -360,7 +420,7 @@ class Store:
             return new  # the old version now sits where the new one was built
         # No RENAME_EXCHANGE (old kernel, some file systems): readers see no dataset
         # for an instant, never a half tree.
-        old = self._trash_path(name)
+        old = self._trash_path(os.path.basename(target))
         os.rename(target, old)
         os.rename(new, target)
         return old
@@ -406,11 +466,169 @@ class Store:
                 os.unlink(path)
 
     def _trash_path(self, name: str) -> str:
-        return os.path.join(self.trash_dir, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
+        return os.path.join(self.trash_dir, f"{name}.{me()}.{time.monotonic_ns()}")
 
 
 class Busy(RefusedError):
     """Another process holds the dataset's lock."""
+
+
+def managed_by(dest: str, owner: int) -> str:
+    """What a user may do on a store someone else manages (the one line every refusal gives)."""
+    who = "root" if owner == 0 else f"uid {owner}"
+    return (
+        f"{dest} is managed by {who} and you (uid {os.geteuid()}) may not write there: you can "
+        "use the datasets staged there and current (`shmstage stage`, `shmstage run --stage` "
+        f"hand them out), but not stage, restage or remove any; ask {who} to, or use your own "
+        "--dest, e.g. --dest /dev/shm/shmstage-$USER"
+    )
+
+
+# --- locks on files that may be unlinked ---------------------------------------------------
+
+
+@contextmanager
+def lock_file(
+    path: str,
+    *,
+    shared: bool = False,
+    wait: bool = True,
+    on_wait: Callable[[int | None], None] | None = None,
+    busy: Callable[[int | None], ShmstageError] | None = None,
+    refused: Callable[[OSError], ShmstageError] | None = None,
+) -> Iterator[None]:
+    """Hold a flock on ``path`` (created unless ``shared``), writing our pid into it.
+
+    Lock files are unlinked while held (evict, gc), so a waiter may end up holding a file
+    that is gone while a newcomer locks a new one: after each flock we check the path still
+    names the file we locked and start over if it does not.  ``shared``: read-only, not
+    created (no lock when the file does not exist) and no pid written."""
+    while True:
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            if shared:
+                fd = os.open(path, flags | os.O_RDONLY)
+            else:
+                fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            if not shared:
+                raise ShmstageError(
+                    f"cannot open lock file {path}: its directory is gone"
+                ) from None
+            yield
+            return
+        except OSError as e:
+            raise (
+                refused(e) if refused else _os_error(e, f"cannot open lock file {path}")
+            ) from None
+        try:
+            st = os.fstat(fd)
+            _check_owner(path, st)
+            kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            try:
+                fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                if not wait:
+                    raise (busy(holder) if busy else Busy(f"{path} is locked")) from None
+                if on_wait is not None:
+                    on_wait(holder)
+                fcntl.flock(fd, kind)
+            try:
+                now = os.lstat(path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue  # unlinked while we waited: lock the new file
+            if not shared:
+                # Only says who holds it: a full tmpfs (ENOSPC) must not stop a no-op.
+                with suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{me(' ')}\n".encode(), 0)
+            yield
+            return
+        finally:
+            os.close(fd)
+
+
+def drop_unheld(path: str, *, dry_run: bool = False) -> bool:
+    """Unlink the lock file ``path`` if nobody holds it (True when it is gone; ``dry_run``:
+    would be).  Taken without waiting: a holder or waiter re-checks the path after its
+    flock (``lock_file``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            st, now = os.fstat(fd), os.lstat(path)
+        except FileNotFoundError:
+            return True
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False  # replaced meanwhile: someone else's now
+        if dry_run:
+            return True
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+# --- who is alive ---------------------------------------------------------------------------
+#
+# A pid alone is reused (containers start at 1: "being removed by pid 18" forever): every
+# record that names a process names it by pid and start time (/proc/PID/stat field 22, in
+# clock ticks since boot), and a process is that one only if both match.
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: the fields after the last ')' are 3...
+    try:
+        return int(raw[raw.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def me(sep: str = "-") -> str:
+    """This process as ``<pid><sep><start time>``."""
+    pid = os.getpid()
+    return f"{pid}{sep}{start_time(pid) or 0}"
+
+
+def alive(pid: int, start: int | None = None) -> bool:
+    """Whether process ``pid`` lives and, when ``start`` is known, is the one that started
+    then (not a later process given the same pid).  No start: a record of the old format."""
+    if start is None:
+        return os.path.exists(f"/proc/{pid}")
+    return start_time(pid) == start
+
+
+def trash_owner(entry: str) -> tuple[str, int | None, int | None]:
+    """trash/<name>.<pid>-<start>.<ns> -> (name, pid, start); <name>.<pid>.<ns> (the old
+    format) -> (name, pid, None)."""
+    parts = entry.rsplit(".", 2)
+    if len(parts) == 3:
+        pid, _, start = parts[1].partition("-")
+        if pid.isdigit() and (start.isdigit() or not start):
+            return parts[0], int(pid), int(start) if start else None
+    return entry, None, None
 
 
 # --- helpers ---------------------------------------------------------------------
@@ -486,10 +704,15 @@ def _makedirs_checked(path: str) -> None:
 
 
 def _read_pid(fd: int) -> int | None:
+    """The pid a lock file names (``<pid> <start>``, or ``<pid>`` in the old format), if that
+    process still lives."""
     try:
-        return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
+        fields = os.pread(fd, 64, 0).decode().split()
+        pid = int(fields[0]) if fields else 0
+        start = int(fields[1]) if len(fields) > 1 else None
     except (OSError, ValueError):
         return None
+    return pid if pid > 0 and alive(pid, start) else None
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -523,6 +746,44 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         raise _os_error(e, f"cannot write {path}") from None
 
 
+@contextmanager
+def _movable(path: str, *, restore: bool) -> Iterator[None]:
+    """Make the directory ``path`` ours and writable by us (for a rename into another parent);
+    with ``restore``, give it its owner and mode back afterwards, wherever it went (the fd
+    follows the inode)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield  # not there (a first publish has no old tree), or not a directory: as it is
+        return
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            os.fchown(fd, os.geteuid(), os.getegid())  # root without CAP_DAC_OVERRIDE
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+        try:
+            yield
+        finally:
+            if restore:
+                if st.st_uid != os.geteuid():
+                    os.fchown(fd, st.st_uid, st.st_gid)
+                os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    finally:
+        os.close(fd)
+
+
+def _take(path: str) -> None:
+    """Make the directory ``path`` ours and 0700, so its entries can be removed (a tree root
+    without CAP_DAC_OVERRIDE copied keeps its source's owners)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            os.fchown(fd, os.geteuid(), os.getegid())
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 def _rmtree(path: str) -> None:
     """Remove a tree we own, including read-only directories (staged trees keep source modes)."""
 
@@ -533,9 +794,9 @@ def _rmtree(path: str) -> None:
         if isinstance(err, PermissionError):
             parent = os.path.dirname(p)
             try:
-                os.chmod(parent, 0o700)
+                _take(parent)
                 if os.path.isdir(p) and not os.path.islink(p):
-                    os.chmod(p, 0o700)
+                    _take(p)
                 func(p)
                 return
             except OSError:

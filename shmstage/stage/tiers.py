@@ -9,7 +9,6 @@ any tier is restaged there, never copied twice.  ``find``, ``list_staged``, ``ev
 
 from __future__ import annotations
 
-import fcntl
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -25,14 +24,12 @@ from shmstage.stage.makeroom import CachePolicy, Victim
 from shmstage.stage.store import (
     DEFAULT_DEST,
     Store,
-    _read_pid,
     check_name,
     name_for,
     resolve_dest,
 )
 
 SEP = ","
-_PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <name>'s tier
 
 
 def split(dest: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
@@ -255,27 +252,8 @@ def _placing(
     first: str, name: str, on_wait: Callable[[int | None], None] | None = None
 ) -> Iterator[None]:
     """Serialise choosing ``name``'s tier, so two stagers cannot put it in two tiers."""
-    store = Store(first).open()
-    where = os.path.join(store.book, _PLACING)
-    try:
-        os.makedirs(where, 0o755, exist_ok=True)
-        fd = os.open(
-            os.path.join(where, name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
-    except OSError as e:
-        raise ShmstageError(f"cannot lock {name} in {where}: {e.strerror}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if on_wait is not None:  # another process is staging it: say so, then wait
-                on_wait(_read_pid(fd))
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    with Store(first).open().placing(name, on_wait):
         yield
-    finally:
-        os.close(fd)
 
 
 # --- find / list / evict / verify / gc across tiers ---------------------------------------
