@@ -284,3 +284,133 @@ def test_restage_copies_a_file_deleted_from_the_published_copy(world, shmstage_b
     done = subprocess.run(argv, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (dest / "src" / "top").read_text() == "top\n"
+
+
+# --- users on a store root manages (issue 20, items 12 and 13) ---------------------------------
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a refused command (no traceback, nothing else)."""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
+    return lines[0]
+
+
+def test_non_root_user_uses_what_root_staged_and_is_told_what_else_needs_root(world, shmstage_bin):
+    """On a store root staged: nobody's stage of the current dataset prints its path, `run
+    --stage` runs the job, and staging anything new, restaging or evicting is one line, exit 2."""
+    src, dest = world / "pub", world / "dest"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("hello\n")
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    user = [*as_user(NOBODY), *shmstage_bin]
+    again = subprocess.run(
+        [*user, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert (again.returncode, again.stdout) == (0, f"{dest / 'pub'}\n"), again.stderr
+    job = subprocess.run(
+        [*user, "run", "--stage", str(src), "--dest", str(dest), "--", "cat",
+         str(dest / "pub" / "sub" / "f")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (job.returncode, job.stdout) == (0, "hello\n"), job.stderr
+    managed = (
+        f"{dest} is managed by root and you (uid {NOBODY}) may not write there: you can use the "
+        "datasets staged there and current (`shmstage stage`, `shmstage run --stage` hand them "
+        "out), but not stage, restage or remove any; ask root to, or use your own --dest, "
+        "e.g. --dest /dev/shm/shmstage-$USER"
+    )
+    other = world / "other"
+    other.mkdir()
+    (other / "g").write_text("x\n")
+    new = subprocess.run(
+        [*user, "stage", str(other), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert new.returncode == 2
+    assert one_error_line(new) == f"Error: other is not staged in {dest}; {managed}"
+    gone = subprocess.run(
+        [*user, "evict", "pub", "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert gone.returncode == 2 and one_error_line(gone) == f"Error: {managed}"
+    (src / "new").write_text("a change\n")
+    stale = subprocess.run(
+        [*user, "run", "--stage", str(src), "--dest", str(dest), "--", "true"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert stale.returncode == 2
+    assert one_error_line(stale) == (f"Error: pub in {dest} is out of date with {src}; {managed}")
+    assert (dest / "pub" / "sub" / "f").read_text() == "hello\n"  # nothing was touched
+
+
+def test_non_root_stages_and_restages_a_read_only_top_directory(world, shmstage_bin):
+    """nobody stages a source whose top directory is 0555 (its copy's ".." must change on
+    publish), and restages it after a change; the copy keeps 0555 and verifies clean."""
+    src, dest = world / "src", world / "dest"
+    (src / "x").mkdir(parents=True)
+    (src / "x" / "f").write_text("1\n")
+    own(src, NOBODY)
+    src.chmod(0o555)
+    argv = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    for change in (None, "y"):
+        if change:
+            src.chmod(0o755)
+            (src / change).write_text("2\n")
+            os.lchown(src / change, NOBODY, NOBODY)
+            src.chmod(0o555)
+        done = subprocess.run(argv, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert (dest / "src").stat().st_mode & 0o7777 == 0o555
+    assert (dest / "src" / "y").read_text() == "2\n"
+    check = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "verify", "src", "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert os.listdir(dest / ".shmstage" / "partial") == []
+    assert os.listdir(dest / ".shmstage" / "trash") == []
+
+
+NO_DAC = ["setpriv", "--inh-caps=-dac_override", "--bounding-set=-dac_override"]
+
+
+def test_root_without_dac_override_stages_another_users_directory(world, shmstage_bin):
+    """Root without CAP_DAC_OVERRIDE stages and restages alice's directory (the copy is hers),
+    and what a killed run of it leaves, its own gc removes; evict removes the dataset."""
+    src = world / "alice" / "data"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("alice's\n")
+    (src / "t").write_text("top\n")
+    own(world / "alice", ALICE)
+    dest = world / "dest"
+    stage = [*NO_DAC, *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    for change in (None, "g"):
+        if change:
+            (src / "sub" / change).write_text("more\n")
+            os.lchown(src / "sub" / change, ALICE, ALICE)
+        done = subprocess.run(stage, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert (dest / "data").stat().st_uid == ALICE  # like cp -a
+    assert (dest / "data" / "sub" / "g").read_text() == "more\n"
+    killed = subprocess.run(
+        [*NO_DAC, *shmstage_bin, "stage", str(src), "--dest", str(world / "d2")],
+        capture_output=True, env={**os.environ, "SHMSTAGE_TEST_KILL_AT": "build"},
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL
+    part = world / "d2" / ".shmstage" / "partial" / "data"
+    assert (part / "sub").stat().st_uid == ALICE  # the premise: a tree root cannot write into
+    gc = subprocess.run(
+        [*NO_DAC, *shmstage_bin, "gc", "--dest", str(world / "d2")], capture_output=True, text=True
+    )
+    assert gc.returncode == 0, gc.stderr
+    assert not part.exists()
+    gone = subprocess.run(
+        [*NO_DAC, *shmstage_bin, "evict", "data", "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert gone.returncode == 0, gone.stderr
+    assert not (dest / "data").exists()
+    assert os.listdir(dest / ".shmstage" / "trash") == []
