@@ -6,8 +6,11 @@ Real processes and real SIGKILL (the engine's test-only $SHMSTAGE_TEST_KILL_AT h
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,3 +244,163 @@ def test_killed_stage_is_listed_and_gc_removes_it(shmstage_bin, tmp_path):
     r = cli(shmstage_bin, "evict", "--all", "--dest", str(dest))
     assert r.returncode == 0 and r.stdout == "evicted: ds, other\n"
     assert skeleton(dest) == EMPTY
+
+
+# --- issue 20: a full tmpfs, reused pids, placing locks ------------------------------------
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until the file system has not one byte left."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"x" * chunk)
+
+
+@pytest.mark.root
+def test_a_full_tmpfs_hands_out_a_current_dataset_and_refuses_a_new_one_in_one_line(
+    shmstage_bin, tmpfs, tmp_path
+):
+    """On a tmpfs filled to the brim, an up-to-date dataset needs no space: `stage` and `run
+    --stage` hand it out (exit 0); staging a new one fails with one line and leaves nothing."""
+    mnt = tmpfs("8M")
+    dest = mnt / "dest"
+    src, new = make_src(tmp_path / "ds"), make_src(tmp_path / "new")
+    assert cli(shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet").returncode == 0
+    fill(mnt / "filler")
+    assert os.statvfs(mnt).f_bavail == 0  # the premise
+    again = cli(shmstage_bin, "stage", str(src), "--dest", str(dest))
+    assert (again.returncode, again.stdout) == (0, f"{dest / 'ds'}\n"), again.stderr
+    job = cli(shmstage_bin, "run", "--stage", str(src), "--dest", str(dest), "--", "true")
+    assert job.returncode == 0, job.stderr
+    refused = cli(shmstage_bin, "stage", str(new), "--dest", str(dest))
+    assert refused.returncode in (1, 2)
+    lines = refused.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), refused.stderr
+    assert f"{dest}" in lines[0] and ("no space left" in lines[0] or "does not fit" in lines[0])
+    assert [list((dest / ".shmstage" / d).iterdir()) for d in ("partial", "trash")] == [[], []]
+    assert not (dest / "new").exists()
+
+
+def in_new_pid_namespace(
+    argv: list[str], keep_pid_2: bool = False, **kw
+) -> subprocess.CompletedProcess:
+    """Run ``argv`` in a new pid namespace (with its own /proc) as its pid 2; with
+    ``keep_pid_2`` a `sleep` takes pid 2 instead, so that pid is alive while ``argv`` runs."""
+    script = 'sleep 60 & "$@"; s=$?; kill $!; exit $s' if keep_pid_2 else '"$@"; true'
+    return subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script, "sh", *argv],
+        capture_output=True, text=True, timeout=120, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_gc_removes_trash_whose_owners_pid_now_names_another_process(shmstage_bin, tmp_path):
+    """A republish killed after moving the old tree to trash, in a container (pid namespace);
+    in the next container the same pid is a different, live process: gc removes the trash."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    (src / "a" / "new.bin").write_bytes(b"changed")
+    killed = in_new_pid_namespace(
+        [sys.executable, "-c", STAGER, str(src), str(dest)],
+        env={**os.environ, "SHMSTAGE_TEST_KILL_AT": "trash"},
+    )
+    assert killed.returncode == 0, killed.stderr
+    trash = dest / ".shmstage" / "trash"
+    (entry,) = os.listdir(trash)
+    assert entry.split(".")[1].split("-")[0] == "2"  # the premise: the stager was pid 2
+    time.sleep(0.05)  # a later start time, in clock ticks
+    done = in_new_pid_namespace([*shmstage_bin, "gc", "--dest", str(dest)], keep_pid_2=True)
+    assert done.returncode == 0, done.stderr
+    assert "being removed by pid" not in done.stdout
+    assert os.listdir(trash) == []
+    assert verify("ds", dest=dest, checksum=True).ok
+
+
+@pytest.mark.root
+def test_trash_of_the_old_format_keeps_the_pid_rule(shmstage_bin, tmp_path):
+    """A trash entry named by pid alone (written before start times) stays while that pid lives."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    old = dest / ".shmstage" / "trash" / f"ds.{os.getpid()}.1"
+    old.mkdir()
+    r = cli(shmstage_bin, "gc", "--dest", str(dest))
+    assert r.returncode == 0 and old.is_dir()
+    assert f"being removed by pid {os.getpid()}" in r.stdout
+
+
+def placing(tier: Path, name: str) -> Path:
+    return tier / ".shmstage" / "placing" / name
+
+
+def test_gc_and_evict_remove_placing_locks_nobody_holds(shmstage_bin, tmp_path):
+    """Staging into tiers leaves placing/<name>: gc keeps it while held and removes it once
+    free; evict of the dataset removes it too."""
+    src, fast, slow = make_src(tmp_path / "ds"), tmp_path / "fast", tmp_path / "slow"
+    tiers = f"{fast},{slow}"
+    assert cli(shmstage_bin, "stage", str(src), "--dest", tiers, "--quiet").returncode == 0
+    lock = placing(fast, "ds")
+    assert lock.exists()  # the premise
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        r = cli(shmstage_bin, "gc", "--dest", tiers, "--json")
+        assert r.returncode == 0, r.stderr
+        assert str(lock) in [x["path"] for x in json.loads(r.stdout)["skipped"]]
+        assert lock.exists()
+    finally:
+        os.close(fd)
+    r = cli(shmstage_bin, "gc", "--dest", tiers, "--json")
+    assert r.returncode == 0, r.stderr
+    assert str(lock) in [x["path"] for x in json.loads(r.stdout)["removed"]]
+    assert not lock.exists()
+    assert cli(shmstage_bin, "stage", str(src), "--dest", tiers, "--quiet").returncode == 0
+    assert lock.exists()
+    r = cli(shmstage_bin, "evict", "ds", "--dest", tiers)
+    assert r.returncode == 0, r.stderr
+    assert not lock.exists()
+
+
+def test_a_stager_waiting_on_a_placing_lock_that_is_removed_locks_the_new_one(
+    shmstage_bin, tmp_path
+):
+    """While a stager waits on placing/<name>, its holder unlinks it (as gc does): the stager
+    must then hold a lock others can see at that path, not the unlinked file."""
+    src, fast, slow = big_src(tmp_path / "ds"), tmp_path / "fast", tmp_path / "slow"
+    lock = placing(fast, "ds")
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    proc = subprocess.Popen(
+        [*shmstage_bin, "stage", str(src), "--dest", f"{fast},{slow}", "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        ready, _, _ = select.select([proc.stderr], [], [], 60)
+        assert ready and proc.stderr.readline().startswith("waiting for another shmstage")
+        os.unlink(lock)
+        os.close(fd)
+        fd = -1
+        part = fast / ".shmstage" / "partial" / "ds"
+        deadline = time.monotonic() + 60
+        # bytes landed: its copier worker runs (a SIGSTOP mid-fork could stop it for good)
+        while not (part.is_dir() and any(f.stat().st_size for f in part.rglob("*.bin"))):
+            assert proc.poll() is None and time.monotonic() < deadline, "no partial copy"
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGSTOP)  # mid-copy, still placing
+        assert lock.exists()
+        probe = os.open(lock, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
+        os.killpg(proc.pid, signal.SIGCONT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        stop(proc)
+        proc.stderr.close()
