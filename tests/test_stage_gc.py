@@ -361,6 +361,13 @@ def test_gc_and_evict_remove_placing_locks_nobody_holds(shmstage_bin, tmp_path):
     r = cli(shmstage_bin, "evict", "ds", "--dest", tiers)
     assert r.returncode == 0, r.stderr
     assert not lock.exists()
+    # staged in the slow tier (restaged where it is), placed under the fast tier's lock
+    assert cli(shmstage_bin, "stage", str(src), "--dest", str(slow), "--quiet").returncode == 0
+    assert cli(shmstage_bin, "stage", str(src), "--dest", tiers, "--quiet").returncode == 0
+    assert (slow / "ds").is_dir() and lock.exists()
+    r = cli(shmstage_bin, "evict", "ds", "--dest", tiers)
+    assert r.returncode == 0, r.stderr
+    assert not (slow / "ds").exists() and not lock.exists()
 
 
 def test_a_stager_waiting_on_a_placing_lock_that_is_removed_locks_the_new_one(

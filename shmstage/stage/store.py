@@ -607,9 +607,10 @@ def start_time(pid: int) -> int | None:
 
 
 def me(sep: str = "-") -> str:
-    """This process as ``<pid><sep><start time>``."""
+    """This process as ``<pid><sep><start time>`` (``<pid>`` where /proc does not say)."""
     pid = os.getpid()
-    return f"{pid}{sep}{start_time(pid) or 0}"
+    start = start_time(pid)
+    return f"{pid}{sep}{start}" if start is not None else str(pid)
 
 
 def alive(pid: int, start: int | None = None) -> bool:

@@ -297,6 +297,9 @@ def evict_report(
     for tier, r in reports:
         if r.evicted and not r.dry_run:
             counters.add(tier, evictions=len(r.evicted))
+            for t in tiers:  # its placing lock may sit in another tier than its data
+                for n in r.evicted:
+                    Store(t).drop_placing(n)
     return engine.EvictReport(
         tuple(n for _, r in reports for n in r.evicted),
         tuple(x for _, r in reports for x in r.in_use),
