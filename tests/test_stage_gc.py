@@ -21,6 +21,7 @@ import pytest
 
 from shmstage.stage import find, gc, list_staged, stage, verify
 from shmstage.stage.engine import KILL_STEPS
+from shmstage.stage.store import start_time
 
 STAGER = (
     "import sys; from shmstage.stage import stage; stage(sys.argv[1], dest=sys.argv[2], workers=1)"
@@ -319,16 +320,21 @@ def test_gc_removes_trash_whose_owners_pid_now_names_another_process(shmstage_bi
     assert verify("ds", dest=dest, checksum=True).ok
 
 
-@pytest.mark.root
-def test_trash_of_the_old_format_keeps_the_pid_rule(shmstage_bin, tmp_path):
-    """A trash entry named by pid alone (written before start times) stays while that pid lives."""
+def test_trash_owner_is_a_pid_and_its_start_time(shmstage_bin, tmp_path):
+    """gc keeps trash whose remover (pid and start time) lives, removes it when the pid lives
+    but started at another time, and keeps an entry of the old pid-only form while it lives."""
     src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
     stage(src, dest=dest)
-    old = dest / ".shmstage" / "trash" / f"ds.{os.getpid()}.1"
-    old.mkdir()
+    trash = dest / ".shmstage" / "trash"
+    me, start = os.getpid(), start_time(os.getpid())
+    assert start is not None
+    live, reused, old = f"ds.{me}-{start}.1", f"ds.{me}-{start + 1}.2", f"ds.{me}.3"
+    for entry in (live, reused, old):
+        (trash / entry).mkdir()
     r = cli(shmstage_bin, "gc", "--dest", str(dest))
-    assert r.returncode == 0 and old.is_dir()
-    assert f"being removed by pid {os.getpid()}" in r.stdout
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(trash)) == sorted([live, old])
+    assert r.stdout.count(f"being removed by pid {me}") == 2
 
 
 def placing(tier: Path, name: str) -> Path:

@@ -206,12 +206,12 @@ class Store:
                 f"{what}: {self.dest} is on a read-only file system; datasets staged there "
                 "and current can be used, nothing can be staged or removed: pick another --dest"
             )
-        if e.errno not in (errno.EACCES, errno.EPERM):
-            return _os_error(e, what)
         try:
             owner = os.lstat(self.book).st_uid
         except OSError:
-            owner = -1
+            owner = os.geteuid()
+        if e.errno not in (errno.EACCES, errno.EPERM) or owner == os.geteuid():
+            return _os_error(e, what)
         return RefusedError(managed_by(self.dest, owner))
 
     # --- placing ----------------------------------------------------------------
@@ -750,13 +750,20 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 @contextmanager
 def _movable(path: str, *, restore: bool) -> Iterator[None]:
     """Make the directory ``path`` ours and writable by us (for a rename into another parent);
-    with ``restore``, give it its owner and mode back afterwards, wherever it went (the fd
-    follows the inode)."""
+    give it its owner and mode back afterwards, wherever it went (the fd follows the inode):
+    always when the block fails, else only with ``restore`` (an old version on its way out
+    stays ours, so it can be removed)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         yield  # not there (a first publish has no old tree), or not a directory: as it is
         return
+
+    def put_back() -> None:
+        if st.st_uid != os.geteuid():
+            os.fchown(fd, st.st_uid, st.st_gid)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
@@ -764,19 +771,35 @@ def _movable(path: str, *, restore: bool) -> Iterator[None]:
         os.fchmod(fd, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
         try:
             yield
-        finally:
-            if restore:
-                if st.st_uid != os.geteuid():
-                    os.fchown(fd, st.st_uid, st.st_gid)
-                os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        except BaseException:
+            with suppress(OSError):
+                put_back()
+            raise
+        if restore:
+            put_back()
     finally:
         os.close(fd)
 
 
-def _take(path: str) -> None:
-    """Make the directory ``path`` ours and 0700, so its entries can be removed (a tree root
-    without CAP_DAC_OVERRIDE copied keeps its source's owners)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _take(top: str, path: str) -> None:
+    """Make the directory ``path`` (``top``, inside it, or ``top``'s parent) ours and 0700, so
+    its entries can be removed: a tree root without CAP_DAC_OVERRIDE copied keeps its
+    source's owners.  Opened one component at a time below ``top`` without following a
+    symlink: the tree's owner may swap a directory of it for a link while we work."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    rel = os.path.relpath(path, top)
+    if rel == os.pardir:
+        fd = os.open(path, flags)  # the bookkeeping directory holding the tree: ours
+    else:
+        fd = os.open(top, flags)
+        for part in rel.split(os.sep):
+            if part in ("", os.curdir):
+                continue
+            try:
+                step = os.open(part, flags, dir_fd=fd)
+            finally:
+                os.close(fd)
+            fd = step
     try:
         if os.fstat(fd).st_uid != os.geteuid():
             os.fchown(fd, os.geteuid(), os.getegid())
@@ -795,9 +818,9 @@ def _rmtree(path: str) -> None:
         if isinstance(err, PermissionError):
             parent = os.path.dirname(p)
             try:
-                _take(parent)
+                _take(path, parent)
                 if os.path.isdir(p) and not os.path.islink(p):
-                    _take(p)
+                    _take(path, p)
                 func(p)
                 return
             except OSError:
