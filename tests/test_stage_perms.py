@@ -296,7 +296,9 @@ def one_error_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_non_root_user_uses_what_root_staged_and_is_told_what_else_needs_root(world, shmstage_bin):
+def test_non_root_user_uses_what_root_staged_and_is_told_what_else_needs_root(
+    world, shmstage_bin, procs
+):
     """On a store root staged: nobody's stage of the current dataset prints its path, `run
     --stage` runs the job, and staging anything new, restaging or evicting is one line, exit 2."""
     src, dest = world / "pub", world / "dest"
@@ -318,6 +320,19 @@ def test_non_root_user_uses_what_root_staged_and_is_told_what_else_needs_root(wo
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert (job.returncode, job.stdout) == (0, "hello\n"), job.stderr
+    # the job's lease lives in root's store (a read-only fd): root's evict sees it
+    held = procs.start(
+        [*user, "run", "--stage", str(src), "--dest", str(dest), "--", "sh", "-c",
+         "echo ready; exec sleep 60"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert held.stdout.readline() == "ready\n"
+    busy = subprocess.run(
+        [*shmstage_bin, "evict", "pub", "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert busy.returncode == 2 and "Error: pub is in use by pid " in busy.stderr, busy.stderr
+    held.terminate()  # run passes it to the job and exits
+    held.wait(timeout=30)
     managed = (
         f"{dest} is managed by root and you (uid {NOBODY}) may not write there: you can use the "
         "datasets staged there and current (`shmstage stage`, `shmstage run --stage` hand them "
