@@ -3,7 +3,8 @@
 Everything that is not dataset data lives in ``DEST/.shmstage/`` (see the
 package docstring for the map).  This module owns the safety checks for a
 DEST inside a world-writable sticky directory such as /dev/shm, the
-per-dataset locks, the JSON records, atomic publish and removal.
+per-dataset locks, the JSON records, atomic publish and removal.  Long because every
+write under DEST goes through here: locks (and who holds them), records, publish, removal.
 """
 
 from __future__ import annotations
