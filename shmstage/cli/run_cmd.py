@@ -151,14 +151,15 @@ def run_cmd(
     one named NAME; {{staged}} is a literal {staged}.  The job also gets
     SHMSTAGE_DATA, SHMSTAGE_DATA_<NAME> and the loader settings make_loader reads.
     Signals sent to shmstage are forwarded to the job; its exit status is
-    returned (128+N if signal N killed it).
+    returned, and if signal N killed it shmstage dies of signal N too (a shell
+    sees 128+N, and a loop stops on ^C).
 
     \b
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
       shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
     from shmstage.cluster import resolve
-    from shmstage.launch import run
+    from shmstage.launch import JobKilled, run
 
     result = run(
         command,
@@ -173,4 +174,6 @@ def run_cmd(
         log=_log,
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
     )
+    if result.signal is not None:
+        raise JobKilled(result.signal)  # cleaned up: now die of it (shmstage.cli.main)
     raise SystemExit(result.returncode)
