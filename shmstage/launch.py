@@ -645,11 +645,16 @@ def run(
 
             for ds in staged:
                 if ds.changed:  # only what this run copied; a dataset others staged stays
+                    # The job's status (or the error that stopped it) wins over any cleanup
+                    # failure: a cleanup that cannot happen is said on stderr and left.
                     try:
                         evicted.extend(engine.evict(ds.name, dest=dest))
                     except engine.InUse as e:  # another job reads it: not ours to take away
                         if log is not None:
                             log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")
+                    except ShmstageError as e:  # e.g. being restaged by someone else right now
+                        if log is not None:
+                            log(f"not evicting {ds.name}: {e}")
             if log is not None and evicted:
                 log(f"evicted: {', '.join(evicted)}")
     return RunResult(returncode, tuple(staged), tuple(evicted), leftovers, killed_by)

@@ -394,6 +394,45 @@ def test_cleanup_evicts_only_what_this_run_staged(shmstage_bin, tmp_path):
     assert engine.find("kept", dest=str(dest)) is not None
 
 
+RESTAGER = """
+import sys, time
+from shmstage.stage.store import Store
+with Store(sys.argv[1]).lock(sys.argv[2]):  # what a restaging `shmstage stage` holds
+    print("locked", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@pytest.mark.timeout(60)
+def test_cleanup_refused_by_a_restage_keeps_the_jobs_status(shmstage_bin, tmp_path, procs):
+    """--cleanup while someone else restages the dataset: said on stderr; exit status is the job's."""
+    src, dest = make_dataset(tmp_path / "src"), tmp_path / "dest"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    p = procs.start(
+        [*shmstage_bin, "run", "--stage", str(src), "--dest", str(dest), "--cleanup", "--",
+         "sh", "-c", 'echo ready > "$1"; while [ ! -e "$2" ]; do sleep 0.05; done; exit 5',
+         "sh", ready, go],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(ready)
+    restager = procs.start(
+        [sys.executable, "-c", RESTAGER, str(dest), "src"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert restager.stdout.readline() == "locked\n"
+        go.touch()
+        _, err = p.communicate(timeout=30)
+    finally:
+        restager.stdin.close()
+        restager.wait(timeout=30)
+        restager.stdout.close()
+    assert p.returncode == 5, err
+    assert f"not evicting src: src is being staged by another shmstage (pid {restager.pid})" in err
+    assert "Error:" not in err
+    assert (dest / "src").is_dir()  # left to the restager
+
+
 def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path, procs):
     """Two runs staging the same source at once share one copy."""
     src = make_dataset(tmp_path / "src", files=50)
