@@ -536,7 +536,7 @@ def _stage_leased(
     dest: str | None,
     log: Callable[[str], None] | None,
     peers: Any = None,
-    **room: Any,  # make_room, policies: see shmstage.stage.tiers.stage
+    **room: Any,  # make_room, policies, reserve: see shmstage.stage.tiers.stage
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
@@ -568,6 +568,7 @@ def run(
     workers: int | None = None,
     pin: bool | None = None,
     prefetch_factor: int | None = None,
+    reserve: int | str | None = None,
     cleanup: bool = False,
     make_room: bool = False,
     config_path: str | None = None,
@@ -575,6 +576,9 @@ def run(
     cluster: Any = None,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
+
+    ``reserve`` (bytes or "N%"): room to keep free while staging; None: the node config's
+    ``reserve``, else the staging default.
 
     ``cluster`` (a :class:`shmstage.cluster.ClusterSpec`): stage together with the other
     nodes, which run the same command; the job starts once every node has its copy.
@@ -598,9 +602,12 @@ def run(
         dest = node_dest(config_path)  # stage where `prepare` stages on this node
     policies: dict[str, Any] = {}
     if requests:
+        from shmstage.config import node_reserve
         from shmstage.stage.tiers import configured
 
         policies = configured(dest, config_path)[1]  # the tiers' cache max_size (docs/cache.md)
+        if reserve is None:  # as `stage` and `prepare` do: DataLoader workers need the room
+            reserve = node_reserve(config_path)
     if dest is not None:
         # so staged_path() inside the job looks where this run staged
         settings = {**settings, "SHMSTAGE_DEST": str(dest)}
@@ -619,7 +626,14 @@ def run(
             with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
                 for r in requests:
                     ds, lease = _stage_leased(
-                        engine, r, dest, log, peers, make_room=make_room, policies=policies
+                        engine,
+                        r,
+                        dest,
+                        log,
+                        peers,
+                        make_room=make_room,
+                        policies=policies,
+                        reserve=reserve,
                     )
                     held.append(lease)
                     staged.append(ds)
