@@ -160,7 +160,7 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
         if prefetch is None:
             prefetch = env_prefetch
         kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch is None else prefetch
-        kwargs["persistent_workers"] = True
+        # persistent_workers stays torch's default (False) unless asked for: see make_loader
     else:
         # DataLoader rejects these without workers; an env default does not apply either.
         for key in ("prefetch_factor", "persistent_workers"):
@@ -176,9 +176,17 @@ def make_loader(
     batch_size: int | None = 1,
     *,
     lease: str | os.PathLike[str] | bool | None = None,
+    persistent_workers: bool = False,
     **overrides: Any,
 ) -> DataLoader:
     """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``.
+
+    ``persistent_workers`` is torch's default, False: each epoch starts fresh workers with a
+    copy of ``dataset`` as it is then, so whatever the job sets on it between epochs
+    (progressive resizing, a curriculum, ``dataset.set_epoch(e)``) reaches the workers.
+    ``persistent_workers=True`` saves the workers' start-up at each epoch (worth it when
+    that is seconds: a heavy ``__init__``, many workers) but the workers keep the dataset
+    they were started with: a change made on it afterwards is never seen.
 
     When the dataset reads a staged copy, the process takes a lease on it (held until it
     exits) so ``shmstage evict`` refuses to remove it: ``lease=PATH`` names the staged path;
@@ -188,6 +196,8 @@ def make_loader(
     if lease is not False:
         for path in [lease] if lease not in (None, True) else _dataset_paths(dataset):
             hold_lease(path, required=lease not in (None, True))  # type: ignore[arg-type]
+    if persistent_workers:
+        overrides["persistent_workers"] = True
     return DataLoader(dataset, batch_size=batch_size, **loader_kwargs(**overrides))
 
 
@@ -384,7 +394,7 @@ class CudaPrefetcher:
 #   __del__ ── done.set() only ───────────▶  (same)
 #
 # - One producer at a time: the next iter() joins the previous epoch's producer before it
-#   starts a new one.  With persistent_workers (make_loader's default) iter(DataLoader)
+#   starts a new one.  With persistent_workers (make_loader's opt-in) iter(DataLoader)
 #   returns the same iterator every epoch, so two producers would call its __next__ at
 #   once.  The old producer was told to stop; the wait is the rest of the one item it is
 #   reading (it cannot be interrupted inside next(source)).

@@ -97,11 +97,11 @@ def test_bad_local_world_size_is_a_clear_error(monkeypatch):
 
 
 def test_defaults_with_workers(monkeypatch, tmp_path):
-    """With workers: persistent workers, a prefetch factor in 2..4; seeding is torch's own."""
+    """With workers: torch's non-persistent workers, a prefetch factor in 2..4; seeding is torch's own."""
     fake_node(monkeypatch, tmp_path, 8, None)
     kw = loader_kwargs()
     assert kw["num_workers"] == 7
-    assert kw["persistent_workers"] is True
+    assert "persistent_workers" not in kw  # torch's default (False): see make_loader
     assert 2 <= kw["prefetch_factor"] <= 4
     assert "worker_init_fn" not in kw  # torch seeds random/torch/numpy per worker itself
     init = lambda worker_id: None  # noqa: E731
@@ -206,10 +206,47 @@ def test_real_loader_with_workers_on_cpu():
     """make_loader builds a working multi-worker loader on CPU: every sample once, twice over."""
     data = TensorDataset(torch.arange(20).float())
     dl = make_loader(data, 4, num_workers=2)
-    assert dl.num_workers == 2 and dl.persistent_workers
+    assert dl.num_workers == 2 and not dl.persistent_workers
     for _ in range(2):
         seen = sorted(int(v) for (batch,) in dl for v in batch)
         assert seen == list(range(20))
+
+
+class EpochProbe(Dataset):
+    """Returns, per item, the ``size`` the job set on the dataset (progressive resizing)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return torch.tensor(self.size)
+
+
+@pytest.mark.timeout(120)
+def test_dataset_changes_between_epochs_reach_default_workers():
+    """With make_loader's defaults, a dataset attribute set between epochs is what workers see."""
+    data = EpochProbe()
+    dl = make_loader(data, 2, num_workers=2)
+    seen = []
+    for size in (128, 160, 192):
+        data.size = size
+        seen.append(sorted({int(v) for batch in dl for v in batch}))
+    assert seen == [[128], [160], [192]]
+
+
+@pytest.mark.timeout(120)
+def test_persistent_workers_are_an_explicit_choice():
+    """persistent_workers=True is passed through (and its workers keep the first epoch's dataset)."""
+    data = EpochProbe()
+    dl = make_loader(data, 2, num_workers=2, persistent_workers=True)
+    assert dl.persistent_workers
+    data.size = 1
+    assert {int(v) for batch in dl for v in batch} == {1}
+    data.size = 2
+    assert {int(v) for batch in dl for v in batch} == {1}  # the documented trade-off
 
 
 class SeedProbe(Dataset):
