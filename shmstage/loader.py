@@ -8,8 +8,10 @@ thread.  This module imports torch; ``import shmstage`` and the CLI never import
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
+import re
 import threading
 import warnings
 import weakref
@@ -32,7 +34,9 @@ __all__ = [
     "BackgroundLoader",
     "CudaPrefetcher",
     "ShmstageWarning",
+    "cpus_per_rank",
     "default_num_workers",
+    "local_ranks",
     "loader_kwargs",
     "make_loader",
     "hold_lease",
@@ -79,9 +83,9 @@ def _env_bool(var: str) -> bool | None:
     raise ShmstageError(f"{var}={os.environ[var]!r} is not a valid value: use 1 or 0 (or auto)")
 
 
-def local_world_size() -> int:
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
     """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset)."""
-    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "").strip()
     if not text:
         return 1
     if not text.isdigit() or int(text) < 1:
@@ -89,15 +93,75 @@ def local_world_size() -> int:
     return int(text)
 
 
-def default_num_workers(cpus: int | None = None, ranks: int | None = None) -> int:
-    """Loader workers per rank: this rank's share of the usable CPUs, minus one, at least 1.
+def tasks_on_this_node(text: str, node: str | None) -> int:
+    """This node's entry of a Slurm tasks-per-node list (``"8(x2),4"``: nodes 0-1 run 8 tasks,
+    node 2 runs 4), ``node`` being ``SLURM_NODEID``; the largest entry when the node is not
+    known (fewer workers, never too many).  ValueError when ``text`` is malformed."""
+    counts: list[int] = []
+    for part in text.strip().split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None or int(m.group(1)) < 1:
+            raise ValueError(text)
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if node is not None and node.strip().isdigit() and int(node) < len(counts):
+        return counts[int(node)]
+    return max(counts)
 
-    The usable CPUs are the affinity set capped by the cgroup CPU quota (not ``os.cpu_count()``,
-    which on a 128-core node in a 16-CPU container would start 8 ranks x 127 workers).  One CPU
-    per rank stays with the rank's main process, which collates, pins and launches kernels.
+
+def local_ranks(environ: Mapping[str, str] | None = None) -> int:
+    """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``; else, in a task of a Slurm step
+    (``SLURM_STEP_ID`` set: ``srun --ntasks-per-node=8 python train.py``), the step's tasks on
+    this node (``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``, else
+    ``SLURM_TASKS_PER_NODE``); else 1.  A batch script (no ``SLURM_STEP_ID``) is one process
+    whatever the job's tasks per node."""
+    env = os.environ if environ is None else environ
+    if env.get("LOCAL_WORLD_SIZE", "").strip():
+        return local_world_size(env)
+    if not env.get("SLURM_STEP_ID", "").strip():
+        return 1
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        text = env.get(var, "").strip()
+        if text:
+            try:
+                return tasks_on_this_node(text, env.get("SLURM_NODEID"))
+            except ValueError:
+                raise ShmstageError(
+                    f"{var}={text!r} is not a Slurm tasks-per-node list such as '8' or '8(x2),4'"
+                ) from None
+    return 1
+
+
+def rank_cpus(cpus: system.CpuSet, ranks: int) -> int:
+    """CPUs one rank may use, at least 1.
+
+    An affinity set narrower than the container's CPUs was bound to this rank (torchrun
+    --numa-binding, srun --cpu-bind, taskset): it is this rank's share already.  One as wide
+    as the container's is shared by the node's ``ranks``.  The cgroup CPU quota is the
+    container's, shared by every rank in it either way."""
+    ranks = max(1, ranks)
+    share = cpus.affinity if cpus.bound else cpus.affinity // ranks
+    if cpus.quota is not None:
+        share = min(share, max(1, math.ceil(cpus.quota)) // ranks)
+    return max(1, share)
+
+
+def cpus_per_rank(ranks: int | None = None) -> int:
+    """CPUs this rank may use: :func:`rank_cpus` of this process's CPUs and :func:`local_ranks`."""
+    return rank_cpus(system.cpu_set(), local_ranks() if ranks is None else ranks)
+
+
+def default_num_workers(cpus: int | None = None, ranks: int | None = None) -> int:
+    """Loader workers per rank: this rank's CPUs (:func:`cpus_per_rank`) minus one, at least 1.
+
+    The CPUs are the affinity set capped by the cgroup CPU quota (not ``os.cpu_count()``,
+    which on a 128-core node in a 16-CPU container would start 8 ranks x 127 workers), divided
+    among the node's ranks unless the affinity was bound to this rank already.  One CPU per
+    rank stays with the rank's main process, which collates, pins and launches kernels.
+    ``cpus``: a CPU count shared by ``ranks`` ranks, instead of this process's.
     """
-    cpus = system.usable_cpus() if cpus is None else cpus
-    ranks = local_world_size() if ranks is None else ranks
+    if cpus is None:
+        return max(1, cpus_per_rank(ranks) - 1)
+    ranks = local_ranks() if ranks is None else ranks
     return max(1, cpus // max(1, ranks) - 1)
 
 

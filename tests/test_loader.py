@@ -32,6 +32,13 @@ LOADER_ENV = (
     "SHMSTAGE_PIN_MEMORY",
     "SHMSTAGE_PREFETCH_FACTOR",
     "LOCAL_WORLD_SIZE",
+    "RANK",
+    "SLURM_PROCID",
+    "SLURM_STEP_ID",
+    "SLURM_NODEID",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
 )
 
 
@@ -42,18 +49,24 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def fake_node(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, affinity: int, quota: str | None
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    affinity: int,
+    quota: str | None,
+    container: int | None = None,
 ) -> None:
-    """Affinity of ``affinity`` CPUs and a cgroup v2 ``cpu.max`` of ``quota`` in a fake tree."""
+    """Affinity of ``affinity`` CPUs, a cgroup v2 ``cpu.max`` of ``quota`` and a cpuset of
+    ``container`` CPUs (default: the affinity's) in a fake tree."""
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "cgroup").write_text("0::/job\n")
     cg = tmp_path / "cgroup"
     (cg / "job").mkdir(parents=True)
-    (cg / "cgroup.controllers").write_text("cpu memory\n")
+    (cg / "cgroup.controllers").write_text("cpuset cpu memory\n")
+    (cg / "job" / "cpuset.cpus.effective").write_text(f"0-{(container or affinity) - 1}\n")
     if quota is not None:
         (cg / "job" / "cpu.max").write_text(quota + "\n")
-    real = system.usable_cpus
+    real, real_set = system.usable_cpus, getattr(system, "cpu_set", None)
     monkeypatch.setattr(
         loader.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
     )
@@ -61,6 +74,9 @@ def fake_node(
         system.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
     )
     monkeypatch.setattr(system, "usable_cpus", lambda: real(proc=str(proc), cgroup_root=str(cg)))
+    monkeypatch.setattr(
+        system, "cpu_set", lambda: real_set(proc=str(proc), cgroup_root=str(cg)), raising=False
+    )
 
 
 # --- worker count -----------------------------------------------------------
@@ -87,6 +103,121 @@ def test_default_workers_follow_affinity_quota_and_local_world_size(
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
     assert default_num_workers() == expected
     assert loader_kwargs()["num_workers"] == expected
+
+
+@pytest.mark.parametrize(
+    ("affinity", "container", "quota", "env", "expected"),
+    [
+        # torchrun --numa-binding: each of 2 ranks bound to its 16 of 32 CPUs, not halved again
+        (16, 32, None, {"LOCAL_WORLD_SIZE": "2"}, 15),
+        # srun --ntasks-per-node=8 (no binding): 64 CPUs shared by the step's 8 tasks
+        (64, 64, None, {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8"}, 7),
+        (64, 64, None, {"SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "8"}, 7),
+        # this node (SLURM_NODEID 2) runs 2 of the job's tasks
+        (
+            16,
+            16,
+            None,
+            {"SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "4(x2),2", "SLURM_NODEID": "2"},
+            7,
+        ),
+        # srun --cpu-bind: each task already bound to its 8 CPUs
+        (8, 64, None, {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8"}, 7),
+        # the batch script itself is one process, whatever the job's tasks per node
+        (16, 16, None, {"SLURM_NTASKS_PER_NODE": "8"}, 15),
+        # a quota is the container's: 8 bound ranks share 16 CPUs of quota
+        (8, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "8"}, 1),
+        (16, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "2"}, 7),
+    ],
+)
+def test_default_workers_count_each_ranks_cpus_once(
+    monkeypatch, tmp_path, affinity, container, quota, env, expected
+):
+    """A per-rank affinity set is not divided again; a shared one is divided by torchrun's or Slurm's local ranks."""
+    fake_node(monkeypatch, tmp_path, affinity, quota, container)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert default_num_workers() == expected
+    assert loader_kwargs()["num_workers"] == expected
+
+
+@pytest.mark.parametrize(
+    ("affinity", "container", "quota", "ranks", "expected"),
+    [
+        (16, 16, None, 1, 16),
+        (16, 16, None, 4, 4),  # shared: divided
+        (4, 16, None, 4, 4),  # bound to this rank: kept
+        (16, 16, 4.0, 1, 4),
+        (16, 16, 2.5, 1, 3),
+        (4, 16, 8.0, 4, 2),  # the quota is shared even when the affinity is not
+        (2, 2, None, 8, 1),  # never below one
+    ],
+)
+def test_rank_cpus(affinity, container, quota, ranks, expected):
+    """rank_cpus: divide a shared affinity set by the ranks, never a bound one; the quota always."""
+    assert loader.rank_cpus(system.CpuSet(affinity, container, quota), ranks) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, 1),
+        ({"LOCAL_WORLD_SIZE": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8"}, 4),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8(x3)"}, 8),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8,4", "SLURM_NODEID": "1"}, 4),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,4"}, 4),  # node unknown: the most
+        ({"SLURM_STEP_ID": "3", "SLURM_NTASKS_PER_NODE": "6", "SLURM_TASKS_PER_NODE": "2"}, 6),
+        ({"SLURM_STEP_ID": "3", "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_NODEID": "3"}, 2),
+        ({"SLURM_TASKS_PER_NODE": "8"}, 1),  # a batch script, not a step's task
+    ],
+)
+def test_local_ranks(env, expected):
+    """local_ranks: torchrun's LOCAL_WORLD_SIZE, else a Slurm step's tasks on this node, else 1."""
+    assert loader.local_ranks(env) == expected
+
+
+def test_bad_slurm_tasks_per_node_is_a_clear_error():
+    """A malformed Slurm tasks-per-node value is refused with its name and value."""
+    with pytest.raises(ShmstageError, match=r"^SLURM_STEP_TASKS_PER_NODE='eight' is not a Slurm"):
+        loader.local_ranks({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "eight"})
+
+
+PROBE_CPUS = (
+    "import json; from shmstage import system; from shmstage.loader import cpus_per_rank, "
+    "default_num_workers; c = system.cpu_set(); print(json.dumps([c.affinity, c.container, "
+    "c.bound, cpus_per_rank(), default_num_workers()]))"
+)
+
+
+@pytest.mark.timeout(60)
+def test_real_taskset_binding_is_seen_as_this_ranks_share():
+    """Under a real `taskset` (as torchrun --numa-binding does) the bound CPUs are not divided by the ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = len(os.sched_getaffinity(0))
+    if n < 2:
+        pytest.skip("needs at least 2 CPUs")
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2"}
+    for var in LOADER_ENV[4:]:
+        env.pop(var, None)
+
+    def probe(*prefix: str) -> list:
+        out = subprocess.run(
+            [*prefix, sys.executable, "-c", PROBE_CPUS],
+            capture_output=True, text=True, env=env, timeout=60, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout)
+
+    affinity, container, _, _, _ = probe()
+    assert affinity == n and container >= n
+    half = n // 2
+    affinity, container, bound, cpus, workers = probe("taskset", "-c", f"0-{half - 1}")
+    assert affinity == half and bound and container >= n
+    assert cpus == half  # bound to this rank: its whole share, not half of it
+    assert workers == max(1, half - 1)
 
 
 def test_bad_local_world_size_is_a_clear_error(monkeypatch):
