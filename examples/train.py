@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="base seed; rank r uses seed + r")
     p.add_argument("--workers", type=int, help="loader workers per rank (default: make_loader's)")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="train in float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -135,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.manual_seed(0)
+    # Seed per rank, so no two ranks draw the same "random" augmentations (with num_workers=0
+    # they are drawn here; make_loader's workers add the rank to torch's seed themselves).
+    # The model's initial weights need no common seed: DDP copies rank 0's to every rank.
+    seed = args.seed + rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
     dataset = FolderDataset(data, args.image_size)
     sampler = DistributedSampler(dataset, shuffle=True) if distributed else None
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"rank {rank}: data={data} samples={len(dataset)} num_workers={loader.num_workers} "
-        f"pin_memory={loader.pin_memory} device={device}",
+        f"pin_memory={loader.pin_memory} device={device} seed={seed}",
         flush=True,
     )
 

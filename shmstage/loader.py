@@ -36,7 +36,9 @@ __all__ = [
     "ShmstageWarning",
     "cpus_per_rank",
     "default_num_workers",
+    "global_rank",
     "local_ranks",
+    "rank_generator",
     "loader_kwargs",
     "make_loader",
     "hold_lease",
@@ -192,12 +194,42 @@ def seed_worker(worker_id: int) -> None:
     )
 
 
+def global_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank in the job: torchrun's ``RANK``, else Slurm's ``SLURM_PROCID``
+    (``srun python train.py``), else 0."""
+    env = os.environ if environ is None else environ
+    for var in ("RANK", "SLURM_PROCID"):
+        text = env.get(var, "").strip()
+        if text:
+            if not text.isdigit():
+                raise ShmstageError(f"{var}={text!r} is not a rank: use an integer >= 0")
+            return int(text)
+    return 0
+
+
+def rank_generator(rank: int | None = None) -> torch.Generator:
+    """A DataLoader ``generator`` seeded from torch's seed (``torch.manual_seed``'s, else
+    torch's default) plus this rank.
+
+    The DataLoader draws each epoch's ``base_seed`` from it, and torch seeds ``random``,
+    torch and numpy in worker ``i`` from ``base_seed + i``: so workers of different ranks
+    draw different augmentations, and a rank re-run with the same seed draws the same ones.
+    Without it every rank that seeded alike (or not at all) has the same base seed, and
+    worker ``i`` of every rank draws identical "random" crops and flips."""
+    generator = torch.Generator()
+    generator.manual_seed(
+        (torch.initial_seed() + (global_rank() if rank is None else rank)) % 2**64
+    )
+    return generator
+
+
 def loader_kwargs(**overrides: Any) -> dict[str, Any]:
     """DataLoader keyword arguments tuned for this node and rank.
 
     Precedence: explicit ``overrides`` > ``SHMSTAGE_NUM_WORKERS`` / ``SHMSTAGE_PIN_MEMORY`` /
     ``SHMSTAGE_PREFETCH_FACTOR`` (set by ``shmstage run``) > defaults.  Any other DataLoader
     argument (``shuffle``, ``sampler``, ``collate_fn``...) passes through unchanged.
+    With workers, ``generator`` defaults to :func:`rank_generator` (a per-rank seed).
     """
     # read (and validate) every variable, even one an argument overrides: a typo in the
     # job's environment should surface, not lie dormant until the argument goes away
@@ -224,6 +256,9 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
         if prefetch is None:
             prefetch = env_prefetch
         kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch is None else prefetch
+        if overrides.get("generator") is None:  # see rank_generator: distinct ranks draw apart
+            overrides.pop("generator", None)
+            kwargs["generator"] = rank_generator()
         # persistent_workers stays torch's default (False) unless asked for: see make_loader
     else:
         # DataLoader rejects these without workers; an env default does not apply either.

@@ -436,6 +436,56 @@ def test_workers_draw_different_random_numbers():
     assert first[0][0] != first[1][0] and first[0][1] != first[1][1]
 
 
+RANK_DRAWS = """
+import json, random, sys
+import numpy as np, torch
+from torch.utils.data import Dataset
+from shmstage.loader import make_loader
+
+class Augment(Dataset):  # one random crop offset per library, as an augmentation draws it
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.tensor([random.randrange(1 << 30), np.random.randint(1 << 30),
+                             int(torch.randint(1 << 30, ()))])
+
+torch.manual_seed(0)  # every rank seeds alike, as examples/train.py used to
+dl = make_loader(Augment(), 1, num_workers=2, lease=False)
+print(json.dumps([[row.tolist() for row in batch] for epoch in range(2) for batch in dl]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_draw_different_augmentations_and_each_rank_is_reproducible():
+    """Ranks 0 and 1 (RANK env) seeded alike draw different random numbers in their workers; a re-run of a rank draws the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def draws(rank: str, var: str = "RANK") -> list:
+        env = {k: v for k, v in os.environ.items() if k not in LOADER_ENV}
+        out = subprocess.run(
+            [sys.executable, "-c", RANK_DRAWS], env={**env, var: rank},
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout)
+
+    rank0, rank1 = draws("0"), draws("1")
+    assert rank0 == draws("0")  # same seed, same rank: reproducible
+    flat0 = {v for batch in rank0 for row in batch for v in row}
+    flat1 = {v for batch in rank1 for row in batch for v in row}
+    assert not flat0 & flat1  # no draw shared between the ranks, in any library
+    assert draws("1", "SLURM_PROCID") == rank1  # srun without torchrun: Slurm's rank
+
+
+def test_bad_rank_is_a_clear_error(monkeypatch):
+    """A RANK that is not an integer is refused with its value."""
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(ShmstageError, match=r"^RANK='first' is not a rank: use an integer >= 0$"):
+        loader_kwargs(num_workers=1)
+
+
 def test_real_loader_without_workers():
     """num_workers=0 gives a valid single-process loader."""
     dl = make_loader(TensorDataset(torch.arange(6)), 2, num_workers=0)

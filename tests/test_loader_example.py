@@ -42,6 +42,20 @@ def test_example_trains_from_jpeg_folder_via_shmstage_data(tmp_path):
     assert "done: 2 steps" in r.stdout
 
 
+@pytest.mark.timeout(300)
+def test_example_seeds_each_rank_apart(tmp_path):
+    """Rank r seeds with --seed + r: ranks never share the augmentations' random numbers."""
+    data = tmp_path / "toy"
+    assert train("--make-data", str(data), "--classes", "2", "--per-class", "4").returncode == 0
+    for rank, seed in (("0", "7"), ("3", "10")):
+        r = train(
+            "--data", str(data), "--max-steps", "1", "--batch-size", "2", "--workers", "0",
+            "--seed", "7", env={"RANK": rank, "WORLD_SIZE": "1"},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert f"rank {rank}: " in r.stdout and f" seed={seed}\n" in r.stdout, r.stdout
+
+
 def test_example_without_data_is_a_clear_error(tmp_path):
     """No --data and no $SHMSTAGE_DATA: one `Error:` line, exit 2."""
     env = {k: v for k, v in os.environ.items() if k != "SHMSTAGE_DATA"}
