@@ -8,6 +8,9 @@ thread.  This module imports torch; ``import shmstage`` and the CLI never import
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import inspect
 import math
 import os
 import queue
@@ -15,7 +18,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,8 +42,10 @@ __all__ = [
     "global_rank",
     "local_ranks",
     "rank_generator",
+    "batch_tensors",
     "loader_kwargs",
     "make_loader",
+    "move_batch",
     "hold_lease",
     "staged_path",
 ]
@@ -342,38 +347,92 @@ def hold_lease(path: str | os.PathLike[str], *, required: bool = True) -> bool:
 # --- nested batches ---------------------------------------------------------
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in tuples/lists/dicts/namedtuples, keeping their types."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
+def _movable(obj: Any) -> bool:
+    """An object that moves itself (``.to(device)``): not a class, not a container we walk."""
+    return not isinstance(obj, type) and callable(getattr(obj, "to", None))
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
+    """``batch`` with ``move`` applied to every tensor in it, and to every other object with a
+    ``.to()`` method; containers keep their types.
+
+    Walked: mappings (``dict`` subclasses such as ``OrderedDict``, ``defaultdict`` with its
+    ``default_factory``, your own, or any ``Mapping``), namedtuples, dataclasses (every
+    field, ``init=False`` ones too), tuples and lists.  A mutable mapping or a dataclass is
+    copied (``copy.copy`` / ``dataclasses.replace``), so its type and extra attributes stay;
+    other leaves (strings, ids, None) are returned as they are.  Pure: no device is touched
+    here, ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
+    """
+    if isinstance(batch, torch.Tensor):
+        return move(batch)
+    if isinstance(batch, Mapping):
+        items = {k: move_batch(v, move) for k, v in batch.items()}
+        if isinstance(batch, MutableMapping):
+            try:
+                clone = copy.copy(batch)  # same class, default_factory, attributes, order
+                for k, v in items.items():
+                    clone[k] = v
+                return clone
+            except Exception:  # a mapping that cannot be copied: rebuild it below
+                pass
         try:
-            clone = obj.copy()  # keeps OrderedDict / defaultdict / custom mappings
-            clone.update(items)
-            return clone
-        except (AttributeError, TypeError):
+            return type(batch)(items)
+        except Exception:
             return items
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        values = [_map_tensors(v, fn) for v in obj]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_batch(v, move) for v in batch))
+    if _is_dataclass_instance(batch):
+        fields = dataclasses.fields(batch)
+        moved = {f.name: move_batch(getattr(batch, f.name), move) for f in fields}
+        clone = dataclasses.replace(batch, **{f.name: moved[f.name] for f in fields if f.init})
+        for f in fields:
+            if not f.init:  # replace() cannot set these: set them as __init__ would not
+                object.__setattr__(clone, f.name, moved[f.name])
+        return clone
+    if isinstance(batch, (tuple, list)):
+        values = [move_batch(v, move) for v in batch]
         try:
-            return type(obj)(values)
+            return type(batch)(values)
         except TypeError:
-            return values if isinstance(obj, list) else tuple(values)
-    return obj
+            return values if isinstance(batch, list) else tuple(values)
+    if _movable(batch):
+        return move(batch)
+    return batch
 
 
-def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
+def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor :func:`move_batch` would reach in ``batch``, and those held in the
+    attributes of an object that moved itself (found where it keeps them: ``vars(obj)``)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from batch_tensors(v)
+    elif _is_dataclass_instance(batch):
+        for f in dataclasses.fields(batch):
+            yield from batch_tensors(getattr(batch, f.name))
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from batch_tensors(v)
+    elif _movable(batch):
+        for v in getattr(batch, "__dict__", {}).values():
+            yield from batch_tensors(v)
+
+
+def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
+    """``obj.to(device, non_blocking=...)``; a plain ``.to(device)`` for a ``.to`` without it."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _each_tensor(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _each_tensor(v)
+        return obj.to(device, non_blocking=non_blocking)
+    try:
+        params = inspect.signature(obj.to).parameters.values()
+        takes = any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
+    except (TypeError, ValueError):  # no signature (a builtin): try it
+        takes = True
+    return obj.to(device, non_blocking=non_blocking) if takes else obj.to(device)
 
 
 # --- CudaPrefetcher ---------------------------------------------------------
@@ -399,8 +458,9 @@ def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
 class CudaPrefetcher:
     """Iterate ``loader`` with each batch already on ``device``, copied one batch ahead.
 
-    Tensors anywhere in tuples, lists, dicts and namedtuples are moved; other leaves and the
-    container types are kept.  Without CUDA (or with ``device="cpu"``) batches pass through
+    Tensors anywhere in tuples, lists, mappings, namedtuples and dataclasses are moved, and
+    objects with a ``.to()`` method move themselves (``non_blocking`` passed when their
+    ``.to`` takes it); other leaves and the container types are kept (see :func:`move_batch`).  Without CUDA (or with ``device="cpu"``) batches pass through
     unchanged; for another device type they are moved with a plain ``.to(device)``.
     ``device=None`` or ``"cuda"`` means the current CUDA device *at the first iteration*, so
     a prefetcher built before ``torch.cuda.set_device(local_rank)`` still copies to this
@@ -448,14 +508,14 @@ class CudaPrefetcher:
             yield from self.loader
         elif self._stream is None:
             for batch in self.loader:
-                yield _map_tensors(batch, lambda t: t.to(device, non_blocking=self.non_blocking))
+                yield move_batch(batch, lambda t: _to(t, device, self.non_blocking))
         else:
             yield from self._prefetch()
 
     def _copy(self, batch: Any) -> Any:
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
-            return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=self.non_blocking))
+            return move_batch(batch, lambda t: _to(t, self.device, self.non_blocking))
 
     def _prefetch(self) -> Iterator[Any]:
         end = object()
@@ -468,7 +528,7 @@ class CudaPrefetcher:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_stream(self._stream)
             batch = nxt
-            for t in _each_tensor(batch):
+            for t in batch_tensors(batch):
                 t.record_stream(consumer)
             nxt = next(source, end)
             if nxt is not end:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
+import dataclasses
 import gc
 import random
 import threading
@@ -550,15 +552,118 @@ def test_prefetcher_moves_nested_tensors_to_another_device():
         assert isinstance(g[2], Pair) and g[2].meta == {"id": g[2].meta["id"]}
 
 
-def test_map_tensors_keeps_mapping_types():
-    """OrderedDict, defaultdict and namedtuple containers keep their type when tensors are moved."""
+class Tagged(dict):
+    """A dict subclass that carries an attribute (dict.copy() would return a plain dict)."""
+
+    source = "default"
+
+
+class Frozen(collections.abc.Mapping):
+    """A read-only Mapping built from a dict."""
+
+    def __init__(self, data) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, k):
+        return self._data[k]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    image: torch.Tensor
+    meta: dict
+    label: int = 0
+    cache: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+
+class Graph:
+    """Moves itself, as torch_geometric's Data or a HF BatchEncoding do; records its calls."""
+
+    def __init__(self, x: torch.Tensor, calls: list | None = None) -> None:
+        self.x = x
+        self.calls = [] if calls is None else calls
+
+    def to(self, device, non_blocking: bool = False) -> Graph:
+        self.calls.append((str(device), non_blocking))
+        return Graph(self.x.to(device, non_blocking=non_blocking), self.calls)
+
+
+class OldStyle:
+    """A ``.to(device)`` that takes no non_blocking."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, device) -> OldStyle:
+        return OldStyle(self.x.to(device))
+
+
+def double(x):
+    return x * 2 if isinstance(x, torch.Tensor) else ("moved", x)
+
+
+def test_move_batch_keeps_every_container_type():
+    """move_batch keeps dict subclasses, defaultdict, Mappings, namedtuples and dataclasses; moves .to() objects."""
+    tagged = Tagged(x=torch.ones(1))
+    tagged.source = "shard-7"
     dd = collections.defaultdict(list, {"x": torch.ones(1)})
     od = collections.OrderedDict(b=torch.zeros(1), a=torch.ones(1))
-    out = loader._map_tensors([dd, od, Pair(torch.ones(1), {})], lambda t: t * 2)
-    assert type(out[0]) is collections.defaultdict and out[0].default_factory is list
-    assert type(out[1]) is collections.OrderedDict and list(out[1]) == ["b", "a"]
-    assert torch.equal(out[1]["a"], torch.full((1,), 2.0))
-    assert type(out[2]) is Pair and torch.equal(out[2].image, torch.full((1,), 2.0))
+    sample = Sample(torch.ones(2), {"id": 3, "w": torch.ones(1)}, 5)
+    object.__setattr__(sample, "cache", torch.ones(1))
+    graph = Graph(torch.ones(1))
+    out = loader.move_batch(
+        [tagged, dd, od, Frozen({"y": torch.ones(1)}), Pair(torch.ones(1), {}), sample, graph, "s"],
+        double,
+    )
+    two = torch.full((1,), 2.0)
+    assert type(out[0]) is Tagged and out[0].source == "shard-7" and torch.equal(out[0]["x"], two)
+    assert type(out[1]) is collections.defaultdict and out[1].default_factory is list
+    assert type(out[2]) is collections.OrderedDict and list(out[2]) == ["b", "a"]
+    assert torch.equal(out[2]["a"], two)
+    assert type(out[3]) is Frozen and torch.equal(out[3]["y"], two)
+    assert type(out[4]) is Pair and torch.equal(out[4].image, two)
+    assert type(out[5]) is Sample and out[5].label == 5 and out[5].meta["id"] == 3
+    assert torch.equal(out[5].image, torch.full((2,), 2.0)) and torch.equal(out[5].meta["w"], two)
+    assert torch.equal(out[5].cache, two)  # an init=False field too
+    assert out[6] == ("moved", graph)  # the object itself went to move
+    assert out[7] == "s"
+    assert torch.equal(tagged["x"], torch.ones(1)) and torch.equal(sample.image, torch.ones(2))
+
+
+def test_batch_tensors_finds_what_was_moved():
+    """batch_tensors (record_stream's list) reaches tensors in dataclasses and in .to() objects."""
+    sample = Sample(torch.ones(2), {"w": torch.zeros(1)})
+    found = list(
+        loader.batch_tensors([sample, Graph(torch.full((3,), 7.0)), {"k": (torch.ones(4),)}])
+    )
+    assert sorted(t.numel() for t in found) == [1, 2, 3, 4]
+
+
+def test_prefetcher_moves_dataclasses_and_to_objects_keeping_types():
+    """Through CudaPrefetcher (device "meta"): subclass types kept, dataclasses and .to() objects moved."""
+    calls: list = []
+    tagged = Tagged(x=torch.ones(1))
+    tagged.source = "shard-7"
+    batch = {
+        "tagged": tagged,
+        "sample": Sample(torch.ones(2), {"w": torch.ones(1)}),
+        "graph": Graph(torch.ones(1), calls),
+        "old": OldStyle(torch.ones(1)),
+    }
+    (got,) = list(CudaPrefetcher([batch], device="meta"))
+    assert type(got["tagged"]) is Tagged and got["tagged"].source == "shard-7"
+    assert got["tagged"]["x"].device.type == "meta"
+    assert type(got["sample"]) is Sample and got["sample"].image.device.type == "meta"
+    assert got["sample"].meta["w"].device.type == "meta"
+    assert type(got["graph"]) is Graph and got["graph"].x.device.type == "meta"
+    assert calls == [("meta", True)]  # non_blocking passed to a .to() that takes it
+    assert type(got["old"]) is OldStyle and got["old"].x.device.type == "meta"
 
 
 def test_prefetcher_empty_loader_and_len():
