@@ -697,6 +697,14 @@ class BackgroundLoader:
         max_prefetch: int = 2,
         join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     ) -> None:
+        if isinstance(iterable, CudaPrefetcher):
+            # Its copies would run in the producer thread, on that thread's current device
+            # and stream, not the training loop's: wrong GPU, and no ordering with compute.
+            raise ShmstageError(
+                "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background "
+                "thread, with that thread's device and stream: wrap it the other way round, "
+                "CudaPrefetcher(BackgroundLoader(loader))"
+            )
         if max_prefetch < 1:
             raise ShmstageError(f"max_prefetch={max_prefetch}: use an integer >= 1")
         if join_timeout < 0:

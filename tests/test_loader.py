@@ -810,6 +810,20 @@ def test_len_and_bad_max_prefetch():
         BackgroundLoader([], max_prefetch=0)
 
 
+def test_background_refuses_to_run_a_prefetcher_in_its_thread():
+    """BackgroundLoader(CudaPrefetcher(...)) is refused, saying to wrap the other way round; that order works."""
+    batches = [torch.ones(1), torch.zeros(1)]
+    with pytest.raises(ShmstageError) as e:
+        BackgroundLoader(CudaPrefetcher(batches))
+    assert str(e.value) == (
+        "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background thread, "
+        "with that thread's device and stream: wrap it the other way round, "
+        "CudaPrefetcher(BackgroundLoader(loader))"
+    )
+    got = list(CudaPrefetcher(BackgroundLoader(batches)))
+    assert [float(t) for t in got] == [1.0, 0.0]
+
+
 def test_background_over_a_real_loader():
     """BackgroundLoader composes with make_loader and CudaPrefetcher."""
     dl = make_loader(TensorDataset(torch.arange(8)), 2, num_workers=0)
