@@ -175,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     amp_dtype = torch.bfloat16 if use_bf16 else torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp and not use_bf16)
 
+    # One prefetcher for the whole run, iterated every epoch: it keeps one side stream
+    # (a prefetcher per epoch would make a new stream each time).
+    prefetcher = CudaPrefetcher(loader, device)
     step, loss_value, start = 0, float("nan"), time.perf_counter()
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        for x, y in CudaPrefetcher(loader, device):
+        for x, y in prefetcher:
             autocast = (
                 torch.autocast(device.type, dtype=amp_dtype)
                 if args.amp
