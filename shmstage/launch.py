@@ -2,8 +2,8 @@
 
 The job runs in its own session, so every signal reaches it once: through shmstage, which
 forwards what it gets (``kill PID``, ``kill -- -PGID``, a terminal's Ctrl-C, a pod's SIGTERM),
-or, for a Slurm step-wide signal, from Slurm itself.  Its exit status becomes ours (128+N
-when a signal killed it).  No process is left behind.
+or, for a Slurm step-wide signal, from Slurm itself.  Its exit status becomes ours; when a
+signal killed it, we die of that signal too, once cleaned up.  No process is left behind.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``make_loader`` sizes a DataLoader to the CPUs this rank really has; ``CudaPrefetcher``
 overlaps host-to-device copies with compute; ``BackgroundLoader`` runs any iterable in a
 thread.  This module imports torch; ``import shmstage`` and the CLI never import it.
+Long because the three helpers share the DataLoader settings and the batch walk, and each
+keeps its lifecycle NOTE next to its code.
 """
 
 from __future__ import annotations
