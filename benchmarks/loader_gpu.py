@@ -1,12 +1,17 @@
-"""Does CudaPrefetcher hide the host-to-device copy?  Step time of one synthetic model fed three ways.
+"""Does CudaPrefetcher hide the host-to-device copy?  Step time of one synthetic model fed four ways.
 
     python benchmarks/loader_gpu.py                 # on a CUDA machine; prints Markdown tables
     python benchmarks/loader_gpu.py --batch 128 --steps 50 --repeats 5
 
-(a) plain ``x.to(device)`` per step (copy, then compute, serialised),
-(b) ``CudaPrefetcher`` (copy of batch k+1 on a side stream while batch k computes),
-(c) batches already on the GPU (the floor: compute only).
-The target is (b) within 5% of (c).  A second table gives pinned vs pageable H2D bandwidth.
+(a) plain blocking ``x.to(device)`` per step (the host waits for each copy),
+(b) ``x.to(device, non_blocking=True)`` from pinned memory on the current stream: what a
+    typical training loop does, and the realistic baseline.  The host does not wait, but
+    the copy and the compute share one stream, so on the GPU they still run one after the
+    other,
+(c) ``CudaPrefetcher`` (copy of batch k+1 on a side stream while batch k computes),
+(d) batches already on the GPU (the floor: compute only).
+The target is (c) within 5% of (d); what (c) gains over (b) is what the side stream buys.
+A second table gives pinned vs pageable H2D bandwidth of a bare copy (nothing overlapped).
 Batches come from a fixed ring of pre-made host tensors so the CPU side (decode, collate)
 is not measured: this isolates the copy/compute overlap.
 """
@@ -56,12 +61,15 @@ class Ring:
 
 
 def train_steps(net, opt, batches, device, mode: str) -> float:
-    """Seconds for one pass over ``batches``; ``plain`` copies each batch before computing."""
+    """Seconds for one pass over ``batches``; ``plain`` copies each batch before computing
+    (blocking), ``non_blocking`` enqueues the copy on the current stream and goes on."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for x, y in batches:
         if mode == "plain":
             x, y = x.to(device), y.to(device)
+        elif mode == "non_blocking":
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(net(x), y)
         opt.zero_grad(set_to_none=True)
@@ -117,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     feeds = {
         "plain": Ring(pinned, args.steps),
+        "non_blocking": Ring(pinned, args.steps),
         "prefetcher": CudaPrefetcher(Ring(pinned, args.steps), device),  # one stream, reused
         "on_gpu": Ring(on_gpu, args.steps),
     }
@@ -135,16 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     print("| Feed | ms/step | vs. data on GPU |")
     print("|---|---:|---:|")
     labels = {
-        "plain": "(a) plain `.to(device)`",
-        "prefetcher": "(b) `CudaPrefetcher`",
-        "on_gpu": "(c) data already on GPU",
+        "plain": "(a) blocking `.to(device)`",
+        "non_blocking": "(b) pinned, `.to(device, non_blocking=True)` on the current stream",
+        "prefetcher": "(c) `CudaPrefetcher` (side stream)",
+        "on_gpu": "(d) data already on GPU",
     }
     for mode, label in labels.items():
         print(
             f"| {label} | {step[mode] * 1000:.2f} | {step[mode] / step['on_gpu'] * 100 - 100:+.1f}% |"
         )
 
-    print("\n| H2D copy | pinned GB/s | pageable GB/s | pinned / pageable |")
+    print("\n| H2D copy alone | pinned GB/s | pageable GB/s | pinned / pageable |")
     print("|---|---:|---:|---:|")
     for mib in (16, 256):
         nbytes = mib * 2**20

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="base seed; rank r uses seed + r")
     p.add_argument("--workers", type=int, help="loader workers per rank (default: make_loader's)")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="train in float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -135,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.manual_seed(0)
+    # Seed per rank, so no two ranks draw the same "random" augmentations (with num_workers=0
+    # they are drawn here; make_loader's workers add the rank to torch's seed themselves).
+    # The model's initial weights need no common seed: DDP copies rank 0's to every rank.
+    seed = args.seed + rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
     dataset = FolderDataset(data, args.image_size)
     sampler = DistributedSampler(dataset, shuffle=True) if distributed else None
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"rank {rank}: data={data} samples={len(dataset)} num_workers={loader.num_workers} "
-        f"pin_memory={loader.pin_memory} device={device}",
+        f"pin_memory={loader.pin_memory} device={device} seed={seed}",
         flush=True,
     )
 
@@ -167,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     amp_dtype = torch.bfloat16 if use_bf16 else torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp and not use_bf16)
 
+    # One prefetcher for the whole run, iterated every epoch: it keeps one side stream
+    # (a prefetcher per epoch would make a new stream each time).
+    prefetcher = CudaPrefetcher(loader, device)
     step, loss_value, start = 0, float("nan"), time.perf_counter()
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        for x, y in CudaPrefetcher(loader, device):
+        for x, y in prefetcher:
             autocast = (
                 torch.autocast(device.type, dtype=amp_dtype)
                 if args.amp

@@ -166,6 +166,17 @@ def node_dest(path: str | os.PathLike[str] | None = None) -> str | None:
     return load_config(file).dest_tiers
 
 
+def node_reserve(path: str | os.PathLike[str] | None = None) -> int | None:
+    """The node config's ``reserve`` (bytes); None when there is no config file or it sets none.
+
+    ``stage`` and ``run`` keep it free as ``prepare`` does, so the recipe that stages from the
+    job leaves DataLoader workers the room the node's owner asked for."""
+    file, explicit = config_path(path)
+    if not explicit and not os.path.exists(file):
+        return None
+    return load_config(file).reserve
+
+
 def node_tiers(path: str | os.PathLike[str] | None = None) -> tuple[TierConfig, ...]:
     """The tiers (with their cache settings) of the node config; () when there is none."""
     file, explicit = config_path(path)

@@ -2,8 +2,8 @@
 
 The job runs in its own session, so every signal reaches it once: through shmstage, which
 forwards what it gets (``kill PID``, ``kill -- -PGID``, a terminal's Ctrl-C, a pod's SIGTERM),
-or, for a Slurm step-wide signal, from Slurm itself.  Its exit status becomes ours (128+N
-when a signal killed it).  No process is left behind.
+or, for a Slurm step-wide signal, from Slurm itself.  Its exit status becomes ours; when a
+signal killed it, we die of that signal too, once cleaned up.  No process is left behind.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import psutil
 
@@ -41,6 +42,7 @@ LEFTOVER_GRACE = 5.0  # seconds a leftover descendant gets between SIGTERM and S
 _SI_USER = 0  # si_code of a signal sent with kill()
 _SI_KERNEL = 0x80  # si_code of a signal the kernel sent, e.g. a terminal's ^C
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -98,6 +100,43 @@ class RunResult:
     staged: tuple[Any, ...]  # StagedDataset per --stage, in order
     evicted: tuple[str, ...]  # names removed by --cleanup
     leftovers: int  # descendants still running after the job exited (terminated by us)
+    signal: int | None = None  # the signal that killed the job, if one did
+
+
+class JobKilled(SystemExit):
+    """The job died of ``signal``: ``shmstage run`` dies of it too (see :func:`die_of`).
+
+    A ``SystemExit`` with code 128+N, so a caller that cannot die (Click's test runner) still
+    sees the shell's number; ``shmstage.cli.main`` turns it into the death itself."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal = signum
+
+
+def die_of(signum: int) -> NoReturn:
+    """Die of ``signum``, as the job did, so the caller sees death by a signal, not exit 128+N.
+
+    A shell tells the two apart: bash ends a ``for`` loop on ^C only when the command it ran
+    was killed by SIGINT (an exit status of 130 means "the command handled ^C", and the loop
+    goes on).  Core dumps are turned off first, as GNU timeout does: a SIGQUIT or SIGSEGV
+    core would be ours, not the job's.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    libc = _libc() if sys.platform.startswith("linux") else None
+    if libc is not None:
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    with contextlib.suppress(ValueError, OSError):  # SIGKILL/SIGSTOP cannot be caught anyway
+        signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(ValueError, OSError):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    os.kill(os.getpid(), signum)
+    # A signal whose default action does not terminate (a stop, an ignored one): exit instead.
+    raise SystemExit(128 + signum)
 
 
 # --- placeholders -----------------------------------------------------------
@@ -322,8 +361,9 @@ def spawn(
     executable: str | None = None,
     grace: float = LEFTOVER_GRACE,
     log: Callable[[str], None] | None = None,
-) -> tuple[int, int]:
-    """Run ``command`` to completion forwarding signals; return (exit status, leftovers killed).
+) -> tuple[int, int, int | None]:
+    """Run ``command`` to completion forwarding signals; return (exit status, leftovers
+    killed, the signal that killed the job or None).
 
     See NOTE [run: signals and the child].
     """
@@ -340,7 +380,7 @@ def spawn(
             _terminate(leftovers, grace)
     finally:
         _set_subreaper(libc, old_subreaper)
-    return exit_status(returncode), len(leftovers)
+    return exit_status(returncode), len(leftovers), (-returncode if returncode < 0 else None)
 
 
 def _run_child(
@@ -496,7 +536,7 @@ def _stage_leased(
     dest: str | None,
     log: Callable[[str], None] | None,
     peers: Any = None,
-    **room: Any,  # make_room, policies: see shmstage.stage.tiers.stage
+    **room: Any,  # make_room, policies, reserve: see shmstage.stage.tiers.stage
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
@@ -528,6 +568,7 @@ def run(
     workers: int | None = None,
     pin: bool | None = None,
     prefetch_factor: int | None = None,
+    reserve: int | str | None = None,
     cleanup: bool = False,
     make_room: bool = False,
     config_path: str | None = None,
@@ -535,6 +576,9 @@ def run(
     cluster: Any = None,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
+
+    ``reserve`` (bytes or "N%"): room to keep free while staging; None: the node config's
+    ``reserve``, else the staging default.
 
     ``cluster`` (a :class:`shmstage.cluster.ClusterSpec`): stage together with the other
     nodes, which run the same command; the job starts once every node has its copy.
@@ -558,9 +602,12 @@ def run(
         dest = node_dest(config_path)  # stage where `prepare` stages on this node
     policies: dict[str, Any] = {}
     if requests:
+        from shmstage.config import node_reserve
         from shmstage.stage.tiers import configured
 
         policies = configured(dest, config_path)[1]  # the tiers' cache max_size (docs/cache.md)
+        if reserve is None:  # as `stage` and `prepare` do: DataLoader workers need the room
+            reserve = node_reserve(config_path)
     if dest is not None:
         # so staged_path() inside the job looks where this run staged
         settings = {**settings, "SHMSTAGE_DEST": str(dest)}
@@ -568,6 +615,7 @@ def run(
     staged: list[Any] = []
     evicted: list[str] = []
     returncode: int | None = None
+    killed_by: int | None = None
     leftovers = 0
     held: list[Any] = []  # a lease per staged dataset, for the job's lifetime
     try:
@@ -578,7 +626,14 @@ def run(
             with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
                 for r in requests:
                     ds, lease = _stage_leased(
-                        engine, r, dest, log, peers, make_room=make_room, policies=policies
+                        engine,
+                        r,
+                        dest,
+                        log,
+                        peers,
+                        make_room=make_room,
+                        policies=policies,
+                        reserve=reserve,
                     )
                     held.append(lease)
                     staged.append(ds)
@@ -595,7 +650,7 @@ def run(
             )
         args = substitute(command[1:], pairs)
         env = job_env(staged, settings)
-        returncode, leftovers = spawn([command[0], *args], env, executable=exe, log=log)
+        returncode, leftovers, killed_by = spawn([command[0], *args], env, executable=exe, log=log)
     finally:
         for lease in held:
             lease.release()
@@ -604,11 +659,16 @@ def run(
 
             for ds in staged:
                 if ds.changed:  # only what this run copied; a dataset others staged stays
+                    # The job's status (or the error that stopped it) wins over any cleanup
+                    # failure: a cleanup that cannot happen is said on stderr and left.
                     try:
                         evicted.extend(engine.evict(ds.name, dest=dest))
                     except engine.InUse as e:  # another job reads it: not ours to take away
                         if log is not None:
                             log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")
+                    except ShmstageError as e:  # e.g. being restaged by someone else right now
+                        if log is not None:
+                            log(f"not evicting {ds.name}: {e}")
             if log is not None and evicted:
                 log(f"evicted: {', '.join(evicted)}")
-    return RunResult(returncode, tuple(staged), tuple(evicted), leftovers)
+    return RunResult(returncode, tuple(staged), tuple(evicted), leftovers, killed_by)

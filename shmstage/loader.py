@@ -3,17 +3,24 @@
 ``make_loader`` sizes a DataLoader to the CPUs this rank really has; ``CudaPrefetcher``
 overlaps host-to-device copies with compute; ``BackgroundLoader`` runs any iterable in a
 thread.  This module imports torch; ``import shmstage`` and the CLI never import it.
+Long because the three helpers share the DataLoader settings and the batch walk, and each
+keeps its lifecycle NOTE next to its code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import inspect
+import math
 import os
 import queue
+import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,9 +39,15 @@ __all__ = [
     "BackgroundLoader",
     "CudaPrefetcher",
     "ShmstageWarning",
+    "cpus_per_rank",
     "default_num_workers",
+    "global_rank",
+    "local_ranks",
+    "rank_generator",
+    "batch_tensors",
     "loader_kwargs",
     "make_loader",
+    "move_batch",
     "hold_lease",
     "staged_path",
 ]
@@ -79,9 +92,9 @@ def _env_bool(var: str) -> bool | None:
     raise ShmstageError(f"{var}={os.environ[var]!r} is not a valid value: use 1 or 0 (or auto)")
 
 
-def local_world_size() -> int:
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
     """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset)."""
-    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "").strip()
     if not text:
         return 1
     if not text.isdigit() or int(text) < 1:
@@ -89,15 +102,75 @@ def local_world_size() -> int:
     return int(text)
 
 
-def default_num_workers(cpus: int | None = None, ranks: int | None = None) -> int:
-    """Loader workers per rank: this rank's share of the usable CPUs, minus one, at least 1.
+def tasks_on_this_node(text: str, node: str | None) -> int:
+    """This node's entry of a Slurm tasks-per-node list (``"8(x2),4"``: nodes 0-1 run 8 tasks,
+    node 2 runs 4), ``node`` being ``SLURM_NODEID``; the largest entry when the node is not
+    known (fewer workers, never too many).  ValueError when ``text`` is malformed."""
+    counts: list[int] = []
+    for part in text.strip().split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None or int(m.group(1)) < 1:
+            raise ValueError(text)
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if node is not None and node.strip().isdigit() and int(node) < len(counts):
+        return counts[int(node)]
+    return max(counts)
 
-    The usable CPUs are the affinity set capped by the cgroup CPU quota (not ``os.cpu_count()``,
-    which on a 128-core node in a 16-CPU container would start 8 ranks x 127 workers).  One CPU
-    per rank stays with the rank's main process, which collates, pins and launches kernels.
+
+def local_ranks(environ: Mapping[str, str] | None = None) -> int:
+    """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``; else, in a task of a Slurm step
+    (``SLURM_STEP_ID`` set: ``srun --ntasks-per-node=8 python train.py``), the step's tasks on
+    this node (``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``, else
+    ``SLURM_TASKS_PER_NODE``); else 1.  A batch script (no ``SLURM_STEP_ID``) is one process
+    whatever the job's tasks per node."""
+    env = os.environ if environ is None else environ
+    if env.get("LOCAL_WORLD_SIZE", "").strip():
+        return local_world_size(env)
+    if not env.get("SLURM_STEP_ID", "").strip():
+        return 1
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        text = env.get(var, "").strip()
+        if text:
+            try:
+                return tasks_on_this_node(text, env.get("SLURM_NODEID"))
+            except ValueError:
+                raise ShmstageError(
+                    f"{var}={text!r} is not a Slurm tasks-per-node list such as '8' or '8(x2),4'"
+                ) from None
+    return 1
+
+
+def rank_cpus(cpus: system.CpuSet, ranks: int) -> int:
+    """CPUs one rank may use, at least 1.
+
+    An affinity set narrower than the container's CPUs was bound to this rank (torchrun
+    --numa-binding, srun --cpu-bind, taskset): it is this rank's share already.  One as wide
+    as the container's is shared by the node's ``ranks``.  The cgroup CPU quota is the
+    container's, shared by every rank in it either way."""
+    ranks = max(1, ranks)
+    share = cpus.affinity if cpus.bound else cpus.affinity // ranks
+    if cpus.quota is not None:
+        share = min(share, max(1, math.ceil(cpus.quota)) // ranks)
+    return max(1, share)
+
+
+def cpus_per_rank(ranks: int | None = None) -> int:
+    """CPUs this rank may use: :func:`rank_cpus` of this process's CPUs and :func:`local_ranks`."""
+    return rank_cpus(system.cpu_set(), local_ranks() if ranks is None else ranks)
+
+
+def default_num_workers(cpus: int | None = None, ranks: int | None = None) -> int:
+    """Loader workers per rank: this rank's CPUs (:func:`cpus_per_rank`) minus one, at least 1.
+
+    The CPUs are the affinity set capped by the cgroup CPU quota (not ``os.cpu_count()``,
+    which on a 128-core node in a 16-CPU container would start 8 ranks x 127 workers), divided
+    among the node's ranks unless the affinity was bound to this rank already.  One CPU per
+    rank stays with the rank's main process, which collates, pins and launches kernels.
+    ``cpus``: a CPU count shared by ``ranks`` ranks, instead of this process's.
     """
-    cpus = system.usable_cpus() if cpus is None else cpus
-    ranks = local_world_size() if ranks is None else ranks
+    if cpus is None:
+        return max(1, cpus_per_rank(ranks) - 1)
+    ranks = local_ranks() if ranks is None else ranks
     return max(1, cpus // max(1, ranks) - 1)
 
 
@@ -128,12 +201,42 @@ def seed_worker(worker_id: int) -> None:
     )
 
 
+def global_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank in the job: torchrun's ``RANK``, else Slurm's ``SLURM_PROCID``
+    (``srun python train.py``), else 0."""
+    env = os.environ if environ is None else environ
+    for var in ("RANK", "SLURM_PROCID"):
+        text = env.get(var, "").strip()
+        if text:
+            if not text.isdigit():
+                raise ShmstageError(f"{var}={text!r} is not a rank: use an integer >= 0")
+            return int(text)
+    return 0
+
+
+def rank_generator(rank: int | None = None) -> torch.Generator:
+    """A DataLoader ``generator`` seeded from torch's seed (``torch.manual_seed``'s, else
+    torch's default) plus this rank.
+
+    The DataLoader draws each epoch's ``base_seed`` from it, and torch seeds ``random``,
+    torch and numpy in worker ``i`` from ``base_seed + i``: so workers of different ranks
+    draw different augmentations, and a rank re-run with the same seed draws the same ones.
+    Without it every rank that seeded alike (or not at all) has the same base seed, and
+    worker ``i`` of every rank draws identical "random" crops and flips."""
+    generator = torch.Generator()
+    generator.manual_seed(
+        (torch.initial_seed() + (global_rank() if rank is None else rank)) % 2**64
+    )
+    return generator
+
+
 def loader_kwargs(**overrides: Any) -> dict[str, Any]:
     """DataLoader keyword arguments tuned for this node and rank.
 
     Precedence: explicit ``overrides`` > ``SHMSTAGE_NUM_WORKERS`` / ``SHMSTAGE_PIN_MEMORY`` /
     ``SHMSTAGE_PREFETCH_FACTOR`` (set by ``shmstage run``) > defaults.  Any other DataLoader
     argument (``shuffle``, ``sampler``, ``collate_fn``...) passes through unchanged.
+    With workers, ``generator`` defaults to :func:`rank_generator` (a per-rank seed).
     """
     # read (and validate) every variable, even one an argument overrides: a typo in the
     # job's environment should surface, not lie dormant until the argument goes away
@@ -160,7 +263,10 @@ def loader_kwargs(**overrides: Any) -> dict[str, Any]:
         if prefetch is None:
             prefetch = env_prefetch
         kwargs["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR if prefetch is None else prefetch
-        kwargs["persistent_workers"] = True
+        if overrides.get("generator") is None:  # see rank_generator: distinct ranks draw apart
+            overrides.pop("generator", None)
+            kwargs["generator"] = rank_generator()
+        # persistent_workers stays torch's default (False) unless asked for: see make_loader
     else:
         # DataLoader rejects these without workers; an env default does not apply either.
         for key in ("prefetch_factor", "persistent_workers"):
@@ -176,9 +282,17 @@ def make_loader(
     batch_size: int | None = 1,
     *,
     lease: str | os.PathLike[str] | bool | None = None,
+    persistent_workers: bool = False,
     **overrides: Any,
 ) -> DataLoader:
     """A ``DataLoader`` over ``dataset`` with ``loader_kwargs(**overrides)``.
+
+    ``persistent_workers`` is torch's default, False: each epoch starts fresh workers with a
+    copy of ``dataset`` as it is then, so whatever the job sets on it between epochs
+    (progressive resizing, a curriculum, ``dataset.set_epoch(e)``) reaches the workers.
+    ``persistent_workers=True`` saves the workers' start-up at each epoch (worth it when
+    that is seconds: a heavy ``__init__``, many workers) but the workers keep the dataset
+    they were started with: a change made on it afterwards is never seen.
 
     When the dataset reads a staged copy, the process takes a lease on it (held until it
     exits) so ``shmstage evict`` refuses to remove it: ``lease=PATH`` names the staged path;
@@ -188,6 +302,8 @@ def make_loader(
     if lease is not False:
         for path in [lease] if lease not in (None, True) else _dataset_paths(dataset):
             hold_lease(path, required=lease not in (None, True))  # type: ignore[arg-type]
+    if persistent_workers:
+        overrides["persistent_workers"] = True
     return DataLoader(dataset, batch_size=batch_size, **loader_kwargs(**overrides))
 
 
@@ -233,38 +349,92 @@ def hold_lease(path: str | os.PathLike[str], *, required: bool = True) -> bool:
 # --- nested batches ---------------------------------------------------------
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in tuples/lists/dicts/namedtuples, keeping their types."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
+def _movable(obj: Any) -> bool:
+    """An object that moves itself (``.to(device)``): not a class, not a container we walk."""
+    return not isinstance(obj, type) and callable(getattr(obj, "to", None))
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
+    """``batch`` with ``move`` applied to every tensor in it, and to every other object with a
+    ``.to()`` method; containers keep their types.
+
+    Walked: mappings (``dict`` subclasses such as ``OrderedDict``, ``defaultdict`` with its
+    ``default_factory``, your own, or any ``Mapping``), namedtuples, dataclasses (every
+    field, ``init=False`` ones too), tuples and lists.  A mutable mapping or a dataclass is
+    copied (``copy.copy`` / ``dataclasses.replace``), so its type and extra attributes stay;
+    other leaves (strings, ids, None) are returned as they are.  Pure: no device is touched
+    here, ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
+    """
+    if isinstance(batch, torch.Tensor):
+        return move(batch)
+    if isinstance(batch, Mapping):
+        items = {k: move_batch(v, move) for k, v in batch.items()}
+        if isinstance(batch, MutableMapping):
+            try:
+                clone = copy.copy(batch)  # same class, default_factory, attributes, order
+                for k, v in items.items():
+                    clone[k] = v
+                return clone
+            except Exception:  # a mapping that cannot be copied: rebuild it below
+                pass
         try:
-            clone = obj.copy()  # keeps OrderedDict / defaultdict / custom mappings
-            clone.update(items)
-            return clone
-        except (AttributeError, TypeError):
+            return type(batch)(items)
+        except Exception:
             return items
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        values = [_map_tensors(v, fn) for v in obj]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_batch(v, move) for v in batch))
+    if _is_dataclass_instance(batch):
+        fields = dataclasses.fields(batch)
+        moved = {f.name: move_batch(getattr(batch, f.name), move) for f in fields}
+        clone = dataclasses.replace(batch, **{f.name: moved[f.name] for f in fields if f.init})
+        for f in fields:
+            if not f.init:  # replace() cannot set these: set them as __init__ would not
+                object.__setattr__(clone, f.name, moved[f.name])
+        return clone
+    if isinstance(batch, (tuple, list)):
+        values = [move_batch(v, move) for v in batch]
         try:
-            return type(obj)(values)
+            return type(batch)(values)
         except TypeError:
-            return values if isinstance(obj, list) else tuple(values)
-    return obj
+            return values if isinstance(batch, list) else tuple(values)
+    if _movable(batch):
+        return move(batch)
+    return batch
 
 
-def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
+def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor :func:`move_batch` would reach in ``batch``, and those held in the
+    attributes of an object that moved itself (found where it keeps them: ``vars(obj)``)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from batch_tensors(v)
+    elif _is_dataclass_instance(batch):
+        for f in dataclasses.fields(batch):
+            yield from batch_tensors(getattr(batch, f.name))
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from batch_tensors(v)
+    elif _movable(batch):
+        for v in getattr(batch, "__dict__", {}).values():
+            yield from batch_tensors(v)
+
+
+def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
+    """``obj.to(device, non_blocking=...)``; a plain ``.to(device)`` for a ``.to`` without it."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _each_tensor(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _each_tensor(v)
+        return obj.to(device, non_blocking=non_blocking)
+    try:
+        params = inspect.signature(obj.to).parameters.values()
+        takes = any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
+    except (TypeError, ValueError):  # no signature (a builtin): try it
+        takes = True
+    return obj.to(device, non_blocking=non_blocking) if takes else obj.to(device)
 
 
 # --- CudaPrefetcher ---------------------------------------------------------
@@ -290,8 +460,9 @@ def _each_tensor(obj: Any) -> Iterator[torch.Tensor]:
 class CudaPrefetcher:
     """Iterate ``loader`` with each batch already on ``device``, copied one batch ahead.
 
-    Tensors anywhere in tuples, lists, dicts and namedtuples are moved; other leaves and the
-    container types are kept.  Without CUDA (or with ``device="cpu"``) batches pass through
+    Tensors anywhere in tuples, lists, mappings, namedtuples and dataclasses are moved, and
+    objects with a ``.to()`` method move themselves (``non_blocking`` passed when their
+    ``.to`` takes it); other leaves and the container types are kept (see :func:`move_batch`).  Without CUDA (or with ``device="cpu"``) batches pass through
     unchanged; for another device type they are moved with a plain ``.to(device)``.
     ``device=None`` or ``"cuda"`` means the current CUDA device *at the first iteration*, so
     a prefetcher built before ``torch.cuda.set_device(local_rank)`` still copies to this
@@ -339,14 +510,14 @@ class CudaPrefetcher:
             yield from self.loader
         elif self._stream is None:
             for batch in self.loader:
-                yield _map_tensors(batch, lambda t: t.to(device, non_blocking=self.non_blocking))
+                yield move_batch(batch, lambda t: _to(t, device, self.non_blocking))
         else:
             yield from self._prefetch()
 
     def _copy(self, batch: Any) -> Any:
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
-            return _map_tensors(batch, lambda t: t.to(self.device, non_blocking=self.non_blocking))
+            return move_batch(batch, lambda t: _to(t, self.device, self.non_blocking))
 
     def _prefetch(self) -> Iterator[Any]:
         end = object()
@@ -359,7 +530,7 @@ class CudaPrefetcher:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_stream(self._stream)
             batch = nxt
-            for t in _each_tensor(batch):
+            for t in batch_tensors(batch):
                 t.record_stream(consumer)
             nxt = next(source, end)
             if nxt is not end:
@@ -384,7 +555,7 @@ class CudaPrefetcher:
 #   __del__ ── done.set() only ───────────▶  (same)
 #
 # - One producer at a time: the next iter() joins the previous epoch's producer before it
-#   starts a new one.  With persistent_workers (make_loader's default) iter(DataLoader)
+#   starts a new one.  With persistent_workers (make_loader's opt-in) iter(DataLoader)
 #   returns the same iterator every epoch, so two producers would call its __next__ at
 #   once.  The old producer was told to stop; the wait is the rest of the one item it is
 #   reading (it cannot be interrupted inside next(source)).
@@ -528,6 +699,14 @@ class BackgroundLoader:
         max_prefetch: int = 2,
         join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     ) -> None:
+        if isinstance(iterable, CudaPrefetcher):
+            # Its copies would run in the producer thread, on that thread's current device
+            # and stream, not the training loop's: wrong GPU, and no ordering with compute.
+            raise ShmstageError(
+                "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background "
+                "thread, with that thread's device and stream: wrap it the other way round, "
+                "CudaPrefetcher(BackgroundLoader(loader))"
+            )
         if max_prefetch < 1:
             raise ShmstageError(f"max_prefetch={max_prefetch}: use an integer >= 1")
         if join_timeout < 0:

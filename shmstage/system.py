@@ -294,6 +294,60 @@ def affinity_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def parse_cpu_list(text: str | None) -> int | None:
+    """CPUs in a kernel CPU list (``"0-3,8,10-11"`` -> 7); None when empty or malformed."""
+    count = 0
+    for part in (text or "").strip().split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+            return None
+        count += int(hi) - int(lo) + 1 if sep else 1
+    return count or None
+
+
+def container_cpus(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs of this process's cpuset cgroup: what any process of the container may be bound
+    to (docker --cpuset-cpus, Kubernetes' static CPU manager, Slurm's step); the online CPUs
+    when no cpuset says.  An affinity set narrower than this one was narrowed for this
+    process (taskset, torchrun --numa-binding, srun --cpu-bind)."""
+    root = Path(cgroup_root)
+    paths = _cgroup_paths(proc)
+    if _is_v2(root) and "" in paths:
+        for d in _ancestors(root, paths[""]):
+            n = parse_cpu_list(_read(d / "cpuset.cpus.effective"))
+            if n is not None:
+                return n
+    elif "cpuset" in paths and (root / "cpuset").is_dir():
+        for d in _ancestors(root / "cpuset", paths["cpuset"]):
+            for name in ("cpuset.effective_cpus", "cpuset.cpus"):
+                n = parse_cpu_list(_read(d / name))
+                if n is not None:
+                    return n
+    return parse_cpu_list(_read("/sys/devices/system/cpu/online")) or os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class CpuSet:
+    """The CPUs a process may use, as the kernel tells them (see :func:`cpu_set`)."""
+
+    affinity: int  # CPUs in the process's affinity mask
+    container: int  # CPUs of its cpuset cgroup (container_cpus)
+    quota: float | None  # CPUs of the CFS quota on its cgroup path; None when unlimited
+
+    @property
+    def bound(self) -> bool:
+        """Whether the affinity was narrowed below the container's CPUs for this process."""
+        return self.affinity < self.container
+
+
+def cpu_set(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> CpuSet:
+    return CpuSet(
+        affinity_cpus(),
+        container_cpus(proc, cgroup_root),
+        cgroup_cpu_quota(proc, cgroup_root),
+    )
+
+
 def usable_cpus(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
     """CPUs this process may really use: affinity set, capped by the cgroup quota."""
     n = affinity_cpus()

@@ -247,3 +247,89 @@ def test_metrics_timer_is_off_by_default_and_its_units_verify(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+# A stand-in for systemctl where no systemd runs (containers, this suite): it keeps each
+# unit's enabled/active state in a JSON file and logs every call, one line each.
+FAKE_SYSTEMCTL = """#!{python}
+import json, os, sys
+state_path, log_path = os.environ["FAKE_SYSTEMCTL_STATE"], os.environ["FAKE_SYSTEMCTL_LOG"]
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+with open(log_path, "a") as f:
+    f.write(" ".join(args) + "\\n")
+state = json.load(open(state_path)) if os.path.exists(state_path) else {{}}
+verb, unit = args[0], (args[1] if len(args) > 1 else None)
+u = state.setdefault(unit, {{"enabled": False, "active": False}}) if unit else None
+if verb == "show":
+    active = "active" if u["active"] else "inactive"
+    print(f"Id={{unit}}\\nLoadState=loaded\\nActiveState={{active}}\\nSubState=waiting")
+elif verb == "is-enabled":
+    print("enabled" if u["enabled"] else "disabled")
+    sys.exit(0 if u["enabled"] else 1)
+elif verb in ("enable", "disable"):
+    u["enabled"] = verb == "enable"
+elif verb in ("start", "restart"):
+    u["active"] = not unit.endswith(".service")  # the service is a oneshot: done at once
+elif verb == "stop":
+    u["active"] = False
+json.dump(state, open(state_path, "w"))
+"""
+
+
+def test_changed_metrics_units_are_reloaded_and_restarted(tmp_path):
+    """ansible-playbook (real) with the role's metrics tasks: a changed unit file is followed by
+    a daemon-reload and a restart of that unit (handlers); an unchanged one restarts nothing."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(FAKE_SYSTEMCTL.format(python=sys.executable))
+    (bindir / "systemctl").chmod(0o755)
+    log = tmp_path / "systemctl.log"
+    units = tmp_path / "units"
+    units.mkdir()
+    playbook = tmp_path / "metrics.yml"
+
+    def converge(interval: str) -> list[str]:
+        play = [{
+            "name": "Metrics units", "hosts": "localhost", "gather_facts": False,
+            "tasks": [{
+                "name": "Install the metrics timer",
+                "ansible.builtin.include_role": {"name": "shmstage", "tasks_from": "metrics.yml"},
+                "vars": {
+                    "shmstage_venv": str(tmp_path / "venv"),
+                    "shmstage_config_path": str(tmp_path / "shmstage.yaml"),
+                    "shmstage_metrics_textfile_dir": str(tmp_path / "textfile"),
+                    "shmstage_metrics_systemd_dir": str(units),
+                    "shmstage_metrics_interval": interval,
+                },
+            }],
+        }]  # fmt: skip
+        playbook.write_text(yaml.safe_dump(play))
+        log.write_text("")
+        env = dict(
+            ansible_env(tmp_path),
+            PATH=f"{bindir}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            FAKE_SYSTEMCTL_STATE=str(tmp_path / "systemd.json"),
+            FAKE_SYSTEMCTL_LOG=str(log),
+        )
+        result = subprocess.run(
+            [tool("ansible-playbook"), "-c", "local", "-i", "localhost,", str(playbook)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        return [line for line in log.read_text().splitlines() if not line.startswith("show ")]
+
+    first = converge("1min")
+    # Both units written: systemd rereads them, the timer restarts, the oneshot service runs.
+    assert first[-3:] == [
+        "daemon-reload",
+        "restart shmstage-metrics.timer",
+        "start shmstage-metrics.service",
+    ], first
+    # Converged: nothing written, so nothing restarted or run.
+    second = converge("1min")
+    assert not [c for c in second if c.startswith(("restart", "start"))], second
+    # A new interval rewrites the timer unit only: systemd rereads it, then the timer restarts.
+    third = converge("5min")
+    assert "OnUnitActiveSec=5min\n" in (units / "shmstage-metrics.timer").read_text()
+    assert third[-2:] == ["daemon-reload", "restart shmstage-metrics.timer"], third
+    assert not [c for c in third if "shmstage-metrics.service" in c], third

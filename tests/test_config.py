@@ -341,3 +341,64 @@ def test_pillow_simd_version_keeps_the_text_as_written(written, expected):
     """`version: 9.10` is read by YAML as the float 9.1; the pin must stay "9.10"."""
     cfg = parse(f"pillow_simd:\n  enabled: true\n  version: {written}\n")
     assert cfg.pillow_simd.version == expected
+
+
+# --- reserve: stage and run keep the node config's, the command line wins ----------------
+
+
+def test_node_reserve_reads_the_config(tmp_path, monkeypatch):
+    """node_reserve: the config's reserve in bytes; None without a config file or a reserve."""
+    from shmstage.config import node_reserve
+
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("reserve: 60M\n")
+    assert node_reserve(cfg) == 60 << 20
+    monkeypatch.setenv("SHMSTAGE_CONFIG", str(cfg))
+    assert node_reserve() == 60 << 20
+    cfg.write_text("datasets: []\n")
+    assert node_reserve(cfg) is None
+    monkeypatch.delenv("SHMSTAGE_CONFIG")
+    monkeypatch.setattr("shmstage.config.DEFAULT_PATH", str(tmp_path / "absent.yaml"))
+    assert node_reserve() is None
+
+
+def _ten_mib_dataset(root):
+    import os
+
+    root.mkdir()
+    for i in range(10):
+        (root / f"{i}.bin").write_bytes(os.urandom(1 << 20))
+    return root
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("command", ["stage", "run"])
+def test_stage_and_run_keep_the_node_configs_reserve(tmpfs, tmp_path, shmstage_bin, command):
+    """A 60M config reserve refuses 10M on a 64M tmpfs; --reserve, then its variable, win over it."""
+    import os
+    import subprocess
+
+    src = _ten_mib_dataset(tmp_path / "ds")
+    mnt = tmpfs("64M")
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("reserve: 60M\n")
+    job = ["--", "true"] if command == "run" else ["-q"]
+    source = ["--stage", str(src)] if command == "run" else [str(src)]
+
+    def sh(dest, *extra, **env):
+        return subprocess.run(
+            [*shmstage_bin, command, *source, "--dest", str(mnt / dest), *extra, *job],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "SHMSTAGE_CONFIG": str(cfg), **env},
+        )  # fmt: skip
+
+    r = sh("a")
+    assert r.returncode == 2, r.stderr
+    assert "+ 60.0 MiB reserve" in r.stderr and "Traceback" not in r.stderr
+    assert not (mnt / "a" / "ds").exists()
+    r = sh("b", "--reserve", "1M", **{f"SHMSTAGE_{command.upper()}_RESERVE": "63M"})
+    assert r.returncode == 0, r.stderr  # the command line wins over the variable
+    r = sh("c", **{f"SHMSTAGE_{command.upper()}_RESERVE": "1M"})
+    assert r.returncode == 0, r.stderr  # the variable wins over the config
+    r = sh("d", **{f"SHMSTAGE_{command.upper()}_RESERVE": "63M"})
+    assert r.returncode == 2 and "+ 63.0 MiB reserve" in r.stderr, r.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
+import dataclasses
 import gc
 import random
 import threading
@@ -32,6 +34,13 @@ LOADER_ENV = (
     "SHMSTAGE_PIN_MEMORY",
     "SHMSTAGE_PREFETCH_FACTOR",
     "LOCAL_WORLD_SIZE",
+    "RANK",
+    "SLURM_PROCID",
+    "SLURM_STEP_ID",
+    "SLURM_NODEID",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
 )
 
 
@@ -42,18 +51,24 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def fake_node(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, affinity: int, quota: str | None
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    affinity: int,
+    quota: str | None,
+    container: int | None = None,
 ) -> None:
-    """Affinity of ``affinity`` CPUs and a cgroup v2 ``cpu.max`` of ``quota`` in a fake tree."""
+    """Affinity of ``affinity`` CPUs, a cgroup v2 ``cpu.max`` of ``quota`` and a cpuset of
+    ``container`` CPUs (default: the affinity's) in a fake tree."""
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "cgroup").write_text("0::/job\n")
     cg = tmp_path / "cgroup"
     (cg / "job").mkdir(parents=True)
-    (cg / "cgroup.controllers").write_text("cpu memory\n")
+    (cg / "cgroup.controllers").write_text("cpuset cpu memory\n")
+    (cg / "job" / "cpuset.cpus.effective").write_text(f"0-{(container or affinity) - 1}\n")
     if quota is not None:
         (cg / "job" / "cpu.max").write_text(quota + "\n")
-    real = system.usable_cpus
+    real, real_set = system.usable_cpus, getattr(system, "cpu_set", None)
     monkeypatch.setattr(
         loader.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
     )
@@ -61,6 +76,9 @@ def fake_node(
         system.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False
     )
     monkeypatch.setattr(system, "usable_cpus", lambda: real(proc=str(proc), cgroup_root=str(cg)))
+    monkeypatch.setattr(
+        system, "cpu_set", lambda: real_set(proc=str(proc), cgroup_root=str(cg)), raising=False
+    )
 
 
 # --- worker count -----------------------------------------------------------
@@ -89,6 +107,121 @@ def test_default_workers_follow_affinity_quota_and_local_world_size(
     assert loader_kwargs()["num_workers"] == expected
 
 
+@pytest.mark.parametrize(
+    ("affinity", "container", "quota", "env", "expected"),
+    [
+        # torchrun --numa-binding: each of 2 ranks bound to its 16 of 32 CPUs, not halved again
+        (16, 32, None, {"LOCAL_WORLD_SIZE": "2"}, 15),
+        # srun --ntasks-per-node=8 (no binding): 64 CPUs shared by the step's 8 tasks
+        (64, 64, None, {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8"}, 7),
+        (64, 64, None, {"SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "8"}, 7),
+        # this node (SLURM_NODEID 2) runs 2 of the job's tasks
+        (
+            16,
+            16,
+            None,
+            {"SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "4(x2),2", "SLURM_NODEID": "2"},
+            7,
+        ),
+        # srun --cpu-bind: each task already bound to its 8 CPUs
+        (8, 64, None, {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8"}, 7),
+        # the batch script itself is one process, whatever the job's tasks per node
+        (16, 16, None, {"SLURM_NTASKS_PER_NODE": "8"}, 15),
+        # a quota is the container's: 8 bound ranks share 16 CPUs of quota
+        (8, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "8"}, 1),
+        (16, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "2"}, 7),
+    ],
+)
+def test_default_workers_count_each_ranks_cpus_once(
+    monkeypatch, tmp_path, affinity, container, quota, env, expected
+):
+    """A per-rank affinity set is not divided again; a shared one is divided by torchrun's or Slurm's local ranks."""
+    fake_node(monkeypatch, tmp_path, affinity, quota, container)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert default_num_workers() == expected
+    assert loader_kwargs()["num_workers"] == expected
+
+
+@pytest.mark.parametrize(
+    ("affinity", "container", "quota", "ranks", "expected"),
+    [
+        (16, 16, None, 1, 16),
+        (16, 16, None, 4, 4),  # shared: divided
+        (4, 16, None, 4, 4),  # bound to this rank: kept
+        (16, 16, 4.0, 1, 4),
+        (16, 16, 2.5, 1, 3),
+        (4, 16, 8.0, 4, 2),  # the quota is shared even when the affinity is not
+        (2, 2, None, 8, 1),  # never below one
+    ],
+)
+def test_rank_cpus(affinity, container, quota, ranks, expected):
+    """rank_cpus: divide a shared affinity set by the ranks, never a bound one; the quota always."""
+    assert loader.rank_cpus(system.CpuSet(affinity, container, quota), ranks) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, 1),
+        ({"LOCAL_WORLD_SIZE": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8"}, 4),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8(x3)"}, 8),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "8,4", "SLURM_NODEID": "1"}, 4),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,4"}, 4),  # node unknown: the most
+        ({"SLURM_STEP_ID": "3", "SLURM_NTASKS_PER_NODE": "6", "SLURM_TASKS_PER_NODE": "2"}, 6),
+        ({"SLURM_STEP_ID": "3", "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_NODEID": "3"}, 2),
+        ({"SLURM_TASKS_PER_NODE": "8"}, 1),  # a batch script, not a step's task
+    ],
+)
+def test_local_ranks(env, expected):
+    """local_ranks: torchrun's LOCAL_WORLD_SIZE, else a Slurm step's tasks on this node, else 1."""
+    assert loader.local_ranks(env) == expected
+
+
+def test_bad_slurm_tasks_per_node_is_a_clear_error():
+    """A malformed Slurm tasks-per-node value is refused with its name and value."""
+    with pytest.raises(ShmstageError, match=r"^SLURM_STEP_TASKS_PER_NODE='eight' is not a Slurm"):
+        loader.local_ranks({"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "eight"})
+
+
+PROBE_CPUS = (
+    "import json; from shmstage import system; from shmstage.loader import cpus_per_rank, "
+    "default_num_workers; c = system.cpu_set(); print(json.dumps([c.affinity, c.container, "
+    "c.bound, cpus_per_rank(), default_num_workers()]))"
+)
+
+
+@pytest.mark.timeout(60)
+def test_real_taskset_binding_is_seen_as_this_ranks_share():
+    """Under a real `taskset` (as torchrun --numa-binding does) the bound CPUs are not divided by the ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = len(os.sched_getaffinity(0))
+    if n < 2:
+        pytest.skip("needs at least 2 CPUs")
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2"}
+    for var in LOADER_ENV[4:]:
+        env.pop(var, None)
+
+    def probe(*prefix: str) -> list:
+        out = subprocess.run(
+            [*prefix, sys.executable, "-c", PROBE_CPUS],
+            capture_output=True, text=True, env=env, timeout=60, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout)
+
+    affinity, container, _, _, _ = probe()
+    assert affinity == n and container >= n
+    half = n // 2
+    affinity, container, bound, cpus, workers = probe("taskset", "-c", f"0-{half - 1}")
+    assert affinity == half and bound and container >= n
+    assert cpus == half  # bound to this rank: its whole share, not half of it
+    assert workers == max(1, half - 1)
+
+
 def test_bad_local_world_size_is_a_clear_error(monkeypatch):
     """A LOCAL_WORLD_SIZE that is not a positive integer is refused with its value."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
@@ -97,11 +230,11 @@ def test_bad_local_world_size_is_a_clear_error(monkeypatch):
 
 
 def test_defaults_with_workers(monkeypatch, tmp_path):
-    """With workers: persistent workers, a prefetch factor in 2..4; seeding is torch's own."""
+    """With workers: torch's non-persistent workers, a prefetch factor in 2..4; seeding is torch's own."""
     fake_node(monkeypatch, tmp_path, 8, None)
     kw = loader_kwargs()
     assert kw["num_workers"] == 7
-    assert kw["persistent_workers"] is True
+    assert "persistent_workers" not in kw  # torch's default (False): see make_loader
     assert 2 <= kw["prefetch_factor"] <= 4
     assert "worker_init_fn" not in kw  # torch seeds random/torch/numpy per worker itself
     init = lambda worker_id: None  # noqa: E731
@@ -206,10 +339,47 @@ def test_real_loader_with_workers_on_cpu():
     """make_loader builds a working multi-worker loader on CPU: every sample once, twice over."""
     data = TensorDataset(torch.arange(20).float())
     dl = make_loader(data, 4, num_workers=2)
-    assert dl.num_workers == 2 and dl.persistent_workers
+    assert dl.num_workers == 2 and not dl.persistent_workers
     for _ in range(2):
         seen = sorted(int(v) for (batch,) in dl for v in batch)
         assert seen == list(range(20))
+
+
+class EpochProbe(Dataset):
+    """Returns, per item, the ``size`` the job set on the dataset (progressive resizing)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return torch.tensor(self.size)
+
+
+@pytest.mark.timeout(120)
+def test_dataset_changes_between_epochs_reach_default_workers():
+    """With make_loader's defaults, a dataset attribute set between epochs is what workers see."""
+    data = EpochProbe()
+    dl = make_loader(data, 2, num_workers=2)
+    seen = []
+    for size in (128, 160, 192):
+        data.size = size
+        seen.append(sorted({int(v) for batch in dl for v in batch}))
+    assert seen == [[128], [160], [192]]
+
+
+@pytest.mark.timeout(120)
+def test_persistent_workers_are_an_explicit_choice():
+    """persistent_workers=True is passed through (and its workers keep the first epoch's dataset)."""
+    data = EpochProbe()
+    dl = make_loader(data, 2, num_workers=2, persistent_workers=True)
+    assert dl.persistent_workers
+    data.size = 1
+    assert {int(v) for batch in dl for v in batch} == {1}
+    data.size = 2
+    assert {int(v) for batch in dl for v in batch} == {1}  # the documented trade-off
 
 
 class SeedProbe(Dataset):
@@ -266,6 +436,56 @@ def test_workers_draw_different_random_numbers():
         first.setdefault(int(row[0]), (int(row[1]), int(row[2])))
     assert set(first) == {0, 1}
     assert first[0][0] != first[1][0] and first[0][1] != first[1][1]
+
+
+RANK_DRAWS = """
+import json, random, sys
+import numpy as np, torch
+from torch.utils.data import Dataset
+from shmstage.loader import make_loader
+
+class Augment(Dataset):  # one random crop offset per library, as an augmentation draws it
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.tensor([random.randrange(1 << 30), np.random.randint(1 << 30),
+                             int(torch.randint(1 << 30, ()))])
+
+torch.manual_seed(0)  # every rank seeds alike, as examples/train.py used to
+dl = make_loader(Augment(), 1, num_workers=2, lease=False)
+print(json.dumps([[row.tolist() for row in batch] for epoch in range(2) for batch in dl]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_draw_different_augmentations_and_each_rank_is_reproducible():
+    """Ranks 0 and 1 (RANK env) seeded alike draw different random numbers in their workers; a re-run of a rank draws the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def draws(rank: str, var: str = "RANK") -> list:
+        env = {k: v for k, v in os.environ.items() if k not in LOADER_ENV}
+        out = subprocess.run(
+            [sys.executable, "-c", RANK_DRAWS], env={**env, var: rank},
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout)
+
+    rank0, rank1 = draws("0"), draws("1")
+    assert rank0 == draws("0")  # same seed, same rank: reproducible
+    flat0 = {v for batch in rank0 for row in batch for v in row}
+    flat1 = {v for batch in rank1 for row in batch for v in row}
+    assert not flat0 & flat1  # no draw shared between the ranks, in any library
+    assert draws("1", "SLURM_PROCID") == rank1  # srun without torchrun: Slurm's rank
+
+
+def test_bad_rank_is_a_clear_error(monkeypatch):
+    """A RANK that is not an integer is refused with its value."""
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(ShmstageError, match=r"^RANK='first' is not a rank: use an integer >= 0$"):
+        loader_kwargs(num_workers=1)
 
 
 def test_real_loader_without_workers():
@@ -332,15 +552,118 @@ def test_prefetcher_moves_nested_tensors_to_another_device():
         assert isinstance(g[2], Pair) and g[2].meta == {"id": g[2].meta["id"]}
 
 
-def test_map_tensors_keeps_mapping_types():
-    """OrderedDict, defaultdict and namedtuple containers keep their type when tensors are moved."""
+class Tagged(dict):
+    """A dict subclass that carries an attribute (dict.copy() would return a plain dict)."""
+
+    source = "default"
+
+
+class Frozen(collections.abc.Mapping):
+    """A read-only Mapping built from a dict."""
+
+    def __init__(self, data) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, k):
+        return self._data[k]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    image: torch.Tensor
+    meta: dict
+    label: int = 0
+    cache: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+
+class Graph:
+    """Moves itself, as torch_geometric's Data or a HF BatchEncoding do; records its calls."""
+
+    def __init__(self, x: torch.Tensor, calls: list | None = None) -> None:
+        self.x = x
+        self.calls = [] if calls is None else calls
+
+    def to(self, device, non_blocking: bool = False) -> Graph:
+        self.calls.append((str(device), non_blocking))
+        return Graph(self.x.to(device, non_blocking=non_blocking), self.calls)
+
+
+class OldStyle:
+    """A ``.to(device)`` that takes no non_blocking."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, device) -> OldStyle:
+        return OldStyle(self.x.to(device))
+
+
+def double(x):
+    return x * 2 if isinstance(x, torch.Tensor) else ("moved", x)
+
+
+def test_move_batch_keeps_every_container_type():
+    """move_batch keeps dict subclasses, defaultdict, Mappings, namedtuples and dataclasses; moves .to() objects."""
+    tagged = Tagged(x=torch.ones(1))
+    tagged.source = "shard-7"
     dd = collections.defaultdict(list, {"x": torch.ones(1)})
     od = collections.OrderedDict(b=torch.zeros(1), a=torch.ones(1))
-    out = loader._map_tensors([dd, od, Pair(torch.ones(1), {})], lambda t: t * 2)
-    assert type(out[0]) is collections.defaultdict and out[0].default_factory is list
-    assert type(out[1]) is collections.OrderedDict and list(out[1]) == ["b", "a"]
-    assert torch.equal(out[1]["a"], torch.full((1,), 2.0))
-    assert type(out[2]) is Pair and torch.equal(out[2].image, torch.full((1,), 2.0))
+    sample = Sample(torch.ones(2), {"id": 3, "w": torch.ones(1)}, 5)
+    object.__setattr__(sample, "cache", torch.ones(1))
+    graph = Graph(torch.ones(1))
+    out = loader.move_batch(
+        [tagged, dd, od, Frozen({"y": torch.ones(1)}), Pair(torch.ones(1), {}), sample, graph, "s"],
+        double,
+    )
+    two = torch.full((1,), 2.0)
+    assert type(out[0]) is Tagged and out[0].source == "shard-7" and torch.equal(out[0]["x"], two)
+    assert type(out[1]) is collections.defaultdict and out[1].default_factory is list
+    assert type(out[2]) is collections.OrderedDict and list(out[2]) == ["b", "a"]
+    assert torch.equal(out[2]["a"], two)
+    assert type(out[3]) is Frozen and torch.equal(out[3]["y"], two)
+    assert type(out[4]) is Pair and torch.equal(out[4].image, two)
+    assert type(out[5]) is Sample and out[5].label == 5 and out[5].meta["id"] == 3
+    assert torch.equal(out[5].image, torch.full((2,), 2.0)) and torch.equal(out[5].meta["w"], two)
+    assert torch.equal(out[5].cache, two)  # an init=False field too
+    assert out[6] == ("moved", graph)  # the object itself went to move
+    assert out[7] == "s"
+    assert torch.equal(tagged["x"], torch.ones(1)) and torch.equal(sample.image, torch.ones(2))
+
+
+def test_batch_tensors_finds_what_was_moved():
+    """batch_tensors (record_stream's list) reaches tensors in dataclasses and in .to() objects."""
+    sample = Sample(torch.ones(2), {"w": torch.zeros(1)})
+    found = list(
+        loader.batch_tensors([sample, Graph(torch.full((3,), 7.0)), {"k": (torch.ones(4),)}])
+    )
+    assert sorted(t.numel() for t in found) == [1, 2, 3, 4]
+
+
+def test_prefetcher_moves_dataclasses_and_to_objects_keeping_types():
+    """Through CudaPrefetcher (device "meta"): subclass types kept, dataclasses and .to() objects moved."""
+    calls: list = []
+    tagged = Tagged(x=torch.ones(1))
+    tagged.source = "shard-7"
+    batch = {
+        "tagged": tagged,
+        "sample": Sample(torch.ones(2), {"w": torch.ones(1)}),
+        "graph": Graph(torch.ones(1), calls),
+        "old": OldStyle(torch.ones(1)),
+    }
+    (got,) = list(CudaPrefetcher([batch], device="meta"))
+    assert type(got["tagged"]) is Tagged and got["tagged"].source == "shard-7"
+    assert got["tagged"]["x"].device.type == "meta"
+    assert type(got["sample"]) is Sample and got["sample"].image.device.type == "meta"
+    assert got["sample"].meta["w"].device.type == "meta"
+    assert type(got["graph"]) is Graph and got["graph"].x.device.type == "meta"
+    assert calls == [("meta", True)]  # non_blocking passed to a .to() that takes it
+    assert type(got["old"]) is OldStyle and got["old"].x.device.type == "meta"
 
 
 def test_prefetcher_empty_loader_and_len():
@@ -485,6 +808,20 @@ def test_len_and_bad_max_prefetch():
     assert len(BackgroundLoader([1, 2, 3])) == 3
     with pytest.raises(ShmstageError, match="max_prefetch=0"):
         BackgroundLoader([], max_prefetch=0)
+
+
+def test_background_refuses_to_run_a_prefetcher_in_its_thread():
+    """BackgroundLoader(CudaPrefetcher(...)) is refused, saying to wrap the other way round; that order works."""
+    batches = [torch.ones(1), torch.zeros(1)]
+    with pytest.raises(ShmstageError) as e:
+        BackgroundLoader(CudaPrefetcher(batches))
+    assert str(e.value) == (
+        "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background thread, "
+        "with that thread's device and stream: wrap it the other way round, "
+        "CudaPrefetcher(BackgroundLoader(loader))"
+    )
+    got = list(CudaPrefetcher(BackgroundLoader(batches)))
+    assert [float(t) for t in got] == [1.0, 0.0]
 
 
 def test_background_over_a_real_loader():

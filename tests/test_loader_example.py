@@ -42,6 +42,49 @@ def test_example_trains_from_jpeg_folder_via_shmstage_data(tmp_path):
     assert "done: 2 steps" in r.stdout
 
 
+@pytest.mark.timeout(300)
+def test_example_seeds_each_rank_apart(tmp_path):
+    """Rank r seeds with --seed + r: ranks never share the augmentations' random numbers."""
+    data = tmp_path / "toy"
+    assert train("--make-data", str(data), "--classes", "2", "--per-class", "4").returncode == 0
+    for rank, seed in (("0", "7"), ("3", "10")):
+        r = train(
+            "--data", str(data), "--max-steps", "1", "--batch-size", "2", "--workers", "0",
+            "--seed", "7", env={"RANK": rank, "WORLD_SIZE": "1"},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert f"rank {rank}: " in r.stdout and f" seed={seed}\n" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_example_reuses_one_prefetcher_across_epochs(tmp_path, monkeypatch):
+    """As docs/loader.md says: one CudaPrefetcher for the run, iterated every epoch."""
+    import importlib.util
+
+    data = tmp_path / "toy"
+    assert train("--make-data", str(data), "--classes", "2", "--per-class", "4").returncode == 0
+    spec = importlib.util.spec_from_file_location("shmstage_example_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    built, epochs = [], []
+
+    class Counting(example.CudaPrefetcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def __iter__(self):
+            epochs.append(self)
+            return super().__iter__()
+
+    monkeypatch.setattr(example, "CudaPrefetcher", Counting)
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--data", str(data), "--epochs", "3", "--batch-size", "4", "--workers", "0"]
+    assert example.main(argv) == 0
+    assert len(built) == 1 and epochs == built * 3
+
+
 def test_example_without_data_is_a_clear_error(tmp_path):
     """No --data and no $SHMSTAGE_DATA: one `Error:` line, exit 2."""
     env = {k: v for k, v in os.environ.items() if k != "SHMSTAGE_DATA"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -99,3 +100,38 @@ def test_make_loader_pins_on_gpu():
     assert dl.pin_memory
     total = sum(float(b[0].sum()) for b in CudaPrefetcher(dl))
     assert total == float(sum(range(64)))
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    meta: dict
+
+
+class SelfMoving:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, device, non_blocking: bool = False) -> SelfMoving:
+        return SelfMoving(self.x.to(device, non_blocking=non_blocking))
+
+
+class Tagged(dict):
+    pass
+
+
+def test_dataclasses_subclasses_and_to_objects_arrive_on_the_gpu():
+    """A dataclass, a dict subclass and an object with .to() reach the GPU, types kept, values equal."""
+    batches = [
+        Tagged(
+            s=Sample(torch.full((8,), float(i)).pin_memory(), {"w": torch.ones(2).pin_memory()}),
+            g=SelfMoving(torch.arange(4).pin_memory()),
+        )
+        for i in range(3)
+    ]
+    got = list(CudaPrefetcher(batches, device="cuda"))
+    for i, g in enumerate(got):
+        assert type(g) is Tagged and type(g["s"]) is Sample and type(g["g"]) is SelfMoving
+        assert g["s"].image.is_cuda and g["s"].meta["w"].is_cuda and g["g"].x.is_cuda
+        assert torch.equal(g["s"].image.cpu(), torch.full((8,), float(i)))
+        assert torch.equal(g["g"].x.cpu(), torch.arange(4))

@@ -230,9 +230,89 @@ def test_exit_status_is_the_jobs(shmstage_bin):
     assert run_cli(shmstage_bin, "--", "true").returncode == 0
 
 
-def test_job_killed_by_signal_gives_128_plus_n(shmstage_bin):
-    """A job killed by signal N makes shmstage exit 128+N."""
-    assert run_cli(shmstage_bin, "--", "sh", "-c", "kill -KILL $$").returncode == 137
+def test_job_killed_by_signal_kills_shmstage_with_it(shmstage_bin):
+    """A job killed by signal N makes shmstage die of signal N (a shell shows 128+N)."""
+    assert run_cli(shmstage_bin, "--", "sh", "-c", "kill -KILL $$").returncode == -signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGQUIT])
+def test_job_killed_by_signal_dies_of_it_after_cleanup(shmstage_bin, tmp_path, sig):
+    """waitpid sees shmstage killed by the job's signal (not exit 128+N, no core), after --cleanup ran."""
+    src = make_dataset(tmp_path / "src")
+    dest = tmp_path / "dest"
+    p = subprocess.Popen(
+        [*shmstage_bin, "run", "--stage", str(src), "--dest", str(dest), "--cleanup", "--",
+         "sh", "-c", f"kill -{sig.name[3:]} $$"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        err = p.stderr.read()
+        _, status = os.waitpid(p.pid, 0)
+    finally:
+        p.stderr.close()
+        p.returncode = 0  # reaped above: keep Popen from waiting again
+    assert os.WIFSIGNALED(status), (os.WEXITSTATUS(status), err)
+    assert os.WTERMSIG(status) == sig
+    assert not os.WCOREDUMP(status)
+    assert "evicted: src" in err  # cleanup ran before shmstage died
+    assert not (dest / "src").exists()
+
+
+LOOP_JOB = """
+import pathlib, sys, time
+pathlib.Path(sys.argv[1]).write_text("started")
+time.sleep(60)  # ^C ends it: Python dies of SIGINT after KeyboardInterrupt
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_a_shell_loop_of_runs(shmstage_bin, tmp_path):
+    """`for i in 1 2; do shmstage run ...; done` on a terminal: ^C in run 1 ends the loop.
+
+    bash goes on with a loop after ^C when its command exited (even with 130), and stops
+    only when the command died of SIGINT, as the job did."""
+    job = tmp_path / "job.py"
+    job.write_text(LOOP_JOB)
+    script = (
+        f"for i in 1 2; do {' '.join(shmstage_bin)} run -- {sys.executable} {job} {tmp_path}/started.$i; done\n"
+        f"echo after-loop > {tmp_path}/after\n"
+    )
+    master, slave = os.openpty()
+
+    def controlling_tty() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(
+        ["bash", "-c", script],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=controlling_tty,
+    )  # fmt: skip
+    os.close(slave)
+    try:
+        wait_for(tmp_path / "started.1")
+        os.write(master, b"\x03")  # the tty sends SIGINT to its foreground group: bash and shmstage
+        deadline = time.monotonic() + 30
+        while p.poll() is None and not (tmp_path / "started.2").exists():
+            assert time.monotonic() < deadline, "neither the loop ended nor run 2 started"
+            time.sleep(0.05)
+        assert not (tmp_path / "started.2").exists(), "the loop went on to run 2 after ^C"
+        assert p.wait(timeout=30) == -signal.SIGINT  # bash itself died of ^C, as it should
+        assert not (tmp_path / "after").exists()
+    finally:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        kill_leftover_jobs(tmp_path)
+        os.close(master)
+
+
+def kill_leftover_jobs(tmp_path: Path) -> None:
+    """SIGKILL any job of this test still running (in its own session, outside the test's group)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(str(tmp_path) in a for a in proc.info["cmdline"] or ()):
+                proc.kill()
 
 
 def test_staged_path_and_environment(shmstage_bin, tmp_path):
@@ -314,6 +394,45 @@ def test_cleanup_evicts_only_what_this_run_staged(shmstage_bin, tmp_path):
     assert engine.find("kept", dest=str(dest)) is not None
 
 
+RESTAGER = """
+import sys, time
+from shmstage.stage.store import Store
+with Store(sys.argv[1]).lock(sys.argv[2]):  # what a restaging `shmstage stage` holds
+    print("locked", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@pytest.mark.timeout(60)
+def test_cleanup_refused_by_a_restage_keeps_the_jobs_status(shmstage_bin, tmp_path, procs):
+    """--cleanup while someone else restages the dataset: said on stderr; exit status is the job's."""
+    src, dest = make_dataset(tmp_path / "src"), tmp_path / "dest"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    p = procs.start(
+        [*shmstage_bin, "run", "--stage", str(src), "--dest", str(dest), "--cleanup", "--",
+         "sh", "-c", 'echo ready > "$1"; while [ ! -e "$2" ]; do sleep 0.05; done; exit 5',
+         "sh", ready, go],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(ready)
+    restager = procs.start(
+        [sys.executable, "-c", RESTAGER, str(dest), "src"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert restager.stdout.readline() == "locked\n"
+        go.touch()
+        _, err = p.communicate(timeout=30)
+    finally:
+        restager.stdin.close()
+        restager.wait(timeout=30)
+        restager.stdout.close()
+    assert p.returncode == 5, err
+    assert f"not evicting src: src is being staged by another shmstage (pid {restager.pid})" in err
+    assert "Error:" not in err
+    assert (dest / "src").is_dir()  # left to the restager
+
+
 def test_concurrent_runs_make_one_copy(shmstage_bin, tmp_path, procs):
     """Two runs staging the same source at once share one copy."""
     src = make_dataset(tmp_path / "src", files=50)
@@ -363,7 +482,7 @@ def wait_for(path: Path, timeout: float = 30.0) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
 def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig, procs):
-    """`kill -SIG <shmstage pid>` reaches the job, its status is 128+SIG, and nothing is orphaned."""
+    """`kill -SIG <shmstage pid>` reaches the job, shmstage dies of SIG as it did, nothing is orphaned."""
     name = sig.name.removeprefix("SIG")
     got, pidfile, ready = tmp_path / "got", tmp_path / "pid", tmp_path / "ready"
     p = procs.start(
@@ -376,7 +495,7 @@ def test_signal_to_shmstage_reaches_the_job(shmstage_bin, tmp_path, sig, procs):
     p.send_signal(sig)
     _, err = p.communicate(timeout=30)
     assert got.read_text() == f"{name}\n"
-    assert p.returncode == 128 + sig
+    assert p.returncode == -sig
     assert not psutil.pid_exists(sleeper)  # the job's leftover child was terminated and reaped
     assert "terminating 1 process(es) the job left running" in err
 
@@ -638,7 +757,7 @@ def test_terminal_ctrl_z_stops_and_resumes_the_job(shmstage_bin, tmp_path):
         wait_status(p.pid, stopped=False)
         wait_status(job, stopped=False)
         p.terminate()
-        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+        assert p.wait(timeout=30) == -signal.SIGTERM
     finally:
         if p.poll() is None:
             p.kill()

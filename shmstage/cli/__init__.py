@@ -114,4 +114,12 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli(auto_envvar_prefix="SHMSTAGE")
+    try:
+        cli(auto_envvar_prefix="SHMSTAGE")
+    except SystemExit as e:
+        # `run`'s job died of a signal: so do we (launch.die_of).  Looked up, not imported:
+        # the module is loaded when `run` ran a job, and other commands stay light.
+        launch = sys.modules.get("shmstage.launch")
+        if launch is not None and isinstance(e, launch.JobKilled):
+            launch.die_of(e.signal)
+        raise

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
-from shmstage.cli.params import cluster_options, config_option
+from shmstage.cli.params import SIZE_OR_PERCENT, cluster_options, config_option
 
 
 def _log(message: str) -> None:
@@ -107,6 +107,12 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     help="Batches each loader worker keeps ready (exports SHMSTAGE_PREFETCH_FACTOR).",
 )
 @click.option(
+    "--reserve",
+    type=SIZE_OR_PERCENT,
+    help="Room to keep free for DataLoader shared memory when staging: a size, or N% of "
+    "DEST's file system. Default: the node config's reserve, else 10% of DEST, at most 4G.",
+)
+@click.option(
     "--make-room",
     is_flag=True,
     help="Evict least-recently-used staged datasets no running job leases until each "
@@ -119,7 +125,7 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
 )
 @config_option(
     "Node config: its loader section gives default loader settings, its dest the tiers and "
-    "their cache max_size."
+    "their cache max_size, its reserve the room kept free."
 )
 @cluster_options
 @click.argument(
@@ -134,6 +140,7 @@ def run_cmd(
     workers: int | None,
     pin: bool | None,
     prefetch_factor: int | None,
+    reserve: int | str | None,
     make_room: bool,
     cleanup: bool,
     config_path: str | None,
@@ -151,14 +158,15 @@ def run_cmd(
     one named NAME; {{staged}} is a literal {staged}.  The job also gets
     SHMSTAGE_DATA, SHMSTAGE_DATA_<NAME> and the loader settings make_loader reads.
     Signals sent to shmstage are forwarded to the job; its exit status is
-    returned (128+N if signal N killed it).
+    returned, and if signal N killed it shmstage dies of signal N too (a shell
+    sees 128+N, and a loop stops on ^C).
 
     \b
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
       shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
     from shmstage.cluster import resolve
-    from shmstage.launch import run
+    from shmstage.launch import JobKilled, run
 
     result = run(
         command,
@@ -167,10 +175,13 @@ def run_cmd(
         workers=workers,
         pin=pin,
         prefetch_factor=prefetch_factor,
+        reserve=reserve,
         cleanup=cleanup,
         make_room=make_room,
         config_path=config_path,
         log=_log,
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
     )
+    if result.signal is not None:
+        raise JobKilled(result.signal)  # cleaned up: now die of it (shmstage.cli.main)
     raise SystemExit(result.returncode)

@@ -10,6 +10,7 @@ import click
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
 from shmstage.cli.params import SIZE_OR_PERCENT, cluster_options, config_option
+from shmstage.config import node_reserve
 from shmstage.errors import CapacityError
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
@@ -85,7 +86,7 @@ def _log_waiting(p: Progress) -> None:
     help="Print which tier would be used and what would be evicted; copy and remove nothing.",
 )
 @config_option(
-    "Node config whose dest tiers and cache settings (max_size) apply. "
+    "Node config whose dest tiers, cache settings (max_size) and reserve apply. "
     "Default: /etc/shmstage.yaml if it exists."
 )
 @click.option(
@@ -105,7 +106,7 @@ def _log_waiting(p: Progress) -> None:
     "--reserve",
     type=SIZE_OR_PERCENT,
     help="Room to keep free for DataLoader shared memory: a size, or N% of DEST's file system. "
-    "Default: 10% of DEST, at most 4G.",
+    "Default: the node config's reserve, else 10% of DEST, at most 4G.",
 )
 @click.option(
     "--force",
@@ -169,6 +170,8 @@ def stage_cmd(
 
     spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
     dest, policies = configured(dest, config_path)
+    if reserve is None:  # the option and its variable win over the node config
+        reserve = node_reserve(config_path)
     if dry_run:
         p = plan(src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies)
         click.echo(dumps(p) if as_json else _render_plan(p))
