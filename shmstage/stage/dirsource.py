@@ -8,6 +8,7 @@ Where the stager is root, copies keep owners like ``cp -a``.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -34,16 +35,26 @@ class DirSource(Source):
         self.prefix = location.rstrip("/") + "/"
         self.own = copier.keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
         self.tree: Tree | None = None
+        self._below: copier.SourceTree | None = None  # opened for owner(), kept till the end
+
+    def __del__(self) -> None:
+        if self._below is not None:
+            self._below.close()
 
     def listing(self) -> Listing:
-        tree = walk(self.location, threads=scan_threads(self.location))
+        tree = walk(self.location, threads=scan_threads(self.location), idents=True)
         self.tree = tree
         return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
 
     def owner(self, rel: str) -> os.stat_result | None:
         if not self.own:
             return None
-        return os.lstat(self.prefix + rel if rel != "." else self.location)
+        if self._below is None:  # never through a directory swapped for a symlink since
+            self._below = copier.SourceTree(self.location)
+        try:
+            return self._below.lstat(rel)
+        except OSError as e:
+            raise _replaced(self.prefix + rel, e) from None
 
     def fetch(
         self,
@@ -55,8 +66,10 @@ class DirSource(Source):
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
         src, dst = self.prefix, root + "/"
+        idents = (self.tree.idents if self.tree is not None else None) or {}
         jobs: list[copier.Job] = [
             (src + w.path, dst + w.path, w.size, w.mtime_ns, w.atime_ns, w.mode, w.path)
+            + (idents.get(w.path, 0),)
             for w in wants  # plain concatenation: 1M joins cost seconds
         ]
         old_umask = os.umask(0)
@@ -82,7 +95,11 @@ class DirSource(Source):
         """After the copy: big files' owners, modes and times; the checksum pass."""
         for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
             if self.own:
-                copier.copy_owner(job[1], os.stat(job[0]))
+                st = self.owner(job[6])
+                assert st is not None
+                if len(job) > 7 and job[7] and copier.ident(st) != job[7]:
+                    raise _replaced(job[0], None)
+                copier.copy_owner(job[1], st)
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
@@ -116,8 +133,10 @@ class DirSource(Source):
         page = page_size(store.dest)
         src_prefix, part_prefix = self.prefix, part + "/"
         nworkers = workers or copier.default_workers()
-        walker = Walker(self.location, threads=scan_threads(self.location))
+        walker = Walker(self.location, threads=scan_threads(self.location), idents=True)
         found = iter(walker)
+        idents = walker.idents
+        assert idents is not None
         jobs: list[copier.Job] = []
         chunked: list[copier.Job] = []
         hard: list[list[Any]] = []
@@ -162,6 +181,7 @@ class DirSource(Source):
                         if kind == "f":
                             batch.append(
                                 (src_prefix + rel, part_prefix + rel, size, mtime, atime, mode, rel)
+                                + (idents[rel],)
                             )
                             step[0] += rounded(size, page)
                             step[1] += size
@@ -192,6 +212,18 @@ class DirSource(Source):
         self.settle(jobs, chunked, verify == "checksum", nworkers)
         finish_tree(part, hard, dirs, self.owner)
         return tree
+
+
+def _replaced(path: str, e: OSError | None) -> ShmstageError:
+    """An entry reached through what is no longer the walked tree (a directory swapped for a
+    symlink since): refused, as the copier refuses it."""
+    if e is not None and e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        return ShmstageError(f"cannot read source entry {path}: {e.strerror}")
+    return ShmstageError(
+        f"source entry {path} is not what the scan found: a directory on its path was replaced "
+        "(by a symlink or another directory) since; nothing was published: re-run when the "
+        "source is stable, and check who can change it"
+    )
 
 
 def _refuse_whole(

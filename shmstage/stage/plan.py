@@ -36,6 +36,9 @@ class Tree:
     atimes: list[int]
     bytes: int  # apparent size of the data (hard links counted once)
     files: int  # regular file paths (hard links included)
+    # each file's st_dev << 64 | st_ino as the walk saw it (copy.ident), where asked for:
+    # the copier checks that what it opens is that file
+    idents: dict[str, int] | None = None
 
 
 def _kind_name(mode: int) -> str:
@@ -98,7 +101,13 @@ class Walker:
     exception, ``close()``) cancels what was not started and waits for the rest."""
 
     def __init__(
-        self, root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1
+        self,
+        root: str,
+        *,
+        check_links: bool = True,
+        hardlinks: bool = True,
+        threads: int = 1,
+        idents: bool = False,
     ) -> None:
         self.root = root
         self.check_links = check_links
@@ -113,12 +122,13 @@ class Walker:
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0
         self._seen: dict[tuple[int, int], str] = {}
+        self.idents: dict[str, int] | None = {} if idents else None
         self._done = False
 
     def tree(self) -> Tree:
         if not self._done:
             raise RuntimeError("Walker.tree() before the walk ended")
-        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files)
+        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files, self.idents)
 
     def __iter__(self) -> Iterator[list[Entry]]:
         yield self.entries[:1]
@@ -176,6 +186,8 @@ class Walker:
                     if self.hardlinks and st.st_nlink > 1:
                         seen[key] = rel
                     self.bytes += st.st_size
+                    if self.idents is not None:
+                        self.idents[rel] = st.st_dev << 64 | st.st_ino
                     entries.append(
                         (rel, "f", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, None)
                     )
@@ -207,10 +219,19 @@ class Walker:
         return entries[start:], subdirs
 
 
-def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1) -> Tree:
+def walk(
+    root: str,
+    *,
+    check_links: bool = True,
+    hardlinks: bool = True,
+    threads: int = 1,
+    idents: bool = False,
+) -> Tree:
     """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
     network file systems, where each lstat is a round trip."""
-    walker = Walker(root, check_links=check_links, hardlinks=hardlinks, threads=threads)
+    walker = Walker(
+        root, check_links=check_links, hardlinks=hardlinks, threads=threads, idents=idents
+    )
     for _ in walker:
         pass
     return walker.tree()

@@ -1,0 +1,182 @@
+"""What a staged copy may reveal: sources swapped under a root stager, the group of a user's
+copy, symlinks that climb out of the staged tree, names that are not what they seem.
+
+Real tmpfs, real users through setpriv, real processes stopped and resumed with signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.stage import copy as copier
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
+]
+
+MALLORY = 4343  # owns the source's subdirectories: she may rename and link in them
+VICTIM = 4344  # owns a 0700 directory mallory cannot read
+SECRET = b"TOP-SECRET-" + b"v" * 4085  # one page: the decoy has the same size
+DECOY = b"decoy------" + b"m" * 4085
+
+
+def as_user(uid: int, gid: int | None = None, groups: str | None = None) -> list[str]:
+    grp = f"--groups={groups}" if groups else "--clear-groups"
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid if gid is None else gid}", grp]
+
+
+def own(path: Path, uid: int, gid: int | None = None) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.lchown(p, uid, uid if gid is None else gid)
+
+
+def everything_under(top: Path) -> bytes:
+    """The bytes of every regular file under ``top`` (never following links)."""
+    out = []
+    for dirpath, _dirs, files in os.walk(top):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append(Path(p).read_bytes())
+    return b"".join(out)
+
+
+# --- 1. a directory swapped for a symlink while root copies --------------------------
+
+
+def swap_world(world: Path) -> tuple[Path, Path]:
+    """src/ (mallory's) with a/ (8 files, copied first) and d/secret (her decoy); vault/ (0700,
+    the victim's) holds a secret of the decoy's size and mtime."""
+    src, vault = world / "src", world / "vault"
+    (src / "a").mkdir(parents=True)
+    for i in range(8):
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+    (src / "d").mkdir()
+    (src / "d" / "secret").write_bytes(DECOY)
+    vault.mkdir()
+    (vault / "secret").write_bytes(SECRET)
+    st = (src / "d" / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    own(src, MALLORY)
+    own(vault, VICTIM)
+    vault.chmod(0o700)
+    assert subprocess.run([*as_user(MALLORY), "cat", str(vault / "secret")]).returncode != 0
+    return src, vault
+
+
+def stage_with_swap(world: Path, shmstage_bin, procs, src: Path, vault: Path, dest: Path):
+    """Root stages ``src`` one file at a time; once the copy is under way (a/ landing), the
+    stager is stopped, mallory replaces d/ with a symlink to the vault, and it goes on."""
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.5"}  # a/ takes 4 s: d/secret comes after it
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landing = [dest / ".shmstage" / "partial" / "src" / "a" / "f0"]
+    deadline = time.monotonic() + 60
+    while not any(x.exists() for x in landing):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        swap = f"mv {src}/d {src}/d.old && ln -s {vault} {src}/d"
+        subprocess.run([*as_user(MALLORY), "sh", "-c", swap], check=True)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out.decode(), err.decode()
+
+
+def test_dir_swapped_for_a_symlink_mid_copy_is_refused_and_the_secret_never_lands(
+    open_tmpfs, shmstage_bin, procs
+):
+    """A first copy: d/ becomes a symlink to a 0700 dir after the walk; exit 1 naming d/secret."""
+    world = open_tmpfs("64M")
+    src, vault = swap_world(world)
+    dest = world / "dest"
+    rc, _out, err = stage_with_swap(world, shmstage_bin, procs, src, vault, dest)
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "d/secret" in lines[0], err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    assert not (dest / "src").exists()
+
+
+def test_restage_with_a_dir_swapped_for_a_symlink_mid_copy_is_refused(
+    open_tmpfs, shmstage_bin, procs
+):
+    """A restage (changed files only): the same swap is refused; the published copy stays."""
+    world = open_tmpfs("64M")
+    src, vault = swap_world(world)
+    dest = world / "dest"
+    first = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    for i in range(8):  # a/ and d/secret changed: the restage copies them again
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+    (src / "d" / "secret").write_bytes(DECOY[::-1])
+    st = (src / "d" / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    rc, _out, err = stage_with_swap(world, shmstage_bin, procs, src, vault, dest)
+    assert rc == 1, err
+    assert "d/secret" in err and "Traceback" not in err, err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    assert (dest / "src" / "d" / "secret").read_bytes() == DECOY
+
+
+def test_verify_checksum_does_not_read_through_a_swapped_dir(open_tmpfs, shmstage_bin):
+    """verify --checksum after d/ became a symlink: a difference (exit 3), never 'OK'."""
+    world = open_tmpfs("64M")
+    src, vault = swap_world(world)
+    dest = world / "dest"
+    (vault / "secret").write_bytes(DECOY)  # same bytes: only the path tells them apart
+    st = (src / "d" / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    os.rename(src / "d", src / "d.old")
+    os.symlink(vault, src / "d")
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "src", "--dest", str(dest), "--checksum"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 3, check.stdout + check.stderr
+    assert "d/secret" in check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "per-component"])
+def test_source_tree_opens_below_its_root_and_never_through_a_symlink(
+    tmp_path, monkeypatch, openat2
+):
+    """SourceTree.open: a plain path opens; a symlinked directory on the way is ELOOP/ENOTDIR,
+    with openat2 and with the per-component fallback of older kernels."""
+    import errno
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"ok")
+    (tmp_path / "vault").mkdir()
+    (tmp_path / "vault" / "f").write_bytes(b"secret")
+    (tmp_path / "l").symlink_to(tmp_path / "vault")
+    monkeypatch.setattr(copier, "_openat2", [] if openat2 else [False])
+    with copier.SourceTree(str(tmp_path)) as tree:
+        fd = tree.open("d/f", os.O_RDONLY)
+        try:
+            assert os.read(fd, 10) == b"ok"
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as e:
+            tree.open("l/f", os.O_RDONLY)
+        assert e.value.errno in (errno.ELOOP, errno.ENOTDIR)
+        assert tree.lstat("d/f").st_size == 2
+        with pytest.raises(OSError):
+            tree.lstat("l/f")
