@@ -180,3 +180,77 @@ def test_source_tree_opens_below_its_root_and_never_through_a_symlink(
         assert tree.lstat("d/f").st_size == 2
         with pytest.raises(OSError):
             tree.lstat("l/f")
+
+
+# --- 2. the group of a copy a user stages ------------------------------------------
+
+STAGER, PRIMARY, PROJECT = 4345, 4346, 4347  # the stager, its primary group, the data's group
+
+
+def group_world(world: Path) -> Path:
+    """src/ (the stager's, group PROJECT): a 0640 file and a 0750 directory with a 0640 file."""
+    src = world / "gsrc"
+    (src / "sub").mkdir(parents=True)
+    (src / "f").write_bytes(b"project data\n")
+    (src / "sub" / "g").write_bytes(b"more project data\n")
+    own(src, STAGER, PROJECT)
+    src.chmod(0o750)
+    (src / "sub").chmod(0o750)
+    (src / "f").chmod(0o640)
+    (src / "sub" / "g").chmod(0o640)
+    return src
+
+
+def stage_as(src: Path, dest: Path, shmstage_bin, groups: str | None, *more: str):
+    return subprocess.run(
+        [*as_user(STAGER, PRIMARY, groups), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+        + list(more),
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_user_outside_the_source_group_gets_no_group_bits(open_tmpfs, shmstage_bin):
+    """The stager is not in the data's group: no copy is readable by the stager's primary group
+    (group bits cleared on files and directories); verify is clean, a restage copies nothing."""
+    world = open_tmpfs("64M")
+    src = group_world(world)
+    dest = world / "dest"
+    done = stage_as(src, dest, shmstage_bin, None)
+    assert done.returncode == 0, done.stderr
+    for rel in ("f", "sub", "sub/g", "."):
+        st = (dest / "gsrc" / rel).lstat()
+        assert st.st_gid == PROJECT or st.st_mode & 0o070 == 0, (rel, st.st_gid, oct(st.st_mode))
+    check = subprocess.run(
+        [*as_user(STAGER, PRIMARY), *shmstage_bin, "verify", "gsrc", "--dest", str(dest)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    again = stage_as(src, dest, shmstage_bin, None, "--json")
+    assert again.returncode == 0 and '"changed": false' in again.stdout, again.stdout + again.stderr
+
+
+def test_a_user_in_the_source_group_keeps_it(open_tmpfs, shmstage_bin):
+    """The stager is in the data's group: every copy keeps that group and the source's mode."""
+    world = open_tmpfs("64M")
+    src = group_world(world)
+    dest = world / "dest"
+    done = stage_as(src, dest, shmstage_bin, str(PROJECT))
+    assert done.returncode == 0, done.stderr
+    for rel, mode in (("f", 0o640), ("sub", 0o750), ("sub/g", 0o640)):
+        st = (dest / "gsrc" / rel).lstat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (STAGER, PROJECT, mode), rel
+    check = subprocess.run(
+        [
+            *as_user(STAGER, PRIMARY, str(PROJECT)),
+            *shmstage_bin,
+            "verify",
+            "gsrc",
+            "--dest",
+            str(dest),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

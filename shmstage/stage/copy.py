@@ -92,6 +92,21 @@ def copy_owner(path: str | int, st: os.stat_result) -> None:
             raise
 
 
+def stager_groups() -> frozenset[int]:
+    """The groups this process may give what it creates (chgrp to one's own groups needs no
+    privilege).  A user's copy of a file of another group keeps that group only if it is one
+    of these; else the walk clears the group bits (plan.Walker ``groups``)."""
+    return frozenset(os.getgroups()) | {os.getegid()}
+
+
+def copy_group(path: str | int, gid: int) -> None:
+    """A user's copy gets its source's group ``gid``, one of :func:`stager_groups`."""
+    if isinstance(path, int):
+        os.fchown(path, -1, gid)
+    else:
+        os.chown(path, -1, gid, follow_symlinks=False)
+
+
 def ident(st: os.stat_result) -> int:
     """What tells one file from another for as long as both exist: device and inode."""
     return st.st_dev << 64 | st.st_ino
@@ -769,7 +784,9 @@ class _State:
     def __init__(self) -> None:
         self.noatime = _NOATIME
         self.trees: dict[str, SourceTree] = {}  # per source root: opened once per worker
+        self.egid = os.getegid()  # what our new files get (partial/ is never setgid)
         self.chown = keeps_owner()
+        self.groups = None if self.chown else stager_groups()
         self.sendfile = True
         self.buf = bytearray(BUF)
         self.buf2 = bytearray(BUF)
@@ -894,9 +911,17 @@ def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
                 raise _Fail(_K_REPLACED, 0, src)
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(_K_CHANGED, 0, src)
+            regroup = -1  # a user's copy: the source's group where it is one of ours
+            if state.groups is not None and st.st_gid != state.egid:
+                if st.st_gid in state.groups:
+                    regroup = st.st_gid
+                elif mode & 0o070 & ~((mode & 0o7) << 3):  # the walk saw one of ours: chgrp-ed
+                    raise _Fail(_K_CHANGED, 0, src)
             try:
                 if state.chown:
                     copy_owner(fo, st)
+                elif regroup >= 0:
+                    copy_group(fo, regroup)
                 os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
             except OSError as e:
                 raise _Fail(_K_WRITE, e.errno or 0, dst) from None

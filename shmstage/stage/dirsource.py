@@ -34,6 +34,9 @@ class DirSource(Source):
         self.peers = peers  # a cluster.Peers: each node reads a share, they exchange the rest
         self.prefix = location.rstrip("/") + "/"
         self.own = copier.keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
+        # a user's copies keep the source's group where it is one of the user's, else they get
+        # no group bits (the walk clears them)
+        self.groups = None if self.own else copier.stager_groups()
         self.tree: Tree | None = None
         self._below: copier.SourceTree | None = None  # opened for owner(), kept till the end
 
@@ -42,14 +45,26 @@ class DirSource(Source):
             self._below.close()
 
     def listing(self) -> Listing:
-        tree = walk(self.location, threads=scan_threads(self.location), idents=True)
+        tree = walk(
+            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+        )
         self.tree = tree
         return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
 
     def owner(self, rel: str) -> os.stat_result | None:
         if not self.own:
             return None
-        if self._below is None:  # never through a directory swapped for a symlink since
+        return self._lstat(rel)
+
+    def group(self, rel: str) -> int | None:
+        if self.groups is None:
+            return None
+        gid = self._lstat(rel).st_gid
+        return gid if gid in self.groups else None
+
+    def _lstat(self, rel: str) -> os.stat_result:
+        """The source entry's lstat, never through a directory swapped for a symlink since."""
+        if self._below is None:
             self._below = copier.SourceTree(self.location)
         try:
             return self._below.lstat(rel)
@@ -94,12 +109,13 @@ class DirSource(Source):
     ) -> None:
         """After the copy: big files' owners, modes and times; the checksum pass."""
         for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
+            st = self._lstat(job[6])
+            if len(job) > 7 and job[7] and copier.ident(st) != job[7]:
+                raise _replaced(job[0], None)
             if self.own:
-                st = self.owner(job[6])
-                assert st is not None
-                if len(job) > 7 and job[7] and copier.ident(st) != job[7]:
-                    raise _replaced(job[0], None)
                 copier.copy_owner(job[1], st)
+            elif self.groups is not None and st.st_gid in self.groups:
+                copier.copy_group(job[1], st.st_gid)
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
@@ -130,10 +146,13 @@ class DirSource(Source):
         would.  Writes the new manifest once the walk ended, while the workers still copy."""
         part = store.partial(name)
         os.mkdir(part, 0o700)
+        os.chmod(part, 0o700)  # never setgid (inherited from DEST): new files get our egid
         page = page_size(store.dest)
         src_prefix, part_prefix = self.prefix, part + "/"
         nworkers = workers or copier.default_workers()
-        walker = Walker(self.location, threads=scan_threads(self.location), idents=True)
+        walker = Walker(
+            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+        )
         found = iter(walker)
         idents = walker.idents
         assert idents is not None
@@ -210,7 +229,7 @@ class DirSource(Source):
             os.umask(old_umask)
             found.close()  # an early exit: stop the scan threads now
         self.settle(jobs, chunked, verify == "checksum", nworkers)
-        finish_tree(part, hard, dirs, self.owner)
+        finish_tree(part, hard, dirs, self.owner, self.group)
         return tree
 
 

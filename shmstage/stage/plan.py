@@ -108,6 +108,7 @@ class Walker:
         hardlinks: bool = True,
         threads: int = 1,
         idents: bool = False,
+        groups: frozenset[int] | None = None,
     ) -> None:
         self.root = root
         self.check_links = check_links
@@ -118,12 +119,24 @@ class Walker:
             st = os.lstat(root)
         except OSError as e:
             raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
-        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, stat.S_IMODE(st.st_mode), None)]
+        # A user's copy can only have one of the user's groups: where the source's group is
+        # another, the copy's group gets only what others get (a 0640 file becomes 0600, a
+        # 0755 one stays 0755): else the user's primary group could read what it could not.
+        self.groups = groups
+        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, self._mode(st), None)]
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0
         self._seen: dict[tuple[int, int], str] = {}
         self.idents: dict[str, int] | None = {} if idents else None
         self._done = False
+
+    def _mode(self, st: os.stat_result) -> int:
+        """The mode the copy gets: the source's, set-id bits off for files, group bits off
+        where a user's copy cannot keep the group (``groups``)."""
+        mode = st.st_mode & FILE_MODE_MASK if stat.S_ISREG(st.st_mode) else stat.S_IMODE(st.st_mode)
+        if self.groups is not None and st.st_gid not in self.groups:
+            mode &= ~stat.S_IRWXG | (mode & 0o7) << 3  # what "other" may, the group may too
+        return mode
 
     def tree(self) -> Tree:
         if not self._done:
@@ -170,29 +183,28 @@ class Walker:
         self, rel_dir: str, listing: list[tuple[str, os.stat_result]]
     ) -> tuple[list[Entry], list[str]]:
         start = len(self.entries)
-        entries, atimes, seen = self.entries, self.atimes, self._seen
+        entries, atimes, seen, groups = self.entries, self.atimes, self._seen, self.groups
         subdirs = []
         for name, st in listing:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
             if stat.S_ISREG(mode):
+                fmode = mode & FILE_MODE_MASK
+                if groups is not None and st.st_gid not in groups:  # inline: 1M calls
+                    fmode &= ~stat.S_IRWXG | (fmode & 0o7) << 3
                 self.files += 1
                 key = (st.st_dev, st.st_ino)
                 if self.hardlinks and st.st_nlink > 1 and key in seen:
-                    entries.append(
-                        (rel, "h", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, seen[key])
-                    )
+                    entries.append((rel, "h", st.st_size, st.st_mtime_ns, fmode, seen[key]))
                 else:
                     if self.hardlinks and st.st_nlink > 1:
                         seen[key] = rel
                     self.bytes += st.st_size
                     if self.idents is not None:
                         self.idents[rel] = st.st_dev << 64 | st.st_ino
-                    entries.append(
-                        (rel, "f", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, None)
-                    )
+                    entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, None))
             elif stat.S_ISDIR(mode):
-                entries.append((rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(mode), None))
+                entries.append((rel, "d", 0, st.st_mtime_ns, self._mode(st), None))
                 subdirs.append(rel)
             elif stat.S_ISLNK(mode):
                 path = os.path.join(self.root, rel)
@@ -226,11 +238,17 @@ def walk(
     hardlinks: bool = True,
     threads: int = 1,
     idents: bool = False,
+    groups: frozenset[int] | None = None,
 ) -> Tree:
     """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
     network file systems, where each lstat is a round trip."""
     walker = Walker(
-        root, check_links=check_links, hardlinks=hardlinks, threads=threads, idents=idents
+        root,
+        check_links=check_links,
+        hardlinks=hardlinks,
+        threads=threads,
+        idents=idents,
+        groups=groups,
     )
     for _ in walker:
         pass
