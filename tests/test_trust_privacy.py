@@ -254,3 +254,70 @@ def test_a_user_in_the_source_group_keeps_it(open_tmpfs, shmstage_bin):
         text=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# --- 3. symlinks that climb out through the tree's top ----------------------------
+
+
+def test_a_link_that_climbs_through_the_root_back_into_the_source_is_refused(
+    tmp_path, tmpfs, shmstage_bin
+):
+    """x -> ../../..$SRC/data stays in SRC at the source, but in the copy it reads the slow
+    source: refused (exit 2, one line naming the link), nothing published."""
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "f").write_bytes(b"slow\n")
+    up = "/".join([".."] * len(src.parts))  # from src/ up to / (and no further)
+    (src / "x").symlink_to(up + str(src) + "/data")
+    assert (src / "x" / "f").read_bytes() == b"slow\n"  # the premise: it resolves inside SRC
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("Error: "), done.stderr
+    assert f"{src}/x ->" in done.stderr
+    assert not (dest / "src").exists()
+
+
+@pytest.mark.parametrize("via_link", [False, True], ids=["direct", "through-a-link"])
+def test_a_link_into_another_dataset_is_refused(tmp_path, tmpfs, shmstage_bin, via_link):
+    """Source L staged as M: x -> ../L/data (or a -> . plus x -> a/../L/data) stays in L at
+    the source but reads dataset L under DEST once staged as M: refused."""
+    src = tmp_path / "L"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "f").write_bytes(b"L's\n")
+    if via_link:
+        (src / "a").symlink_to(".")
+        (src / "x").symlink_to("a/../L/data")
+    else:
+        (src / "x").symlink_to("../L/data")
+    assert (src / "x" / "f").read_bytes() == b"L's\n"
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--name", "M"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{src}/x ->" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not (dest / "M").exists()
+
+
+def test_links_that_stay_inside_still_stage(tmp_path, tmpfs, shmstage_bin):
+    """In-tree links, also through other links and a loop, are kept as links."""
+    src = tmp_path / "src"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "d" / "e" / "f").write_bytes(b"x")
+    (src / "up").symlink_to("d/e/..")
+    (src / "g").symlink_to("up/e/f")
+    (src / "d" / "e" / "back").symlink_to("../../d/e/f")
+    (src / "loop").symlink_to("loop")
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (dest / "src" / "g").read_bytes() == b"x"
+    assert (dest / "src" / "d" / "e" / "back").read_bytes() == b"x"
+    assert os.readlink(dest / "src" / "loop") == "loop"

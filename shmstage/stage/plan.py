@@ -65,6 +65,45 @@ def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     return target
 
 
+def climbs_out(root: str, rel: str, target: str, hops: int = 40) -> bool:
+    """Whether symlink ``rel`` -> ``target`` (a stored target: relative) leaves the tree at
+    some step when resolved from inside the tree, as the kernel resolves it in the staged
+    copy: ``..`` from the tree's top climbs out of the dataset, even if the rest of the path
+    leads back into the source (``../../..$SRC/data``: the slow source; ``../L/data``:
+    another dataset under DEST).  Links on the way are followed through the source, whose
+    links the copy keeps; a loop stays inside (it is copied as the loop it is)."""
+    parts: list[str] = rel.split("/")[:-1]  # the link's directory, below the top
+    pending = target.split("/")
+    if target.startswith("/"):
+        return True
+    pending.reverse()  # a stack: the next component last
+    while pending:
+        name = pending.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            if not parts:
+                return True
+            parts.pop()
+            continue
+        try:
+            inner = os.readlink(os.path.join(root, *parts, name))
+        except OSError:  # not a link (or gone): a plain step down
+            parts.append(name)
+            continue
+        hops -= 1
+        if hops < 0:
+            return False
+        if os.path.isabs(inner):
+            top = root.rstrip("/") + "/"
+            if not inner.startswith(top):
+                return True  # that link is refused on its own when the walk meets it
+            parts = []
+            inner = inner[len(top) :]
+        pending.extend(reversed(inner.split("/")))
+    return False
+
+
 def _scan_dir(root: str, rel_dir: str) -> list[tuple[str, os.stat_result]]:
     """One directory's entries with their lstat, sorted by name (runs in a thread)."""
     abs_dir = os.path.join(root, rel_dir) if rel_dir else root
@@ -219,6 +258,13 @@ class Walker:
                             f"source has a symlink that points outside it: {path} -> {target}; "
                             "shmstage copies only what is inside the tree: stage the target too, "
                             "or replace the link with the data"
+                        )
+                    if climbs_out(self.root, rel, stored):
+                        raise RefusedError(
+                            f"source has a symlink that climbs out of it on the way to its "
+                            f"target: {path} -> {target}; staged, it would lead outside the "
+                            "dataset (to the source or another dataset): make the link a path "
+                            "that stays inside the tree, or replace it with the data"
                         )
                     target = stored
                 entries.append((rel, "l", 0, st.st_mtime_ns, 0o777, target))
