@@ -321,3 +321,47 @@ def test_links_that_stay_inside_still_stage(tmp_path, tmpfs, shmstage_bin):
     assert (dest / "src" / "g").read_bytes() == b"x"
     assert (dest / "src" / "d" / "e" / "back").read_bytes() == b"x"
     assert os.readlink(dest / "src" / "loop") == "loop"
+
+
+# --- 4. names -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ds\n", "-ds"], ids=["trailing-newline", "leading-dash"])
+def test_a_name_with_a_final_newline_or_a_leading_dash_is_refused(
+    tmp_path, tmpfs, shmstage_bin, name
+):
+    """'ds\\n' (the shell strips the newline: the job reads ds) and '-ds' (an option): exit 2."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--name", name],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("Error: invalid dataset name") and done.stderr.count("\n") == 1
+    assert not dest.exists() or os.listdir(dest) in ([], [".shmstage"])
+
+
+def test_a_source_path_that_is_not_utf8_stages_with_the_same_bytes(tmp_path, tmpfs, shmstage_bin):
+    """A source dir named b'src\\xe9' holding b'd\\xff/f\\xe9': staged (exit 0), the copy has
+    the same bytes names, verify --checksum is clean."""
+    src = os.fsencode(tmp_path) + b"/src\xe9"
+    os.makedirs(src + b"/d\xff")
+    with open(src + b"/d\xff/f\xe9", "wb") as f:
+        f.write(b"latin-1 named\n")
+    dest = os.fsencode(tmpfs("16M") / "dest")
+    done = subprocess.run(
+        [*map(os.fsencode, shmstage_bin), b"stage", src, b"--dest", dest, b"--name", b"lat"],
+        capture_output=True,
+    )
+    assert done.returncode == 0, done.stderr
+    with open(dest + b"/lat/d\xff/f\xe9", "rb") as f:
+        assert f.read() == b"latin-1 named\n"
+    check = subprocess.run(
+        [*map(os.fsencode, shmstage_bin), b"verify", b"lat", b"--dest", dest, b"--checksum"],
+        capture_output=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
