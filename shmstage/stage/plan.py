@@ -9,6 +9,7 @@ relative with ``/``; the root directory is ``"."``.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
+from shmstage.stage.copy import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
@@ -104,29 +106,56 @@ def climbs_out(root: str, rel: str, target: str, hops: int = 40) -> bool:
     return False
 
 
-def _scan_dir(root: str, rel_dir: str) -> list[tuple[str, os.stat_result]]:
-    """One directory's entries with their lstat, sorted by name (runs in a thread)."""
-    abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+Scanned = list[tuple[str, os.stat_result, str | None]]  # name, lstat, a symlink's target
+
+
+def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
+    """One directory's entries with their lstat (and symlinks' targets), sorted by name (runs
+    in a thread).  The directory is opened below the tree's top without following a symlink
+    and must be the one its parent listed (``expect``, copy.ident): a directory swapped for a
+    symlink mid-walk is not listed through it."""
+    abs_dir = os.path.join(tree.root, rel_dir) if rel_dir else tree.root
     try:
-        with os.scandir(abs_dir) as it:
-            items = sorted(it, key=lambda e: e.name)
+        fd = tree.open(rel_dir or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShmstageError(
             f"source directory vanished while scanning: {abs_dir}; re-run when the source is stable"
         ) from None
     except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+            raise _replaced_dir(abs_dir) from None
         raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
-    out = []
-    for item in items:
+    try:
+        if ident(os.fstat(fd)) != expect:
+            raise _replaced_dir(abs_dir)
         try:
-            out.append((item.name, item.stat(follow_symlinks=False)))
-        except FileNotFoundError:
-            raise ShmstageError(
-                f"source file vanished while scanning: {item.path}; re-run when the source is stable"
-            ) from None
+            with os.scandir(fd) as it:
+                items = sorted(it, key=lambda e: e.name)
         except OSError as e:
-            raise ShmstageError(f"cannot stat source file {item.path}: {e.strerror}") from None
-    return out
+            raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
+        out: Scanned = []
+        for item in items:
+            path = os.path.join(abs_dir, item.name)
+            try:
+                st = item.stat(follow_symlinks=False)  # fstatat(fd, name): no path walk
+                target = os.readlink(item.name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+            except FileNotFoundError:
+                raise ShmstageError(
+                    f"source file vanished while scanning: {path}; re-run when the source is stable"
+                ) from None
+            except OSError as e:
+                raise ShmstageError(f"cannot stat source file {path}: {e.strerror}") from None
+            out.append((item.name, st, target))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _replaced_dir(path: str) -> ShmstageError:
+    return ShmstageError(
+        f"source directory {path} was replaced while scanning (by a symlink or another "
+        "directory); re-run when the source is stable, and check who can change it"
+    )
 
 
 class Walker:
@@ -184,31 +213,39 @@ class Walker:
 
     def __iter__(self) -> Iterator[list[Entry]]:
         yield self.entries[:1]
+        try:
+            tree = SourceTree(self.root)
+        except OSError as e:
+            raise ShmstageError(f"cannot read {self.root}: {e.strerror}") from None
+        with tree:
+            yield from self._walk(tree, ident(os.fstat(tree.fd)))
+
+    def _walk(self, tree: SourceTree, top: int) -> Iterator[list[Entry]]:
         if self.threads == 1:  # a tmpfs or a warm tree: threads would only add GIL hand-offs
-            pending = [""]
+            pending = [("", top)]
             while pending:
-                rel_dir = pending.pop()
-                new, subdirs = self._add(rel_dir, _scan_dir(self.root, rel_dir))
+                rel_dir, expect = pending.pop()
+                new, subdirs = self._add(rel_dir, _scan_dir(tree, rel_dir, expect))
                 pending.extend(reversed(subdirs))
                 yield new
             self._done = True
             return
-        listings: dict[str, Future[list[tuple[str, os.stat_result]]]] = {}
+        listings: dict[str, Future[Scanned]] = {}
         with ThreadPoolExecutor(self.threads, thread_name_prefix="shmstage-scan") as pool:
 
-            def scan(rel_dir: str) -> list[tuple[str, os.stat_result]]:
-                listing = _scan_dir(self.root, rel_dir)
-                for name, st in listing:  # queue the subdirectories before returning:
+            def scan(rel_dir: str, expect: int) -> Scanned:
+                listing = _scan_dir(tree, rel_dir, expect)
+                for name, st, _ in listing:  # queue the subdirectories before returning:
                     if stat.S_ISDIR(st.st_mode):  # the consumer waits for them next
                         rel = f"{rel_dir}/{name}" if rel_dir else name
-                        listings[rel] = pool.submit(scan, rel)
+                        listings[rel] = pool.submit(scan, rel, ident(st))
                 return listing
 
-            listings[""] = pool.submit(scan, "")
+            listings[""] = pool.submit(scan, "", top)
             try:
-                pending = [""]
+                pending = [("", top)]
                 while pending:  # depth-first by name: a deterministic, parent-before-child order
-                    rel_dir = pending.pop()
+                    rel_dir, _ = pending.pop()
                     new, subdirs = self._add(rel_dir, listings.pop(rel_dir).result())
                     pending.extend(reversed(subdirs))
                     yield new
@@ -218,13 +255,11 @@ class Walker:
                 pool.shutdown(wait=True, cancel_futures=True)
         self._done = True
 
-    def _add(
-        self, rel_dir: str, listing: list[tuple[str, os.stat_result]]
-    ) -> tuple[list[Entry], list[str]]:
+    def _add(self, rel_dir: str, listing: Scanned) -> tuple[list[Entry], list[tuple[str, int]]]:
         start = len(self.entries)
         entries, atimes, seen, groups = self.entries, self.atimes, self._seen, self.groups
         subdirs = []
-        for name, st in listing:
+        for name, st, link in listing:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
             if stat.S_ISREG(mode):
@@ -244,13 +279,10 @@ class Walker:
                     entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, None))
             elif stat.S_ISDIR(mode):
                 entries.append((rel, "d", 0, st.st_mtime_ns, self._mode(st), None))
-                subdirs.append(rel)
+                subdirs.append((rel, ident(st)))
             elif stat.S_ISLNK(mode):
                 path = os.path.join(self.root, rel)
-                try:
-                    target = os.readlink(path)
-                except OSError as e:
-                    raise ShmstageError(f"cannot read symlink {path}: {e.strerror}") from None
+                target = link or ""
                 if self.check_links:
                     stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
