@@ -185,16 +185,18 @@ def test_source_tree_opens_below_its_root_and_never_through_a_symlink(
 # --- 2. the group of a copy a user stages ------------------------------------------
 
 STAGER, PRIMARY, PROJECT = 4345, 4346, 4347  # the stager, its primary group, the data's group
+COLLEAGUE = 4348  # in the stager's primary group only
 
 
 def group_world(world: Path) -> Path:
-    """src/ (the stager's, group PROJECT): a 0640 file and a 0750 directory with a 0640 file."""
+    """src/ (0755, the stager's, group PROJECT): a 0640 file and a 0750 directory with a 0640
+    file: only the stager and PROJECT's members read them."""
     src = world / "gsrc"
     (src / "sub").mkdir(parents=True)
     (src / "f").write_bytes(b"project data\n")
     (src / "sub" / "g").write_bytes(b"more project data\n")
     own(src, STAGER, PROJECT)
-    src.chmod(0o750)
+    src.chmod(0o755)
     (src / "sub").chmod(0o750)
     (src / "f").chmod(0o640)
     (src / "sub" / "g").chmod(0o640)
@@ -218,9 +220,12 @@ def test_a_user_outside_the_source_group_gets_no_group_bits(open_tmpfs, shmstage
     dest = world / "dest"
     done = stage_as(src, dest, shmstage_bin, None)
     assert done.returncode == 0, done.stderr
-    for rel in ("f", "sub", "sub/g", "."):
+    for rel in ("f", "sub", "sub/g"):
         st = (dest / "gsrc" / rel).lstat()
         assert st.st_gid == PROJECT or st.st_mode & 0o070 == 0, (rel, st.st_gid, oct(st.st_mode))
+    assert (dest / "gsrc").stat().st_mode & 0o777 == 0o755  # what others may, the group may
+    peek = subprocess.run([*as_user(COLLEAGUE, PRIMARY), "cat", str(dest / "gsrc" / "f")])
+    assert peek.returncode != 0  # the premise of the leak: at the source she could not
     check = subprocess.run(
         [*as_user(STAGER, PRIMARY), *shmstage_bin, "verify", "gsrc", "--dest", str(dest)],
         capture_output=True,
@@ -365,3 +370,26 @@ def test_a_source_path_that_is_not_utf8_stages_with_the_same_bytes(tmp_path, tmp
         capture_output=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_an_archive_link_that_climbs_out_through_another_link_is_refused(
+    tmp_path, tmpfs, shmstage_bin
+):
+    """A tar with a -> . and x -> a/../L/data (normpath says inside) staged as M: exit 2."""
+    import tarfile
+
+    archive = tmp_path / "L.tar"
+    with tarfile.open(archive, "w") as tf:
+        for name, target in (("a", "."), ("x", "a/../L/data")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tf.addfile(info)
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(archive), "--dest", str(dest), "--name", "M"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "'x'" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not (dest / "M").exists()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -67,17 +67,20 @@ def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     return target
 
 
-def climbs_out(root: str, rel: str, target: str, hops: int = 40) -> bool:
-    """Whether symlink ``rel`` -> ``target`` (a stored target: relative) leaves the tree at
-    some step when resolved from inside the tree, as the kernel resolves it in the staged
-    copy: ``..`` from the tree's top climbs out of the dataset, even if the rest of the path
-    leads back into the source (``../../..$SRC/data``: the slow source; ``../L/data``:
-    another dataset under DEST).  Links on the way are followed through the source, whose
-    links the copy keeps; a loop stays inside (it is copied as the loop it is)."""
-    parts: list[str] = rel.split("/")[:-1]  # the link's directory, below the top
-    pending = target.split("/")
+def climbs_out(
+    rel: str, target: str, readlink: Callable[[str], str | None], hops: int = 40
+) -> bool:
+    """Whether symlink ``rel`` -> ``target`` leaves the tree at some step when resolved from
+    inside it, as the kernel resolves it in the staged copy: ``..`` from the tree's top climbs
+    out of the dataset even if the rest of the path leads back into the source
+    (``../../..$SRC/data``: the slow source; ``../L/data``: another dataset under DEST).
+    ``readlink(path)`` gives the tree's other links (the copy keeps them; None: not a link)
+    and they are followed on the way, so ``a -> .`` plus ``b -> a/../L`` counts too; an
+    absolute target leaves.  A loop stays inside (it is copied as the loop it is)."""
     if target.startswith("/"):
         return True
+    parts: list[str] = rel.split("/")[:-1]  # the link's directory, below the top
+    pending = target.split("/")
     pending.reverse()  # a stack: the next component last
     while pending:
         name = pending.pop()
@@ -88,22 +91,36 @@ def climbs_out(root: str, rel: str, target: str, hops: int = 40) -> bool:
                 return True
             parts.pop()
             continue
-        try:
-            inner = os.readlink(os.path.join(root, *parts, name))
-        except OSError:  # not a link (or gone): a plain step down
+        inner = readlink("/".join([*parts, name]))
+        if inner is None:  # not a link (or gone): a plain step down
             parts.append(name)
             continue
         hops -= 1
         if hops < 0:
             return False
-        if os.path.isabs(inner):
-            top = root.rstrip("/") + "/"
-            if not inner.startswith(top):
-                return True  # that link is refused on its own when the walk meets it
-            parts = []
-            inner = inner[len(top) :]
+        if inner.startswith("/"):
+            return True
         pending.extend(reversed(inner.split("/")))
     return False
+
+
+def _source_link(root: str, real_root: str) -> Callable[[str], str | None]:
+    """``readlink`` for :func:`climbs_out` over a source directory: its links as the copy will
+    store them (an absolute target inside the tree made relative to the tree's top)."""
+    top = root.rstrip("/") + "/"
+    tops = {top, real_root.rstrip("/") + "/"}
+
+    def readlink(rel: str) -> str | None:
+        try:
+            target = os.readlink(top + rel)
+        except OSError:
+            return None
+        for t in tops:
+            if target.startswith(t):  # in-tree absolute: the copy stores it relative
+                return "/".join([".."] * rel.count("/") + [target[len(t) :]])
+        return target
+
+    return readlink
 
 
 Scanned = list[tuple[str, os.stat_result, str | None]]  # name, lstat, a symlink's target
@@ -183,6 +200,7 @@ class Walker:
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
         self.real_root = os.path.realpath(root)
+        self._readlink = _source_link(root, self.real_root)
         try:
             st = os.lstat(root)
         except OSError as e:
@@ -291,7 +309,7 @@ class Walker:
                             "shmstage copies only what is inside the tree: stage the target too, "
                             "or replace the link with the data"
                         )
-                    if climbs_out(self.root, rel, stored):
+                    if climbs_out(rel, stored, self._readlink):
                         raise RefusedError(
                             f"source has a symlink that climbs out of it on the way to its "
                             f"target: {path} -> {target}; staged, it would lead outside the "
