@@ -81,10 +81,19 @@ class DirSource(Source):
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
         src, dst = self.prefix, root + "/"
-        idents = (self.tree.idents if self.tree is not None else None) or {}
+        # what the walk found at each path: the copier refuses another file (0: unchecked)
+        ident = ((self.tree.idents if self.tree is not None else None) or {}).get
         jobs: list[copier.Job] = [
-            (src + w.path, dst + w.path, w.size, w.mtime_ns, w.atime_ns, w.mode, w.path)
-            + (idents.get(w.path, 0),)
+            (
+                src + w.path,
+                dst + w.path,
+                w.size,
+                w.mtime_ns,
+                w.atime_ns,
+                w.mode,
+                w.path,
+                ident(w.path, 0),
+            )
             for w in wants  # plain concatenation: 1M joins cost seconds
         ]
         old_umask = os.umask(0)
@@ -199,8 +208,16 @@ class DirSource(Source):
                     for (rel, kind, size, mtime, mode, extra), atime in zip(new, atimes):
                         if kind == "f":
                             batch.append(
-                                (src_prefix + rel, part_prefix + rel, size, mtime, atime, mode, rel)
-                                + (idents[rel],)
+                                (
+                                    src_prefix + rel,
+                                    part_prefix + rel,
+                                    size,
+                                    mtime,
+                                    atime,
+                                    mode,
+                                    rel,
+                                    idents[rel],
+                                )
                             )
                             step[0] += rounded(size, page)
                             step[1] += size
