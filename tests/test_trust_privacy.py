@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from shmstage.stage import beneath
 from shmstage.stage import copy as copier
 
 pytestmark = [
@@ -167,8 +168,8 @@ def test_source_tree_opens_below_its_root_and_never_through_a_symlink(
     (tmp_path / "vault").mkdir()
     (tmp_path / "vault" / "f").write_bytes(b"secret")
     (tmp_path / "l").symlink_to(tmp_path / "vault")
-    monkeypatch.setattr(copier, "_openat2", [] if openat2 else [False])
-    with copier.SourceTree(str(tmp_path)) as tree:
+    monkeypatch.setattr(beneath, "_openat2", [] if openat2 else [False])
+    with beneath.SourceTree(str(tmp_path)) as tree:
         fd = tree.open("d/f", os.O_RDONLY)
         try:
             assert os.read(fd, 10) == b"ok"

@@ -233,10 +233,10 @@ class Ring:
     def _read_segment(self, seg: Segment, view: memoryview) -> int:
         rel, size = self.plan.files[seg.file]
         path = self.root + rel
-        from shmstage.stage import copy as copier  # (as in _finish)
+        from shmstage.stage.beneath import SourceTree  # (imports inside, as in _finish)
 
         try:  # never through a directory swapped for a symlink since the walk (the copier's way)
-            with copier.SourceTree(self.root) as tree:
+            with SourceTree(self.root) as tree:
                 try:
                     fd = tree.open(rel, _RD)
                 except PermissionError:  # O_NOATIME: owner only

@@ -15,6 +15,7 @@ from typing import Any
 
 from shmstage.errors import CapacityError, ShmstageError
 from shmstage.stage import copy as copier
+from shmstage.stage.beneath import SourceTree, ident
 from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
@@ -38,7 +39,7 @@ class DirSource(Source):
         # no group bits (the walk clears them)
         self.groups = None if self.own else copier.stager_groups()
         self.tree: Tree | None = None
-        self._below: copier.SourceTree | None = None  # opened for owner(), kept till the end
+        self._below: SourceTree | None = None  # opened for owner(), kept till the end
 
     def __del__(self) -> None:
         if self._below is not None:
@@ -65,7 +66,7 @@ class DirSource(Source):
     def _lstat(self, rel: str) -> os.stat_result:
         """The source entry's lstat, never through a directory swapped for a symlink since."""
         if self._below is None:
-            self._below = copier.SourceTree(self.location)
+            self._below = SourceTree(self.location)
         try:
             return self._below.lstat(rel)
         except OSError as e:
@@ -119,7 +120,7 @@ class DirSource(Source):
         """After the copy: big files' owners, modes and times; the checksum pass."""
         for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
             st = self._lstat(job[6])
-            if len(job) > 7 and job[7] and copier.ident(st) != job[7]:
+            if len(job) > 7 and job[7] and ident(st) != job[7]:
                 raise _replaced(job[0], None)
             if self.own:
                 copier.copy_owner(job[1], st)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
-from shmstage.stage.copy import SourceTree, ident
+from shmstage.stage.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
