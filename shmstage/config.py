@@ -21,8 +21,8 @@ DEFAULT_PATH = "/etc/shmstage.yaml"
 ENV_VAR = "SHMSTAGE_CONFIG"
 VERSION = 1
 VERIFY_MODES = ("size", "checksum")
-# The staging engine's dataset names (shmstage.stage.store): no leading dot, at most 200.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,199}$")
+# The staging engine's dataset names (shmstage.stage.store): no leading dot or dash, at most 200.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")  # \Z: no final newline
 
 
 @dataclass(frozen=True)
@@ -558,7 +558,7 @@ class _Checker:
             return self.fail(
                 key,
                 node,
-                f"{value!r} is not a valid name; use letters, digits, '.', '_', '+' and '-' (at most 200, not starting with '.')",
+                f"{value!r} is not a valid name; use letters, digits, '.', '_', '+' and '-' (at most 200, not starting with '.' or '-')",
             )
         return value
 

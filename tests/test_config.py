@@ -202,7 +202,7 @@ BAD = [
     ),
     (
         "datasets:\n  - {source: /a, name: 'has space'}\n",
-        "2: datasets[0].name: 'has space' is not a valid name; use letters, digits, '.', '_', '+' and '-' (at most 200, not starting with '.')",
+        "2: datasets[0].name: 'has space' is not a valid name; use letters, digits, '.', '_', '+' and '-' (at most 200, not starting with '.' or '-')",
     ),
     (
         "datasets:\n  - [/a]\n",

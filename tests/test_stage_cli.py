@@ -117,7 +117,7 @@ def test_bad_name_error(runner, cli, tmp_path):
     assert r.exit_code == 2
     assert r.stderr == (
         "Error: invalid dataset name '../x': use letters, digits, '.', '_', '-' or '+' "
-        "(at most 200, not starting with '.')\n"
+        "(at most 200, not starting with '.' or '-')\n"
     )
 
 

@@ -29,6 +29,7 @@ forwarded, so the writer is always the last to use a buffer.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -232,11 +233,20 @@ class Ring:
     def _read_segment(self, seg: Segment, view: memoryview) -> int:
         rel, size = self.plan.files[seg.file]
         path = self.root + rel
-        try:
-            fd = os.open(path, _RD)
-        except PermissionError:
-            fd = os.open(path, _RD & ~getattr(os, "O_NOATIME", 0))  # O_NOATIME: owner only
+        from shmstage.stage.beneath import SourceTree  # (imports inside, as in _finish)
+
+        try:  # never through a directory swapped for a symlink since the walk (the copier's way)
+            with SourceTree(self.root) as tree:
+                try:
+                    fd = tree.open(rel, _RD)
+                except PermissionError:  # O_NOATIME: owner only
+                    fd = tree.open(rel, _RD & ~getattr(os, "O_NOATIME", 0))
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ShmstageError(
+                    f"source file {path} is not the file the scan found: a directory on its path "
+                    "was replaced (by a symlink) since; re-run when the source is stable"
+                ) from None
             raise ShmstageError(f"cannot read source file {path}: {e.strerror}") from None
         try:
             # No readahead: past a segment's end lies the next owner's share (read twice).

@@ -118,7 +118,7 @@ class Peers:
         for j, i in enumerate(chosen):
             job = by_rel.get(files[i][0])
             if job is not None:
-                src, dst, size, mtime, atime, mode, _ = job
+                src, dst, size, mtime, atime, mode = job[:6]
                 targets[j] = Target(dst, src, size, mtime, atime, mode, size)
         own = _root()
         for job in jobs:
@@ -214,7 +214,7 @@ def _root() -> bool:
 def _empty_file(job: Any, own: bool) -> None:
     from shmstage.stage import copy as copier
 
-    src, dst, _, mtime, atime, mode, _ = job
+    src, dst, _, mtime, atime, mode = job[:6]
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         if own:

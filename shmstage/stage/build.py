@@ -190,7 +190,7 @@ def build(
         write_manifest()
 
     # 5: what needs every file in place.
-    finish_tree(part, hard, dirs, src.owner)
+    finish_tree(part, hard, dirs, src.owner, src.group)
     return Built(total, listing.bytes, listing.files)
 
 
@@ -209,9 +209,11 @@ def finish_tree(
     hard: list[list[Any]],
     dirs: list[tuple[str, int, int, int]],
     owner: Callable[[str], os.stat_result | None],
+    group: Callable[[str], int | None] | None = None,
 ) -> None:
-    """Hard links inside the tree, then each directory's owner, mode and times (children
-    first: they touch the parent's mtime; an mtime of 0 is left as made)."""
+    """Hard links inside the tree, then each directory's owner (or a user's copy's group),
+    mode and times (children first: they touch the parent's mtime; an mtime of 0 is left as
+    made)."""
     for rel, first in hard:
         os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
     for rel, mode, mtime, atime in reversed(dirs):
@@ -219,6 +221,9 @@ def finish_tree(
         st = owner(rel)
         if st is not None:
             copier.copy_owner(path, st)
+        gid = group(rel) if group is not None else None
+        if gid is not None:
+            copier.copy_group(path, gid)
         os.chmod(path, mode)
         if mtime:
             os.utime(path, ns=(atime if atime >= 0 else mtime, mtime), follow_symlinks=False)
@@ -302,6 +307,7 @@ def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
         if os.path.lexists(part):
             _rmtree(part)
         os.mkdir(part, 0o700)
+        os.chmod(part, 0o700)  # never setgid (inherited from DEST): new files get our egid
         return set()
     os.chmod(part, 0o700)
     have = walk(part, check_links=False, hardlinks=False)

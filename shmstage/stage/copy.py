@@ -39,9 +39,11 @@ from dataclasses import dataclass
 
 from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
+from shmstage.stage.beneath import SourceTree, ident
 from shmstage.stage.estimate import rounded
 
-# A job: (src, dst, size, mtime_ns, atime_ns, mode, rel)
+# A job: (src, dst, size, mtime_ns, atime_ns, mode, rel[, ident]); ``ident`` is the file's
+# ``st_dev << 64 | st_ino`` as the walk saw it (0 or absent: not known, not checked)
 Job = tuple
 COPY, COMPARE = 0, 1
 
@@ -52,7 +54,7 @@ BUF = 1 << 20
 SMALL = 64 << 10  # read whole, write whole; above: sendfile (one copy, no user buffer)
 
 _OK, _ERR, _MISMATCH = 0, 1, 2
-(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL) = range(6)
+(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL, _K_REPLACED) = range(7)
 _HEAD = struct.Struct("<iiqqii i")
 _PIPE_BUF = 4096
 
@@ -88,6 +90,21 @@ def copy_owner(path: str | int, st: os.stat_result) -> None:
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EINVAL):
             raise
+
+
+def stager_groups() -> frozenset[int]:
+    """The groups this process may give what it creates (chgrp to one's own groups needs no
+    privilege).  A user's copy of a file of another group keeps that group only if it is one
+    of these; else the walk clears the group bits (plan.Walker ``groups``)."""
+    return frozenset(os.getgroups()) | {os.getegid()}
+
+
+def copy_group(path: str | int, gid: int) -> None:
+    """A user's copy gets its source's group ``gid``, one of :func:`stager_groups`."""
+    if isinstance(path, int):
+        os.fchown(path, -1, gid)
+    else:
+        os.chown(path, -1, gid, follow_symlinks=False)
 
 
 def default_workers() -> int:
@@ -250,7 +267,8 @@ def run(
 
 # seq, op, jobs offset, jobs span, count, chunk offset, chunk length
 _REC = struct.Struct("<iiqqiqq")
-_JOB = struct.Struct("<qqqiI")  # size, mtime_ns, atime_ns, mode, len(rel)
+_INO = (1 << 64) - 1
+_JOB = struct.Struct("<qqqiQQI")  # size, mtime_ns, atime_ns, mode, st_dev, st_ino, len(rel)
 
 
 class Stream:
@@ -339,7 +357,8 @@ class Stream:
         for job in jobs:
             rel = os.fsencode(job[0][skip:])
             offsets.append(pos)
-            rec = _JOB.pack(job[2], job[3], job[4], job[5], len(rel)) + rel
+            who = job[7] if len(job) > 7 else 0
+            rec = _JOB.pack(job[2], job[3], job[4], job[5], who >> 64, who & _INO, len(rel)) + rel
             parts.append(rec)
             pos += len(rec)
         offsets.append(pos)
@@ -407,11 +426,11 @@ def _decode_jobs(
     jobs = []
     pos = 0
     for _ in range(count):
-        size, mtime, atime, mode, n = _JOB.unpack_from(raw, pos)
+        size, mtime, atime, mode, dev, ino, n = _JOB.unpack_from(raw, pos)
         pos += _JOB.size
         rel = os.fsdecode(raw[pos : pos + n])
         pos += n
-        jobs.append((src + rel, dst + rel, size, mtime, atime, mode, rel))
+        jobs.append((src + rel, dst + rel, size, mtime, atime, mode, rel, dev << 64 | ino))
     return jobs
 
 
@@ -570,6 +589,7 @@ _KINDS = {
     _K_WRITE: "write",
     _K_VANISHED: "vanished",
     _K_CHANGED: "changed",
+    _K_REPLACED: "replaced",
     _K_INTERNAL: "internal",
 }
 
@@ -580,6 +600,12 @@ def _failure(jobs: Sequence[Job], err: int, kind: int, text: str) -> CopyFailed:
         msg = f"source file vanished during the copy: {text}; re-run when the source is stable"
     elif f.kind == "changed":
         msg = f"source file changed during the copy: {text} (its size or mtime differs from the scan); re-run when the source is stable"
+    elif f.kind == "replaced":
+        msg = (
+            f"source file {text} is not the file the scan found: a directory on its path was "
+            "replaced (by a symlink or another directory) since; nothing was published: "
+            "re-run when the source is stable, and check who can change it"
+        )
     elif f.kind == "read":
         msg = f"cannot read source file {text}: {f.detail}"
         if err == errno.EACCES:
@@ -649,7 +675,10 @@ def _worker(
 class _State:
     def __init__(self) -> None:
         self.noatime = _NOATIME
+        self.trees: dict[str, SourceTree] = {}  # per source root: opened once per worker
+        self.egid = os.getegid()  # what our new files get (partial/ is never setgid)
         self.chown = keeps_owner()
+        self.groups = None if self.chown else stager_groups()
         self.sendfile = True
         self.buf = bytearray(BUF)
         self.buf2 = bytearray(BUF)
@@ -680,20 +709,31 @@ def _do_task(
     return nbytes, nfiles
 
 
-def _open_src(path: str, state: _State) -> int:  # pragma: no cover - child
+def _open_src(job: Job, state: _State) -> int:  # pragma: no cover - child
+    """The job's source file, opened below its tree's root without following any symlink."""
+    path, rel = job[0], job[6]
+    top = path[: len(path) - len(rel)]
+    tree = state.trees.get(top)
     try:
-        return os.open(path, _RD | state.noatime)
+        if tree is None:
+            tree = state.trees[top] = SourceTree(top)
+        return tree.open(rel, _RD | state.noatime)
     except PermissionError:
         if not state.noatime:
             raise _Fail(_K_READ, errno.EACCES, path) from None
         state.noatime = 0  # O_NOATIME needs ownership (or CAP_FOWNER): go without
-        return _open_src(path, state)
+        return _open_src(job, state)
     except FileNotFoundError:
         raise _Fail(_K_VANISHED, errno.ENOENT, path) from None
     except OSError as e:
-        if e.errno == errno.ELOOP:  # replaced by a symlink since the scan
-            raise _Fail(_K_CHANGED, e.errno, path) from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):  # a symlink on the way now
+            raise _Fail(_K_REPLACED, e.errno, path) from None
         raise _Fail(_K_READ, e.errno or 0, path) from None
+
+
+def _same_file(job: Job, st: os.stat_result) -> bool:  # pragma: no cover - child
+    """What was opened is the file the walk found (when the job says which that was)."""
+    return len(job) < 8 or not job[7] or job[7] == ident(st)
 
 
 def _pump(
@@ -744,8 +784,8 @@ def _which_side(
 
 
 def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
-    src, dst, size, mtime, atime, mode, _rel = job
-    fi = _open_src(src, state)
+    src, dst, size, mtime, atime, mode = job[:6]
+    fi = _open_src(job, state)
     try:
         try:
             fo = os.open(dst, _WR_NEW, mode)
@@ -759,11 +799,21 @@ def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
                     os.posix_fadvise(fi, 0, 0, _SEQUENTIAL)
                 done = _pump(fi, fo, 0, size, state, src, dst)
             st = os.fstat(fi)
+            if not _same_file(job, st):  # read into our private partial/: removed on failure
+                raise _Fail(_K_REPLACED, 0, src)
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(_K_CHANGED, 0, src)
+            regroup = -1  # a user's copy: the source's group where it is one of ours
+            if state.groups is not None and st.st_gid != state.egid:
+                if st.st_gid in state.groups:
+                    regroup = st.st_gid
+                elif mode & 0o070 & ~((mode & 0o7) << 3):  # the walk saw one of ours: chgrp-ed
+                    raise _Fail(_K_CHANGED, 0, src)
             try:
                 if state.chown:
                     copy_owner(fo, st)
+                elif regroup >= 0:
+                    copy_group(fo, regroup)
                 os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
             except OSError as e:
                 raise _Fail(_K_WRITE, e.errno or 0, dst) from None
@@ -792,8 +842,8 @@ def _small(fi: int, fo: int, size: int, src: str, dst: str) -> int:  # pragma: n
 def _copy_chunk(
     job: Job, offset: int, length: int, state: _State
 ) -> None:  # pragma: no cover - child
-    src, dst, size, mtime, _atime, _mode, _rel = job
-    fi = _open_src(src, state)
+    src, dst, size, mtime = job[:4]
+    fi = _open_src(job, state)
     try:
         os.posix_fadvise(fi, offset, length, _SEQUENTIAL)
         try:
@@ -805,6 +855,8 @@ def _copy_chunk(
         finally:
             os.close(fo)
         st = os.fstat(fi)
+        if not _same_file(job, st):
+            raise _Fail(_K_REPLACED, 0, src)
         if done != length or st.st_size != size or st.st_mtime_ns != mtime:
             raise _Fail(_K_CHANGED, 0, src)
     finally:
@@ -816,11 +868,11 @@ def _same_range(
     job: Job, offset: int, length: int, state: _State
 ) -> bool:  # pragma: no cover - child
     """Byte-compare ``length`` bytes of the source and the staged file (False if either is gone)."""
-    src, dst = job[0], job[1]
+    dst = job[1]
     try:
-        fa = _open_src(src, state)
+        fa = _open_src(job, state)
     except _Fail as f:
-        if f.kind in (_K_VANISHED, _K_CHANGED):
+        if f.kind in (_K_VANISHED, _K_CHANGED, _K_REPLACED):
             return False
         raise
     try:
@@ -831,7 +883,8 @@ def _same_range(
         except OSError as e:
             raise _Fail(_K_READ, e.errno or 0, dst) from None
         try:
-            if os.fstat(fa).st_size != os.fstat(fb).st_size:
+            st = os.fstat(fa)
+            if not _same_file(job, st) or st.st_size != os.fstat(fb).st_size:
                 return False
             a, b = memoryview(state.buf), memoryview(state.buf2)
             pos, end = offset, offset + length

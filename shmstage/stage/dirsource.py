@@ -8,12 +8,14 @@ Where the stager is root, copies keep owners like ``cp -a``.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from shmstage.errors import CapacityError, ShmstageError
 from shmstage.stage import copy as copier
+from shmstage.stage.beneath import SourceTree, ident
 from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
@@ -33,17 +35,42 @@ class DirSource(Source):
         self.peers = peers  # a cluster.Peers: each node reads a share, they exchange the rest
         self.prefix = location.rstrip("/") + "/"
         self.own = copier.keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
+        # a user's copies keep the source's group where it is one of the user's, else they get
+        # no group bits (the walk clears them)
+        self.groups = None if self.own else copier.stager_groups()
         self.tree: Tree | None = None
+        self._below: SourceTree | None = None  # opened for owner(), kept till the end
+
+    def __del__(self) -> None:
+        if self._below is not None:
+            self._below.close()
 
     def listing(self) -> Listing:
-        tree = walk(self.location, threads=scan_threads(self.location))
+        tree = walk(
+            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+        )
         self.tree = tree
         return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
 
     def owner(self, rel: str) -> os.stat_result | None:
         if not self.own:
             return None
-        return os.lstat(self.prefix + rel if rel != "." else self.location)
+        return self._lstat(rel)
+
+    def group(self, rel: str) -> int | None:
+        if self.groups is None:
+            return None
+        gid = self._lstat(rel).st_gid
+        return gid if gid in self.groups else None
+
+    def _lstat(self, rel: str) -> os.stat_result:
+        """The source entry's lstat, never through a directory swapped for a symlink since."""
+        if self._below is None:
+            self._below = SourceTree(self.location)
+        try:
+            return self._below.lstat(rel)
+        except OSError as e:
+            raise _replaced(self.prefix + rel, e) from None
 
     def fetch(
         self,
@@ -55,8 +82,19 @@ class DirSource(Source):
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
         src, dst = self.prefix, root + "/"
+        # what the walk found at each path: the copier refuses another file (0: unchecked)
+        ident = ((self.tree.idents if self.tree is not None else None) or {}).get
         jobs: list[copier.Job] = [
-            (src + w.path, dst + w.path, w.size, w.mtime_ns, w.atime_ns, w.mode, w.path)
+            (
+                src + w.path,
+                dst + w.path,
+                w.size,
+                w.mtime_ns,
+                w.atime_ns,
+                w.mode,
+                w.path,
+                ident(w.path, 0),
+            )
             for w in wants  # plain concatenation: 1M joins cost seconds
         ]
         old_umask = os.umask(0)
@@ -81,8 +119,19 @@ class DirSource(Source):
     ) -> None:
         """After the copy: big files' owners, modes and times; the checksum pass."""
         for job in chunked:  # the source's mode only now: a 0444 file is reopened by every worker
+            st = self._lstat(job[6])
+            if len(job) > 7 and job[7] and ident(st) != job[7]:
+                raise _replaced(job[0], None)
             if self.own:
-                copier.copy_owner(job[1], os.stat(job[0]))
+                copier.copy_owner(job[1], st)
+            elif self.groups is not None:
+                if st.st_gid in self.groups:
+                    copier.copy_group(job[1], st.st_gid)
+                elif job[5] & 0o070 & ~((job[5] & 0o7) << 3):  # the walk saw one of ours
+                    raise ShmstageError(
+                        f"source file changed during the copy: {job[0]} (its group is not the "
+                        "one the scan found); re-run when the source is stable"
+                    )
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
@@ -113,11 +162,16 @@ class DirSource(Source):
         would.  Writes the new manifest once the walk ended, while the workers still copy."""
         part = store.partial(name)
         os.mkdir(part, 0o700)
+        os.chmod(part, 0o700)  # never setgid (inherited from DEST): new files get our egid
         page = page_size(store.dest)
         src_prefix, part_prefix = self.prefix, part + "/"
         nworkers = workers or copier.default_workers()
-        walker = Walker(self.location, threads=scan_threads(self.location))
+        walker = Walker(
+            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+        )
         found = iter(walker)
+        idents = walker.idents
+        assert idents is not None
         jobs: list[copier.Job] = []
         chunked: list[copier.Job] = []
         hard: list[list[Any]] = []
@@ -161,7 +215,16 @@ class DirSource(Source):
                     for (rel, kind, size, mtime, mode, extra), atime in zip(new, atimes):
                         if kind == "f":
                             batch.append(
-                                (src_prefix + rel, part_prefix + rel, size, mtime, atime, mode, rel)
+                                (
+                                    src_prefix + rel,
+                                    part_prefix + rel,
+                                    size,
+                                    mtime,
+                                    atime,
+                                    mode,
+                                    rel,
+                                    idents[rel],
+                                )
                             )
                             step[0] += rounded(size, page)
                             step[1] += size
@@ -190,8 +253,20 @@ class DirSource(Source):
             os.umask(old_umask)
             found.close()  # an early exit: stop the scan threads now
         self.settle(jobs, chunked, verify == "checksum", nworkers)
-        finish_tree(part, hard, dirs, self.owner)
+        finish_tree(part, hard, dirs, self.owner, self.group)
         return tree
+
+
+def _replaced(path: str, e: OSError | None) -> ShmstageError:
+    """An entry reached through what is no longer the walked tree (a directory swapped for a
+    symlink since): refused, as the copier refuses it."""
+    if e is not None and e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        return ShmstageError(f"cannot read source entry {path}: {e.strerror}")
+    return ShmstageError(
+        f"source entry {path} is not what the scan found: a directory on its path was replaced "
+        "(by a symlink or another directory) since; nothing was published: re-run when the "
+        "source is stable, and check who can change it"
+    )
 
 
 def _refuse_whole(

@@ -461,8 +461,8 @@ def _drop_leftovers(store: Store, name: str, marker: str) -> None:
 
 def _write_marker(path: str, source: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(source)  # a path's bytes, UTF-8 or not
 
 
 def _read_marker(path: str) -> str | None:
@@ -470,7 +470,7 @@ def _read_marker(path: str) -> str | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
-    with os.fdopen(fd) as f:
+    with os.fdopen(fd, encoding="utf-8", errors="surrogateescape") as f:
         return f.read()
 
 

@@ -9,14 +9,16 @@ relative with ``/``; the root directory is ``"."``.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
+from shmstage.stage.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
@@ -36,6 +38,9 @@ class Tree:
     atimes: list[int]
     bytes: int  # apparent size of the data (hard links counted once)
     files: int  # regular file paths (hard links included)
+    # each file's st_dev << 64 | st_ino as the walk saw it (copy.ident), where asked for:
+    # the copier checks that what it opens is that file
+    idents: dict[str, int] | None = None
 
 
 def _kind_name(mode: int) -> str:
@@ -62,29 +67,112 @@ def link_target(root: str, real_root: str, rel: str, target: str) -> str | None:
     return target
 
 
-def _scan_dir(root: str, rel_dir: str) -> list[tuple[str, os.stat_result]]:
-    """One directory's entries with their lstat, sorted by name (runs in a thread)."""
-    abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+def climbs_out(
+    rel: str, target: str, readlink: Callable[[str], str | None], hops: int = 40
+) -> bool:
+    """Whether symlink ``rel`` -> ``target`` leaves the tree at some step when resolved from
+    inside it, as the kernel resolves it in the staged copy: ``..`` from the tree's top climbs
+    out of the dataset even if the rest of the path leads back into the source
+    (``../../..$SRC/data``: the slow source; ``../L/data``: another dataset under DEST).
+    ``readlink(path)`` gives the tree's other links (the copy keeps them; None: not a link)
+    and they are followed on the way, so ``a -> .`` plus ``b -> a/../L`` counts too; an
+    absolute target leaves.  A loop stays inside (it is copied as the loop it is)."""
+    if target.startswith("/"):
+        return True
+    parts: list[str] = rel.split("/")[:-1]  # the link's directory, below the top
+    pending = target.split("/")
+    pending.reverse()  # a stack: the next component last
+    while pending:
+        name = pending.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            if not parts:
+                return True
+            parts.pop()
+            continue
+        inner = readlink("/".join([*parts, name]))
+        if inner is None:  # not a link (or gone): a plain step down
+            parts.append(name)
+            continue
+        hops -= 1
+        if hops < 0:
+            return False
+        if inner.startswith("/"):
+            return True
+        pending.extend(reversed(inner.split("/")))
+    return False
+
+
+def _source_link(root: str, real_root: str) -> Callable[[str], str | None]:
+    """``readlink`` for :func:`climbs_out` over a source directory: its links as the copy will
+    store them (an absolute target inside the tree made relative to the tree's top)."""
+    top = root.rstrip("/") + "/"
+    tops = {top, real_root.rstrip("/") + "/"}
+
+    def readlink(rel: str) -> str | None:
+        try:
+            target = os.readlink(top + rel)
+        except OSError:
+            return None
+        for t in tops:
+            if target.startswith(t):  # in-tree absolute: the copy stores it relative
+                return "/".join([".."] * rel.count("/") + [target[len(t) :]])
+        return target
+
+    return readlink
+
+
+Scanned = list[tuple[str, os.stat_result, str | None]]  # name, lstat, a symlink's target
+
+
+def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
+    """One directory's entries with their lstat (and symlinks' targets), sorted by name (runs
+    in a thread).  The directory is opened below the tree's top without following a symlink
+    and must be the one its parent listed (``expect``, copy.ident): a directory swapped for a
+    symlink mid-walk is not listed through it."""
+    abs_dir = os.path.join(tree.root, rel_dir) if rel_dir else tree.root
     try:
-        with os.scandir(abs_dir) as it:
-            items = sorted(it, key=lambda e: e.name)
+        fd = tree.open(rel_dir or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShmstageError(
             f"source directory vanished while scanning: {abs_dir}; re-run when the source is stable"
         ) from None
     except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+            raise _replaced_dir(abs_dir) from None
         raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
-    out = []
-    for item in items:
+    try:
+        if ident(os.fstat(fd)) != expect:
+            raise _replaced_dir(abs_dir)
         try:
-            out.append((item.name, item.stat(follow_symlinks=False)))
-        except FileNotFoundError:
-            raise ShmstageError(
-                f"source file vanished while scanning: {item.path}; re-run when the source is stable"
-            ) from None
+            with os.scandir(fd) as it:
+                items = sorted(it, key=lambda e: e.name)
         except OSError as e:
-            raise ShmstageError(f"cannot stat source file {item.path}: {e.strerror}") from None
-    return out
+            raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
+        out: Scanned = []
+        for item in items:
+            path = os.path.join(abs_dir, item.name)
+            try:
+                st = item.stat(follow_symlinks=False)  # fstatat(fd, name): no path walk
+                target = os.readlink(item.name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+            except FileNotFoundError:
+                raise ShmstageError(
+                    f"source file vanished while scanning: {path}; re-run when the source is stable"
+                ) from None
+            except OSError as e:
+                raise ShmstageError(f"cannot stat source file {path}: {e.strerror}") from None
+            out.append((item.name, st, target))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _replaced_dir(path: str) -> ShmstageError:
+    return ShmstageError(
+        f"source directory {path} was replaced while scanning (by a symlink or another "
+        "directory); re-run when the source is stable, and check who can change it"
+    )
 
 
 class Walker:
@@ -98,55 +186,84 @@ class Walker:
     exception, ``close()``) cancels what was not started and waits for the rest."""
 
     def __init__(
-        self, root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1
+        self,
+        root: str,
+        *,
+        check_links: bool = True,
+        hardlinks: bool = True,
+        threads: int = 1,
+        idents: bool = False,
+        groups: frozenset[int] | None = None,
     ) -> None:
         self.root = root
         self.check_links = check_links
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
         self.real_root = os.path.realpath(root)
+        self._readlink = _source_link(root, self.real_root)
         try:
             st = os.lstat(root)
         except OSError as e:
             raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
-        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, stat.S_IMODE(st.st_mode), None)]
+        # A user's copy can only have one of the user's groups: where the source's group is
+        # another, the copy's group gets only what others get (a 0640 file becomes 0600, a
+        # 0755 one stays 0755): else the user's primary group could read what it could not.
+        self.groups = groups
+        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, self._mode(st), None)]
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0
         self._seen: dict[tuple[int, int], str] = {}
+        self.idents: dict[str, int] | None = {} if idents else None
         self._done = False
+
+    def _mode(self, st: os.stat_result) -> int:
+        """The mode the copy gets: the source's, set-id bits off for files, group bits off
+        where a user's copy cannot keep the group (``groups``)."""
+        mode = st.st_mode & FILE_MODE_MASK if stat.S_ISREG(st.st_mode) else stat.S_IMODE(st.st_mode)
+        if self.groups is not None and st.st_gid not in self.groups:
+            mode &= ~stat.S_IRWXG | (mode & 0o7) << 3  # what "other" may, the group may too
+        return mode
 
     def tree(self) -> Tree:
         if not self._done:
             raise RuntimeError("Walker.tree() before the walk ended")
-        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files)
+        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files, self.idents)
 
     def __iter__(self) -> Iterator[list[Entry]]:
         yield self.entries[:1]
+        try:
+            tree = SourceTree(self.root)
+        except OSError as e:
+            raise ShmstageError(f"cannot read {self.root}: {e.strerror}") from None
+        with tree:
+            yield from self._walk(tree, ident(os.fstat(tree.fd)))
+
+    def _walk(self, tree: SourceTree, top: int) -> Iterator[list[Entry]]:
         if self.threads == 1:  # a tmpfs or a warm tree: threads would only add GIL hand-offs
-            pending = [""]
+            pending = [("", top)]
             while pending:
-                rel_dir = pending.pop()
-                new, subdirs = self._add(rel_dir, _scan_dir(self.root, rel_dir))
+                rel_dir, expect = pending.pop()
+                new, subdirs = self._add(rel_dir, _scan_dir(tree, rel_dir, expect))
                 pending.extend(reversed(subdirs))
                 yield new
             self._done = True
             return
-        listings: dict[str, Future[list[tuple[str, os.stat_result]]]] = {}
+        listings: dict[str, Future[Scanned]] = {}
         with ThreadPoolExecutor(self.threads, thread_name_prefix="shmstage-scan") as pool:
 
-            def scan(rel_dir: str) -> list[tuple[str, os.stat_result]]:
-                listing = _scan_dir(self.root, rel_dir)
-                for name, st in listing:  # queue the subdirectories before returning:
+            def scan(rel_dir: str, expect: int) -> Scanned:
+                listing = _scan_dir(tree, rel_dir, expect)
+                for name, st, _ in listing:  # queue the subdirectories before returning:
                     if stat.S_ISDIR(st.st_mode):  # the consumer waits for them next
                         rel = f"{rel_dir}/{name}" if rel_dir else name
-                        listings[rel] = pool.submit(scan, rel)
+                        listings[rel] = pool.submit(scan, rel, ident(st))
                 return listing
 
-            listings[""] = pool.submit(scan, "")
+            listings[""] = pool.submit(scan, "", top)
             try:
-                pending = [""]
+                pending = [("", top)]
                 while pending:  # depth-first by name: a deterministic, parent-before-child order
-                    rel_dir = pending.pop()
+                    rel_dir, _ = pending.pop()
                     new, subdirs = self._add(rel_dir, listings.pop(rel_dir).result())
                     pending.extend(reversed(subdirs))
                     yield new
@@ -156,38 +273,34 @@ class Walker:
                 pool.shutdown(wait=True, cancel_futures=True)
         self._done = True
 
-    def _add(
-        self, rel_dir: str, listing: list[tuple[str, os.stat_result]]
-    ) -> tuple[list[Entry], list[str]]:
+    def _add(self, rel_dir: str, listing: Scanned) -> tuple[list[Entry], list[tuple[str, int]]]:
         start = len(self.entries)
-        entries, atimes, seen = self.entries, self.atimes, self._seen
+        entries, atimes, seen, groups = self.entries, self.atimes, self._seen, self.groups
         subdirs = []
-        for name, st in listing:
+        for name, st, link in listing:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
             if stat.S_ISREG(mode):
+                fmode = mode & FILE_MODE_MASK
+                if groups is not None and st.st_gid not in groups:  # inline: 1M calls
+                    fmode &= ~stat.S_IRWXG | (fmode & 0o7) << 3
                 self.files += 1
                 key = (st.st_dev, st.st_ino)
                 if self.hardlinks and st.st_nlink > 1 and key in seen:
-                    entries.append(
-                        (rel, "h", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, seen[key])
-                    )
+                    entries.append((rel, "h", st.st_size, st.st_mtime_ns, fmode, seen[key]))
                 else:
                     if self.hardlinks and st.st_nlink > 1:
                         seen[key] = rel
                     self.bytes += st.st_size
-                    entries.append(
-                        (rel, "f", st.st_size, st.st_mtime_ns, mode & FILE_MODE_MASK, None)
-                    )
+                    if self.idents is not None:
+                        self.idents[rel] = st.st_dev << 64 | st.st_ino
+                    entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, None))
             elif stat.S_ISDIR(mode):
-                entries.append((rel, "d", 0, st.st_mtime_ns, stat.S_IMODE(mode), None))
-                subdirs.append(rel)
+                entries.append((rel, "d", 0, st.st_mtime_ns, self._mode(st), None))
+                subdirs.append((rel, ident(st)))
             elif stat.S_ISLNK(mode):
                 path = os.path.join(self.root, rel)
-                try:
-                    target = os.readlink(path)
-                except OSError as e:
-                    raise ShmstageError(f"cannot read symlink {path}: {e.strerror}") from None
+                target = link or ""
                 if self.check_links:
                     stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
@@ -195,6 +308,13 @@ class Walker:
                             f"source has a symlink that points outside it: {path} -> {target}; "
                             "shmstage copies only what is inside the tree: stage the target too, "
                             "or replace the link with the data"
+                        )
+                    if climbs_out(rel, stored, self._readlink):
+                        raise RefusedError(
+                            f"source has a symlink that climbs out of it on the way to its "
+                            f"target: {path} -> {target}; staged, it would lead outside the "
+                            "dataset (to the source or another dataset): make the link a path "
+                            "that stays inside the tree, or replace it with the data"
                         )
                     target = stored
                 entries.append((rel, "l", 0, st.st_mtime_ns, 0o777, target))
@@ -207,10 +327,25 @@ class Walker:
         return entries[start:], subdirs
 
 
-def walk(root: str, *, check_links: bool = True, hardlinks: bool = True, threads: int = 1) -> Tree:
+def walk(
+    root: str,
+    *,
+    check_links: bool = True,
+    hardlinks: bool = True,
+    threads: int = 1,
+    idents: bool = False,
+    groups: frozenset[int] | None = None,
+) -> Tree:
     """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
     network file systems, where each lstat is a round trip."""
-    walker = Walker(root, check_links=check_links, hardlinks=hardlinks, threads=threads)
+    walker = Walker(
+        root,
+        check_links=check_links,
+        hardlinks=hardlinks,
+        threads=threads,
+        idents=idents,
+        groups=groups,
+    )
     for _ in walker:
         pass
     return walker.tree()

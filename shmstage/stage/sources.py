@@ -88,6 +88,10 @@ class Source:
         """The source entry whose owner the copy of ``rel`` keeps, or None (copies are ours)."""
         return None
 
+    def group(self, rel: str) -> int | None:
+        """The group a user's copy of directory ``rel`` gets (one of the user's), or None."""
+        return None
+
     def fetch(
         self,
         wants: Sequence[Want],

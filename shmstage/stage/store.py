@@ -33,7 +33,9 @@ BOOK = ".shmstage"
 FORMAT = 1
 PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <name>'s tier
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,199}$")
+# \Z, not "$": "$" also matches before a final newline ("ds\n" is not "ds"); no leading
+# "-" (it reads as an option on the job's command line) or "." (hidden, "..")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -51,10 +53,10 @@ def resolve_dest(dest: str | os.PathLike[str] | None) -> str:
 
 
 def check_name(name: str) -> str:
-    if not _NAME_RE.match(name) or name in (".", ".."):
+    if not _NAME_RE.fullmatch(name):
         raise RefusedError(
             f"invalid dataset name {name!r}: use letters, digits, '.', '_', '-' or '+' "
-            "(at most 200, not starting with '.')"
+            "(at most 200, not starting with '.' or '-')"
         )
     return name
 
@@ -66,7 +68,7 @@ def name_for(source: str) -> str:
         if base.endswith(suffix) and len(base) > len(suffix):
             base = base[: -len(suffix)]
             break
-    base = re.sub(r"[^A-Za-z0-9._+-]", "_", base).lstrip(".") or "dataset"
+    base = re.sub(r"[^A-Za-z0-9._+-]", "_", base).lstrip(".-") or "dataset"
     return base[:200]
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.plan import FILE_MODE_MASK, page_bytes
+from shmstage.stage.plan import FILE_MODE_MASK, climbs_out, page_bytes
 from shmstage.stage.tarformat import DamagedArchive, Format, check_end, detect, reading, why
 
 if TYPE_CHECKING:
@@ -217,6 +217,15 @@ def scan(path: str, strip_components: int = 0) -> Archive:
                 else:
                     raise refuse(m, "is a device file, FIFO or other special file")
             check_end(path, fmt, tf, last, last_error[0])
+    # Each link resolved through the archive's other links, from inside the tree: a step
+    # above its top is refused even where the rest leads back in (a -> . plus b -> a/../x).
+    final = {m.name: m.extra or "" for m in members if m.kind == "l" and m.name in links}
+    for rel, target in final.items():
+        if climbs_out(rel, target, final.get):
+            raise UnsafeArchive(
+                f"unsafe tar archive {path}: member {rel!r} is a symlink that climbs out of the "
+                f"tree on the way to its target ({target}); nothing was extracted"
+            )
     return Archive(path, members, total, nfiles, fmt, strip)
 
 

@@ -1,0 +1,396 @@
+"""What a staged copy may reveal: sources swapped under a root stager, the group of a user's
+copy, symlinks that climb out of the staged tree, names that are not what they seem.
+
+Real tmpfs, real users through setpriv, real processes stopped and resumed with signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.stage import beneath
+from shmstage.stage import copy as copier
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
+]
+
+MALLORY = 4343  # owns the source's subdirectories: she may rename and link in them
+VICTIM = 4344  # owns a 0700 directory mallory cannot read
+SECRET = b"TOP-SECRET-" + b"v" * 4085  # one page: the decoy has the same size
+DECOY = b"decoy------" + b"m" * 4085
+
+
+def as_user(uid: int, gid: int | None = None, groups: str | None = None) -> list[str]:
+    grp = f"--groups={groups}" if groups else "--clear-groups"
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid if gid is None else gid}", grp]
+
+
+def own(path: Path, uid: int, gid: int | None = None) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.lchown(p, uid, uid if gid is None else gid)
+
+
+def everything_under(top: Path) -> bytes:
+    """The bytes of every regular file under ``top`` (never following links)."""
+    out = []
+    for dirpath, _dirs, files in os.walk(top):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append(Path(p).read_bytes())
+    return b"".join(out)
+
+
+# --- 1. a directory swapped for a symlink while root copies --------------------------
+
+
+def swap_world(world: Path) -> tuple[Path, Path]:
+    """src/ (mallory's) with a/ (8 files, copied first) and d/secret (her decoy); vault/ (0700,
+    the victim's) holds a secret of the decoy's size and mtime."""
+    src, vault = world / "src", world / "vault"
+    (src / "a").mkdir(parents=True)
+    for i in range(8):
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+    (src / "d").mkdir()
+    (src / "d" / "secret").write_bytes(DECOY)
+    vault.mkdir()
+    (vault / "secret").write_bytes(SECRET)
+    st = (src / "d" / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    own(src, MALLORY)
+    own(vault, VICTIM)
+    vault.chmod(0o700)
+    assert subprocess.run([*as_user(MALLORY), "cat", str(vault / "secret")]).returncode != 0
+    return src, vault
+
+
+def stage_with_swap(world: Path, shmstage_bin, procs, src: Path, vault: Path, dest: Path):
+    """Root stages ``src`` one file at a time; once the copy is under way (a/ landing), the
+    stager is stopped, mallory replaces d/ with a symlink to the vault, and it goes on."""
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.5"}  # a/ takes 4 s: d/secret comes after it
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landing = [dest / ".shmstage" / "partial" / "src" / "a" / "f0"]
+    deadline = time.monotonic() + 60
+    while not any(x.exists() for x in landing):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        swap = f"mv {src}/d {src}/d.old && ln -s {vault} {src}/d"
+        subprocess.run([*as_user(MALLORY), "sh", "-c", swap], check=True)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out.decode(), err.decode()
+
+
+def test_dir_swapped_for_a_symlink_mid_copy_is_refused_and_the_secret_never_lands(
+    open_tmpfs, shmstage_bin, procs
+):
+    """A first copy: d/ becomes a symlink to a 0700 dir after the walk; exit 1 naming d/secret."""
+    world = open_tmpfs("64M")
+    src, vault = swap_world(world)
+    dest = world / "dest"
+    rc, _out, err = stage_with_swap(world, shmstage_bin, procs, src, vault, dest)
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "d/secret" in lines[0], err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    assert not (dest / "src").exists()
+
+
+def test_restage_with_a_dir_swapped_for_a_symlink_mid_copy_is_refused(
+    open_tmpfs, shmstage_bin, procs
+):
+    """A restage (changed files only): the same swap is refused; the published copy stays."""
+    world = open_tmpfs("64M")
+    src, vault = swap_world(world)
+    dest = world / "dest"
+    first = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    for i in range(8):  # a/ and d/secret changed: the restage copies them again
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+    (src / "d" / "secret").write_bytes(DECOY[::-1])
+    st = (src / "d" / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    rc, _out, err = stage_with_swap(world, shmstage_bin, procs, src, vault, dest)
+    assert rc == 1, err
+    assert "d/secret" in err and "Traceback" not in err, err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    assert (dest / "src" / "d" / "secret").read_bytes() == DECOY
+
+
+def test_verify_checksum_does_not_read_through_a_swapped_dir(open_tmpfs, shmstage_bin):
+    """verify --checksum after d/ became a symlink: a difference (exit 3), never 'OK'."""
+    world = open_tmpfs("64M")
+    src, vault = swap_world(world)
+    dest = world / "dest"
+    (vault / "secret").write_bytes(DECOY)  # same bytes: only the path tells them apart
+    st = (src / "d" / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    os.rename(src / "d", src / "d.old")
+    os.symlink(vault, src / "d")
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "src", "--dest", str(dest), "--checksum"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 3, check.stdout + check.stderr
+    assert "d/secret" in check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "per-component"])
+def test_source_tree_opens_below_its_root_and_never_through_a_symlink(
+    tmp_path, monkeypatch, openat2
+):
+    """SourceTree.open: a plain path opens; a symlinked directory on the way is ELOOP/ENOTDIR,
+    with openat2 and with the per-component fallback of older kernels."""
+    import errno
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"ok")
+    (tmp_path / "vault").mkdir()
+    (tmp_path / "vault" / "f").write_bytes(b"secret")
+    (tmp_path / "l").symlink_to(tmp_path / "vault")
+    monkeypatch.setattr(beneath, "_openat2", [] if openat2 else [False])
+    with beneath.SourceTree(str(tmp_path)) as tree:
+        fd = tree.open("d/f", os.O_RDONLY)
+        try:
+            assert os.read(fd, 10) == b"ok"
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as e:
+            tree.open("l/f", os.O_RDONLY)
+        assert e.value.errno in (errno.ELOOP, errno.ENOTDIR)
+        assert tree.lstat("d/f").st_size == 2
+        with pytest.raises(OSError):
+            tree.lstat("l/f")
+
+
+# --- 2. the group of a copy a user stages ------------------------------------------
+
+STAGER, PRIMARY, PROJECT = 4345, 4346, 4347  # the stager, its primary group, the data's group
+COLLEAGUE = 4348  # in the stager's primary group only
+
+
+def group_world(world: Path) -> Path:
+    """src/ (0755, the stager's, group PROJECT): a 0640 file and a 0750 directory with a 0640
+    file: only the stager and PROJECT's members read them."""
+    src = world / "gsrc"
+    (src / "sub").mkdir(parents=True)
+    (src / "f").write_bytes(b"project data\n")
+    (src / "sub" / "g").write_bytes(b"more project data\n")
+    own(src, STAGER, PROJECT)
+    src.chmod(0o755)
+    (src / "sub").chmod(0o750)
+    (src / "f").chmod(0o640)
+    (src / "sub" / "g").chmod(0o640)
+    return src
+
+
+def stage_as(src: Path, dest: Path, shmstage_bin, groups: str | None, *more: str):
+    return subprocess.run(
+        [*as_user(STAGER, PRIMARY, groups), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+        + list(more),
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_user_outside_the_source_group_gets_no_group_bits(open_tmpfs, shmstage_bin):
+    """The stager is not in the data's group: no copy is readable by the stager's primary group
+    (group bits cleared on files and directories); verify is clean, a restage copies nothing."""
+    world = open_tmpfs("64M")
+    src = group_world(world)
+    dest = world / "dest"
+    done = stage_as(src, dest, shmstage_bin, None)
+    assert done.returncode == 0, done.stderr
+    for rel in ("f", "sub", "sub/g"):
+        st = (dest / "gsrc" / rel).lstat()
+        assert st.st_gid == PROJECT or st.st_mode & 0o070 == 0, (rel, st.st_gid, oct(st.st_mode))
+    assert (dest / "gsrc").stat().st_mode & 0o777 == 0o755  # what others may, the group may
+    peek = subprocess.run([*as_user(COLLEAGUE, PRIMARY), "cat", str(dest / "gsrc" / "f")])
+    assert peek.returncode != 0  # the premise of the leak: at the source she could not
+    check = subprocess.run(
+        [*as_user(STAGER, PRIMARY), *shmstage_bin, "verify", "gsrc", "--dest", str(dest)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    again = stage_as(src, dest, shmstage_bin, None, "--json")
+    assert again.returncode == 0 and '"changed": false' in again.stdout, again.stdout + again.stderr
+
+
+def test_a_user_in_the_source_group_keeps_it(open_tmpfs, shmstage_bin):
+    """The stager is in the data's group: every copy keeps that group and the source's mode."""
+    world = open_tmpfs("64M")
+    src = group_world(world)
+    dest = world / "dest"
+    done = stage_as(src, dest, shmstage_bin, str(PROJECT))
+    assert done.returncode == 0, done.stderr
+    for rel, mode in (("f", 0o640), ("sub", 0o750), ("sub/g", 0o640)):
+        st = (dest / "gsrc" / rel).lstat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (STAGER, PROJECT, mode), rel
+    check = subprocess.run(
+        [
+            *as_user(STAGER, PRIMARY, str(PROJECT)),
+            *shmstage_bin,
+            "verify",
+            "gsrc",
+            "--dest",
+            str(dest),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+# --- 3. symlinks that climb out through the tree's top ----------------------------
+
+
+def test_a_link_that_climbs_through_the_root_back_into_the_source_is_refused(
+    tmp_path, tmpfs, shmstage_bin
+):
+    """x -> ../../..$SRC/data stays in SRC at the source, but in the copy it reads the slow
+    source: refused (exit 2, one line naming the link), nothing published."""
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "f").write_bytes(b"slow\n")
+    up = "/".join([".."] * len(src.parts))  # from src/ up to / (and no further)
+    (src / "x").symlink_to(up + str(src) + "/data")
+    assert (src / "x" / "f").read_bytes() == b"slow\n"  # the premise: it resolves inside SRC
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("Error: "), done.stderr
+    assert f"{src}/x ->" in done.stderr
+    assert not (dest / "src").exists()
+
+
+@pytest.mark.parametrize("via_link", [False, True], ids=["direct", "through-a-link"])
+def test_a_link_into_another_dataset_is_refused(tmp_path, tmpfs, shmstage_bin, via_link):
+    """Source L staged as M: x -> ../L/data (or a -> . plus x -> a/../L/data) stays in L at
+    the source but reads dataset L under DEST once staged as M: refused."""
+    src = tmp_path / "L"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "f").write_bytes(b"L's\n")
+    if via_link:
+        (src / "a").symlink_to(".")
+        (src / "x").symlink_to("a/../L/data")
+    else:
+        (src / "x").symlink_to("../L/data")
+    assert (src / "x" / "f").read_bytes() == b"L's\n"
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--name", "M"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{src}/x ->" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not (dest / "M").exists()
+
+
+def test_links_that_stay_inside_still_stage(tmp_path, tmpfs, shmstage_bin):
+    """In-tree links, also through other links and a loop, are kept as links."""
+    src = tmp_path / "src"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "d" / "e" / "f").write_bytes(b"x")
+    (src / "up").symlink_to("d/e/..")
+    (src / "g").symlink_to("up/e/f")
+    (src / "d" / "e" / "back").symlink_to("../../d/e/f")
+    (src / "loop").symlink_to("loop")
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (dest / "src" / "g").read_bytes() == b"x"
+    assert (dest / "src" / "d" / "e" / "back").read_bytes() == b"x"
+    assert os.readlink(dest / "src" / "loop") == "loop"
+
+
+# --- 4. names -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ds\n", "-ds"], ids=["trailing-newline", "leading-dash"])
+def test_a_name_with_a_final_newline_or_a_leading_dash_is_refused(
+    tmp_path, tmpfs, shmstage_bin, name
+):
+    """'ds\\n' (the shell strips the newline: the job reads ds) and '-ds' (an option): exit 2."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--name", name],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("Error: invalid dataset name") and done.stderr.count("\n") == 1
+    assert not dest.exists() or os.listdir(dest) in ([], [".shmstage"])
+
+
+def test_a_source_path_that_is_not_utf8_stages_with_the_same_bytes(tmp_path, tmpfs, shmstage_bin):
+    """A source dir named b'src\\xe9' holding b'd\\xff/f\\xe9': staged (exit 0), the copy has
+    the same bytes names, verify --checksum is clean."""
+    src = os.fsencode(tmp_path) + b"/src\xe9"
+    os.makedirs(src + b"/d\xff")
+    with open(src + b"/d\xff/f\xe9", "wb") as f:
+        f.write(b"latin-1 named\n")
+    dest = os.fsencode(tmpfs("16M") / "dest")
+    done = subprocess.run(
+        [*map(os.fsencode, shmstage_bin), b"stage", src, b"--dest", dest, b"--name", b"lat"],
+        capture_output=True,
+    )
+    assert done.returncode == 0, done.stderr
+    with open(dest + b"/lat/d\xff/f\xe9", "rb") as f:
+        assert f.read() == b"latin-1 named\n"
+    check = subprocess.run(
+        [*map(os.fsencode, shmstage_bin), b"verify", b"lat", b"--dest", dest, b"--checksum"],
+        capture_output=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_an_archive_link_that_climbs_out_through_another_link_is_refused(
+    tmp_path, tmpfs, shmstage_bin
+):
+    """A tar with a -> . and x -> a/../L/data (normpath says inside) staged as M: exit 2."""
+    import tarfile
+
+    archive = tmp_path / "L.tar"
+    with tarfile.open(archive, "w") as tf:
+        for name, target in (("a", "."), ("x", "a/../L/data")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tf.addfile(info)
+    dest = tmpfs("16M") / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(archive), "--dest", str(dest), "--name", "M"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "'x'" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not (dest / "M").exists()
