@@ -81,6 +81,8 @@ class Record:
     last_used: float
     seconds: float
     root_ino: int  # inode of DEST/<name> when published: ties the record to that exact tree
+    # st_dev when published: kept for the format, never compared (a block device's number
+    # changes when NVMe is renumbered at boot or a loop device is re-attached; see same_tree)
     root_dev: int
 
 
@@ -152,7 +154,7 @@ class Store:
                 "remove it or stage under another --name"
             )
         record = self.read_record(name) if os.geteuid() == 0 else None
-        if record is not None and (st.st_ino, st.st_dev) == (record.root_ino, record.root_dev):
+        if record is not None and self.same_tree(st, record.root_ino):
             return st  # root staged it and gave it its source's owner (cp -a; see access.py)
         _check_owner(self.path(name), st)
         return st
@@ -253,12 +255,26 @@ class Store:
     def manifest_for(self, record: Record) -> dict[str, Any] | None:
         """The manifest of exactly the tree ``record`` describes: the committed one, or the
         next one while a publish is between its exchange and its commit (see ``recover``)."""
-        want = [record.root_ino, record.root_dev]
         for path in (self.manifest_path(record.name), self.new_manifest_path(record.name)):
             data = _read_json(path)
-            if data and data.get("format") == FORMAT and data.get("root") == want:
+            if data and data.get("format") == FORMAT and _root_ino(data) == record.root_ino:
                 return data
         return None
+
+    def same_tree(self, st: os.stat_result, root_ino: int) -> bool:
+        """Is ``st`` (an lstat under DEST) the tree whose root inode was ``root_ino``?
+
+        The inode, on the file system DEST is on now: not the st_dev recorded at publish,
+        which names the block device, and that number changes when NVMe disks are
+        renumbered at boot, a dm/md device is assembled again or a loop device is
+        re-attached, while every inode on the file system stays what it was.  A tree on
+        another file system (something mounted on DEST/<name>) is never ours."""
+        if st.st_ino != root_ino:
+            return False
+        try:
+            return os.lstat(self.dest).st_dev == st.st_dev
+        except OSError:
+            return False
 
     # A publish writes the next version's record to meta/.<name>.next.json BEFORE the
     # exchange, so whichever tree DEST/<name> is when a kill lands, one record matches it
@@ -285,14 +301,13 @@ class Store:
         if nxt is None:
             return
         try:
-            st = os.lstat(self.path(name))
-            root = (st.st_ino, st.st_dev)
+            exchanged = self.same_tree(os.lstat(self.path(name)), nxt.root_ino)
         except OSError:
-            root = None
-        if root == (nxt.root_ino, nxt.root_dev):
+            exchanged = False
+        if exchanged:
             # The exchange happened: roll forward.
             data = _read_json(self.new_manifest_path(name))
-            if data and data.get("root") == [nxt.root_ino, nxt.root_dev]:
+            if data and _root_ino(data) == nxt.root_ino:
                 self.commit_manifest(name)
             self.write_record(nxt)
         with suppress(FileNotFoundError):
@@ -320,7 +335,7 @@ class Store:
             return None
         for read in (self.read_record, self.read_next):  # .next only during a publish
             record = read(name)
-            if record is not None and (st.st_ino, st.st_dev) == (record.root_ino, record.root_dev):
+            if record is not None and self.same_tree(st, record.root_ino):
                 return record
         return None
 
@@ -490,6 +505,12 @@ def _read_pid(fd: int) -> int | None:
         return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
     except (OSError, ValueError):
         return None
+
+
+def _root_ino(manifest: dict[str, Any]) -> int | None:
+    """The root inode a manifest was written for (its ``root`` is [st_ino, st_dev])."""
+    root = manifest.get("root")
+    return root[0] if isinstance(root, list) and root else None
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
