@@ -13,7 +13,9 @@ import subprocess
 
 import pytest
 
+from shmstage.stage import copy as copier
 from tests.test_cache import make_ds, names_in, sh
+from tests.test_stage_lease import wait_for
 
 pytestmark = pytest.mark.root
 
@@ -77,3 +79,31 @@ def test_gc_keeps_every_dataset_after_the_block_device_is_renumbered(tmp_path, s
             subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
         for dev in attached:
             subprocess.run(["losetup", "-d", dev], check=False, timeout=60)
+
+
+@pytest.fixture
+def two_tiers(tmpfs):
+    """Two tmpfs tiers, each large enough for the datasets here: (tier1, tier2)."""
+    return tmpfs("16M", name="ram") / "shmstage", tmpfs("16M", name="nvme") / "shmstage"
+
+
+def test_stagers_listing_tiers_in_opposite_orders_make_one_copy(
+    two_tiers, tmp_path, shmstage_bin, procs
+):
+    """`--dest A,B` and `--dest B,A` staging one dataset at once: the second waits for the
+    first, whatever the order, then finds its copy; one copy, and both print its path."""
+    t1, t2 = two_tiers
+    src = make_ds(tmp_path / "ds", 4, files=16)
+    common = ["stage", str(src), "--reserve", "1M", "--workers", "1"]
+    slow = {**os.environ, copier.SLOW_ENV: "0.1"}
+    pa = procs.start(
+        [*shmstage_bin, *common, "--dest", f"{t1},{t2}"], env=slow,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (t1 / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "a copying", pa)
+    rb = sh(shmstage_bin, *common, "--dest", f"{t2},{t1}")
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{t1}/ds\n", err_a
+    assert rb.returncode == 0 and rb.stdout == f"{t1}/ds\n", rb.stderr
+    assert "ds is up to date" in rb.stderr
+    assert names_in(t1) == ["ds"] and names_in(t2) == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,7 @@ def stage(
         )
     progress = kw.get("progress")
     waiting = (lambda pid: progress(engine.Progress("waiting", holder=pid))) if progress else None
-    with _placing(tiers[0], name, waiting) if len(tiers) > 1 else nullcontext():
+    with _placing_all(tiers, name, waiting) if len(tiers) > 1 else nullcontext():
         home = holding(name, joined(tiers))
         order = [home] if home is not None else list(tiers)
         skipped: list[Skipped] = []
@@ -248,6 +248,27 @@ def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -
     if page not in cache:
         cache[page] = estimate(src, tier)
     return cache[page]
+
+
+@contextmanager
+def _placing_all(
+    tiers: tuple[str, ...], name: str, on_wait: Callable[[int | None], None] | None = None
+) -> Iterator[None]:
+    """Hold ``name``'s placing lock in every tier, taken in one order (sorted paths) whatever
+    order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B`` and
+    ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier."""
+    with ExitStack() as stack:
+        first: ShmstageError | None = None
+        held = 0
+        for tier in sorted(tiers):
+            try:
+                stack.enter_context(_placing(tier, name, on_wait))
+                held += 1
+            except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
+                first = first or e  # it cannot take the dataset either; the others still lock
+        if not held and first is not None:
+            raise first
+        yield
 
 
 @contextmanager
