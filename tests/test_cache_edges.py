@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from shmstage import system
 from shmstage.stage import copy as copier
 from tests.test_cache import make_ds, names_in, sh
 from tests.test_stage_lease import wait_for
@@ -107,3 +111,59 @@ def test_stagers_listing_tiers_in_opposite_orders_make_one_copy(
     assert rb.returncode == 0 and rb.stdout == f"{t1}/ds\n", rb.stderr
     assert "ds is up to date" in rb.stderr
     assert names_in(t1) == ["ds"] and names_in(t2) == []
+
+
+PROBE = "from shmstage import system; print(system.memory().usable)"
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A fresh cgroup v1 memory cgroup under ours: its path (skip where there is none)."""
+    mine = system._cgroup_paths("/proc").get("memory")
+    root = Path("/sys/fs/cgroup/memory")
+    if mine is None or not root.is_dir() or Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        pytest.skip("needs a cgroup v1 memory hierarchy")
+    cg = root / mine.strip("/") / f"shmstage-cache-test-{os.getpid()}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a memory cgroup: {e}")
+    yield cg
+    for _ in range(100):  # its processes have exited; the kernel frees it shortly after
+        try:
+            cg.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
+
+
+def in_cgroup(cg: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` as a process of the cgroup ``cg`` (its memory is charged there)."""
+    script = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
+    return subprocess.run(
+        ["sh", "-c", script, "sh", *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_make_room_counts_the_ram_evicting_frees_under_a_memory_cgroup(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """In a memory cgroup whose limit, not the tmpfs, is what is short: make-room counts the
+    RAM that evicting the LRU dataset gives back, evicts that one only, and stages."""
+    cg = memory_cgroup
+    tier = tmpfs("512M", name="ram") / "shmstage"
+    (cg / "memory.limit_in_bytes").write_text(str(1 << 30))
+    args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
+    for n in ("a", "b"):
+        r = in_cgroup(cg, [*shmstage_bin, "stage", str(make_ds(tmp_path / n, 100)), *args])
+        assert r.returncode == 0, r.stderr
+    # Lower the limit so ~50 MiB stays usable: the 100 MiB of "c" fits only once "a" is gone.
+    usable = int(in_cgroup(cg, [sys.executable, "-c", PROBE]).stdout)
+    (cg / "memory.limit_in_bytes").write_text(str((1 << 30) - usable + 50 * MIB))
+    c = make_ds(tmp_path / "c", 100)
+    r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args])
+    assert r.returncode == 2 and "is usable (the memory cgroup limit)" in r.stderr, r.stderr
+    r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["a"]
+    assert names_in(tier) == ["b", "c"]
