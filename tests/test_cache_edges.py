@@ -167,3 +167,111 @@ def test_make_room_counts_the_ram_evicting_frees_under_a_memory_cgroup(
     assert r.returncode == 0, r.stderr
     assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["a"]
     assert names_in(tier) == ["b", "c"]
+
+
+def rewrite(src: Path, files: int) -> None:
+    """New bytes (and a new mtime) in the first ``files`` files of a make_ds tree."""
+    for i in range(files):
+        f = src / f"{i}.bin"
+        size = f.stat().st_size
+        f.write_bytes(os.urandom(size))
+        os.utime(f, (1e9 + i, 1e9 + i))
+
+
+def changed_restage(tmpfs, tmp_path: Path, shmstage_bin) -> tuple[Path, Path, list[str]]:
+    """big (12 MiB, 12 files) and other (5 MiB) staged into a 24 MiB tier, then 7 of big's
+    files rewritten: its 7 changed MiB fit only once other is evicted; the whole new
+    version (12 MiB) would not fit even then.  Returns (tier, big, stage arguments)."""
+    tier = tmpfs("24M", name="ram") / "shmstage"
+    big, other = make_ds(tmp_path / "big", 12, files=12), make_ds(tmp_path / "other", 5)
+    args = ["--dest", str(tier), "--reserve", "1M"]
+    for src in (big, other):
+        r = sh(shmstage_bin, "stage", str(src), *args, "-q")
+        assert r.returncode == 0, r.stderr
+    rewrite(big, 7)
+    return tier, big, args
+
+
+def test_a_restage_with_make_room_evicts_for_what_changed(tmpfs, tmp_path, shmstage_bin):
+    """A restage --make-room whose changed files do not fit next to its old version evicts
+    the other dataset and restages (7 MiB copied), instead of sizing the whole new version
+    and refusing."""
+    tier, big, args = changed_restage(tmpfs, tmp_path, shmstage_bin)
+    r = sh(shmstage_bin, "stage", str(big), *args, "--make-room", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert [v["name"] for v in got["evicted"]] == ["other"]
+    assert (got["changed"], got["copied_bytes"]) == (True, 7 * MIB)
+    assert names_in(tier) == ["big"]
+    assert sh(shmstage_bin, "verify", "big", "--dest", str(tier)).returncode == 0
+
+
+def test_dry_run_of_a_restage_decides_as_the_real_run(tmpfs, tmp_path, shmstage_bin):
+    """stage --dry-run of a restage runs the real fit: refused with the real run's very
+    error (exit 2) when the changes do not fit; with --make-room it names the dataset the
+    real run would evict and what it would copy; nothing is removed."""
+    tier, big, args = changed_restage(tmpfs, tmp_path, shmstage_bin)
+    dry = sh(shmstage_bin, "stage", str(big), *args, "--dry-run")
+    real = sh(shmstage_bin, "stage", str(big), *args)
+    assert real.returncode == 2
+    assert real.stderr.startswith("Error: dataset does not fit: needs 7.0 MiB")
+    assert (dry.returncode, dry.stderr) == (2, real.stderr), dry.stdout
+    r = sh(shmstage_bin, "stage", str(big), *args, "--make-room", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"would evict other from {tier} (5.0 MiB, last used ")
+    assert lines[1:] == [f"would restage in place (7.0 MiB to copy) into tier 1: {tier}/big"]
+    assert names_in(tier) == ["big", "other"]
+
+
+def capped(tmp_path: Path, tier: Path, max_size: str) -> dict[str, str]:
+    """A node config giving ``tier`` a cache max_size: the environment that points at it."""
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(
+        f"version: 1\ndest:\n  - path: {tier}\n    cache: {{max_size: {max_size}, policy: lru}}\n"
+    )
+    return {"SHMSTAGE_CONFIG": str(cfg)}
+
+
+def test_a_restage_in_place_keeps_the_tier_under_max_size(tmpfs, tmp_path, shmstage_bin):
+    """A dataset restaged in place that grew past what its tier's max_size leaves: the LRU
+    other dataset is evicted, as for a first copy; the new version alone over max_size is
+    refused and the old version stays."""
+    tier = tmpfs("48M", name="ram") / "shmstage"
+    env = capped(tmp_path, tier, "20M")
+    other, big = make_ds(tmp_path / "other", 8), make_ds(tmp_path / "big", 10, files=10)
+    for src in (other, big):
+        r = sh(shmstage_bin, "stage", str(src), "--reserve", "1M", "-q", env=env)
+        assert r.returncode == 0, r.stderr
+    (big / "more.bin").write_bytes(os.urandom(4 * MIB))  # 14 + 8 MiB > 20
+    r = sh(shmstage_bin, "stage", str(big), "--reserve", "1M", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"evicted other from {tier} to make room" in r.stderr
+    assert names_in(tier) == ["big"]
+    (big / "huge.bin").write_bytes(os.urandom(8 * MIB))  # 22 MiB alone
+    r = sh(shmstage_bin, "stage", str(big), "--reserve", "1M", env=env)
+    assert r.returncode == 2, r.stderr
+    assert "big (22.0 MiB) is larger than the cache's max_size (20.0 MiB)" in r.stderr
+    assert names_in(tier) == ["big"]
+
+
+def test_concurrent_stagers_do_not_exceed_max_size(tmpfs, tmp_path, shmstage_bin, procs):
+    """Two stagers of different datasets that each fit a tier's max_size alone but not
+    together: the second counts the first's dataset while it is still being copied, and,
+    with nothing it may evict, is refused before writing; the tier stays under max_size."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    env = capped(tmp_path, tier, "20M")
+    a, b = make_ds(tmp_path / "a", 12, files=12), make_ds(tmp_path / "b", 12, files=12)
+    args = ["--reserve", "1M", "--workers", "1"]
+    pa = procs.start(
+        [*shmstage_bin, "stage", str(a), *args],
+        env={**os.environ, **env, copier.SLOW_ENV: "0.2"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "a" / "0.bin").exists(), "a copying", pa)
+    rb = sh(shmstage_bin, "stage", str(b), *args, env=env)
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{tier}/a\n", err_a
+    assert rb.returncode == 2, rb.stderr
+    assert "12.0 MiB of it by stages in progress" in rb.stderr
+    assert names_in(tier) == ["a"]
