@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -275,3 +277,47 @@ def test_concurrent_stagers_do_not_exceed_max_size(tmpfs, tmp_path, shmstage_bin
     assert rb.returncode == 2, rb.stderr
     assert "12.0 MiB of it by stages in progress" in rb.stderr
     assert names_in(tier) == ["a"]
+
+
+USE = "import sys, shmstage\nwith shmstage.lease(sys.argv[1], dest=sys.argv[2]) as ds: print(ds.path)\n"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_non_root_jobs_use_counts_for_lru_on_a_root_managed_tier(open_tmpfs, shmstage_bin):
+    """Root stages "used" then "other"; a job running as nobody leases "used" and ends: that
+    use makes "other" the least recently used, so root's make-room evicts "other".  nobody
+    can bump the time and nothing else: it cannot write data into the stamp or remove it."""
+    base = open_tmpfs("20M", name="ram")
+    tier = base / "shmstage"
+    srcs = {
+        n: make_ds(base.parent / "src" / n, m) for n, m in (("used", 4), ("other", 4), ("new", 13))
+    }
+    for n in ("used", "other"):
+        r = sh(shmstage_bin, "stage", str(srcs[n]), "--dest", str(tier), "--reserve", "1M", "-q")
+        assert r.returncode == 0, r.stderr
+    time.sleep(0.05)  # a distinct LAST USED for the job's use
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    r = subprocess.run(
+        [*nobody, sys.executable, "-c", USE, "used", str(tier)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{tier}/used\n", r.stderr
+    listed = json.loads(sh(shmstage_bin, "list", "--dest", str(tier), "--json").stdout)
+    used = {x["name"]: x["last_used"] for x in listed}
+    assert used["used"] > used["other"]
+    stamp = tier / ".shmstage" / "meta" / ".used.used"
+    write = f"import os; os.open({str(stamp)!r}, os.O_WRONLY | os.O_NONBLOCK)"
+    for attack in (
+        ["rm", "-f", str(stamp)],
+        ["mv", str(stamp), str(stamp) + "x"],
+        ["touch", "-d", "2001-01-01", str(stamp)],  # any time but now takes the owner
+        [sys.executable, "-c", write],  # a FIFO stores nothing: no reader, no write
+    ):
+        r = subprocess.run([*nobody, *attack], capture_output=True, timeout=60)
+        assert r.returncode != 0, attack
+    assert stat.S_ISFIFO(stamp.lstat().st_mode) and stamp.lstat().st_mtime == used["used"]
+    r = sh(shmstage_bin, "stage", str(srcs["new"]), "--dest", str(tier), "--reserve", "1M",
+           "--make-room", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["other"]
+    assert names_in(tier) == ["new", "used"]

@@ -230,6 +230,7 @@ class Store:
     def write_record(self, record: Record) -> None:
         data = {"format": FORMAT, **record.__dict__}
         _write_json(self.meta_path(record.name), data)
+        self.ensure_stamp(record.name)  # before any job can use it (see touch)
 
     def read_manifest(self, name: str) -> dict[str, Any] | None:
         data = _read_json(self.manifest_path(name))
@@ -343,22 +344,56 @@ class Store:
         return os.path.join(self.meta_dir, f".{name}.used")
 
     def touch(self, record: Record) -> Record:
-        """Set ``last_used`` to now: the mtime of a stamp file, so a reader never rewrites the
-        record a concurrent stager may be replacing (best effort: readers may not own DEST)."""
+        """Set ``last_used`` to now: the mtime of the dataset's stamp, so a reader never
+        rewrites the record a concurrent stager may be replacing.  Any user's job counts
+        (see :meth:`ensure_stamp`); best effort: a store of an older version, or one on a
+        read-only file system, keeps its order."""
         now = time.time()
+        path = self._used_path(record.name)
+        if not os.path.lexists(path):
+            self.ensure_stamp(record.name)  # a record written before stamps existed
         try:
-            fd = os.open(
-                self._used_path(record.name),
-                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-            )
-            try:
-                os.utime(fd, (now, now))
-            finally:
-                os.close(fd)
+            # No times: the kernel sets "now" for anyone who may write the stamp, while
+            # setting any other time takes its owner (utimensat(2)).
+            os.utime(path, None, follow_symlinks=False)
         except OSError:
             return record
         return Record(**{**record.__dict__, "last_used": max(now, record.last_used)})
+
+    def ensure_stamp(self, name: str) -> None:
+        """Make the dataset's LRU stamp, ``meta/.<name>.used``: a FIFO every user may write.
+
+        The jobs that use a dataset root staged mostly run as other users, who cannot write
+        DEST's bookkeeping; make-room must still see their use, or it evicts the dataset a
+        job just read.  Write permission on the stamp lets them set its time to now and
+        nothing else: a FIFO holds no data (no one can fill the tmpfs through it), they
+        cannot remove or rename it (meta/ is not theirs), and nothing here ever opens it.
+        A regular-file stamp of an older version is replaced, keeping its time.  Best
+        effort, by the store's owner (others cannot create it)."""
+        path = self._used_path(name)
+        times = None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+        else:
+            if stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o666:
+                return
+            times = (st.st_atime, st.st_mtime)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.mkfifo(tmp, 0o600)
+            os.chmod(tmp, 0o666)  # exactly, whatever the umask
+            if times is not None:
+                os.utime(tmp, times, follow_symlinks=False)
+            os.rename(tmp, path)
+        except OSError:
+            with suppress(OSError):
+                os.unlink(tmp)
 
     # --- publish and remove ---------------------------------------------------
 
