@@ -246,6 +246,7 @@ def capping(store: Store) -> Iterator[None]:
         raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        _claims(store, reap=True)  # only here: a claim is made under this lock
         yield
     finally:
         os.close(fd)
@@ -253,7 +254,13 @@ def capping(store: Store) -> Iterator[None]:
 
 def in_flight(store: Store) -> int:
     """Bytes the live stages of the tier will add once published (their claims); a dead
-    stager's claim counts nothing and is removed (under :func:`capping`)."""
+    stager's claim counts nothing."""
+    return _claims(store)
+
+
+def _claims(store: Store, *, reap: bool = False) -> int:
+    """Sum the live claims; ``reap``: remove the dead ones (held under :func:`capping`,
+    where no claim is between its creation and its flock)."""
     where = _in_flight_dir(store)
     try:
         entries = os.listdir(where)
@@ -273,8 +280,9 @@ def in_flight(store: Store) -> int:
                 with suppress(ValueError, OSError):
                     total += max(0, int(os.pread(fd, 32, 0).decode().strip() or 0))
                 continue
-            with suppress(OSError):
-                os.unlink(path)  # nobody holds it: its stager died
+            if reap:
+                with suppress(OSError):
+                    os.unlink(path)  # nobody holds it: its stager died
         finally:
             os.close(fd)
     return total
