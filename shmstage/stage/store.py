@@ -361,15 +361,18 @@ class Store:
         return Record(**{**record.__dict__, "last_used": max(now, record.last_used)})
 
     def ensure_stamp(self, name: str) -> None:
-        """Make the dataset's LRU stamp, ``meta/.<name>.used``: a FIFO every user may write.
+        """Make the dataset's LRU stamp, ``meta/.<name>.used``, one every user may write.
 
         The jobs that use a dataset root staged mostly run as other users, who cannot write
         DEST's bookkeeping; make-room must still see their use, or it evicts the dataset a
-        job just read.  Write permission on the stamp lets them set its time to now and
-        nothing else: a FIFO holds no data (no one can fill the tmpfs through it), they
-        cannot remove or rename it (meta/ is not theirs), and nothing here ever opens it.
-        A regular-file stamp of an older version is replaced, keeping its time.  Best
-        effort, by the store's owner (others cannot create it)."""
+        job just read.  The stamp is a character device like /dev/null (1:3), mode 0666:
+        write permission lets anyone set its time to now and nothing else.  It holds no
+        data (what is written to it is discarded: no one can fill the tmpfs through it; on
+        a ``nodev`` mount it cannot even be opened), a reader of it gets end of file at once
+        (an older shmstage's touch, which opens it, never blocks), and no one but root can
+        remove or replace it (meta/ is root's).  Making a device takes root (CAP_MKNOD):
+        elsewhere the stamp is a regular file only its owner may touch, as before.  A
+        regular-file stamp of an older version is replaced, keeping its time.  Best effort."""
         path = self._used_path(name)
         times = None
         try:
@@ -379,15 +382,21 @@ class Store:
         except OSError:
             return
         else:
-            if stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o666:
-                return
+            if _is_stamp(st) or os.geteuid() != 0:
+                return  # a device already, or a regular file a non-root owner touches
             times = (st.st_atime, st.st_mtime)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with suppress(FileNotFoundError):
                 os.unlink(tmp)
-            os.mkfifo(tmp, 0o600)
-            os.chmod(tmp, 0o666)  # exactly, whatever the umask
+            try:
+                os.mknod(tmp, stat.S_IFCHR | 0o600, os.makedev(*_NULL_DEVICE))
+                os.chmod(tmp, 0o666)  # exactly, whatever the umask
+            except PermissionError:  # not root, or no CAP_MKNOD here (a user namespace)
+                if times is not None:
+                    return  # keep the regular file there is
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                os.close(fd)
             if times is not None:
                 os.utime(tmp, times, follow_symlinks=False)
             os.rename(tmp, path)
@@ -457,6 +466,17 @@ class Store:
 
     def _trash_path(self, name: str) -> str:
         return os.path.join(self.trash_dir, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
+
+
+_NULL_DEVICE = (1, 3)  # /dev/null's numbers: the LRU stamp (Store.ensure_stamp)
+
+
+def _is_stamp(st: os.stat_result) -> bool:
+    return (
+        stat.S_ISCHR(st.st_mode)
+        and (os.major(st.st_rdev), os.minor(st.st_rdev)) == _NULL_DEVICE
+        and stat.S_IMODE(st.st_mode) == 0o666
+    )
 
 
 class Busy(RefusedError):
