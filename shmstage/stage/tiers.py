@@ -159,7 +159,7 @@ def stage(
                         admit = _admitter(name, tier, reserve, policy, held, evicted, notes)
                     elif roomy:
                         est = _sized(sized, src, tier)
-                        store = Store(tier).open()
+                        store = Store(tier).open() if capped else Store(tier)
                         with makeroom.capping(store) if capped else nullcontext():
                             room = makeroom.plan(est, name, tier, reserve, policy)
                             if not room.fits:
