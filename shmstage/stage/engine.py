@@ -237,7 +237,11 @@ def _stage_locked(
     _clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
-    _check_same_source(store, record, source, force)
+    if record is not None and record.source != source and not force:
+        raise RefusedError(
+            f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
+            "or pass --force to replace it"
+        )
     same = record is not None and manifest is not None and record.source == source and not force
     src = sources.open_source(kind, source, strip_components, peers)
     report("scanning")
@@ -340,14 +344,6 @@ def _stage_locked(
         raise
 
 
-def _check_same_source(store: Store, record: Record | None, source: str, force: bool) -> None:
-    if record is not None and record.source != source and not force:
-        raise RefusedError(
-            f"{store.path(record.name)} already holds {record.source}; stage {source} under "
-            "another --name, or pass --force to replace it"
-        )
-
-
 def restage_need(
     src: str | os.PathLike[str],
     *,
@@ -367,7 +363,11 @@ def restage_need(
     record = store.published(check_name(name))
     if record is None:
         return None
-    _check_same_source(store, record, source, force)
+    if record.source != source and not force:  # stage's own refusal
+        raise RefusedError(
+            f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
+            "or pass --force to replace it"
+        )
     manifest = store.manifest_for(record)
     same = manifest is not None and record.source == source and not force
     opened = sources.open_source(kind, source, strip_components, None)
