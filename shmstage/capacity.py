@@ -81,7 +81,9 @@ def check_fit(
 ) -> Fit:
     """Can ``needed`` more bytes (and ``inodes`` more inodes) be written under ``dest`` and
     still leave ``reserve`` free?  ``pending``: bytes other live stagers have reserved but not
-    written yet (taken off the free space); ``freed``: bytes this stage will delete first."""
+    written yet (taken off the free space); ``freed``: bytes this stage will delete first
+    (on a tmpfs those are RAM pages too: removing them gives their memory back, so they
+    count for the RAM check as well as for the free space)."""
     where = _existing_dir(os.fspath(dest))
     usage = system.disk_usage(where)
     mount = system.mount_of(where)
@@ -101,7 +103,7 @@ def check_fit(
         )
         if fstype in MEMORY_BACKED and mount is not None:
             mem = memory or system.memory()
-            mem_usable = max(0, mem.usable - pending)
+            mem_usable = max(0, mem.usable + freed - pending)
             gib = 1 << 30
             new_total = -(-(usage.total + short) // gib) * gib  # round up to whole GiB
             if new_total > mem.ceiling or needed > mem_usable:
@@ -120,7 +122,7 @@ def check_fit(
             reason += "; free space there or stage elsewhere with --dest"
     if reason is None and fstype in MEMORY_BACKED:
         mem = memory or system.memory()
-        mem_usable = max(0, mem.usable - pending)
+        mem_usable = max(0, mem.usable + freed - pending)
         if needed + reserve > mem_usable:
             where_limit = (
                 "the memory cgroup limit" if mem.cgroup.limit is not None else "available RAM"

@@ -338,13 +338,11 @@ def staged_is_current(source: str, name: str, dest: str) -> bool | None:
 
     try:
         record = _published(name, dest)
-        manifest = Store(dest).read_manifest(name) if record else None
+        manifest = Store(dest).manifest_for(record) if record else None
         if "://" in source:
             return None  # only a LIST can tell: "check and refresh"
         real = os.path.realpath(source)
         if record is None or manifest is None or record.source != real:
-            return False
-        if manifest.get("root") != [record.root_ino, record.root_dev]:
             return False
         if os.path.isdir(real):
             # The engine's own test (stage/engine.py): the walked tree equals the manifest.

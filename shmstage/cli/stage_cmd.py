@@ -11,10 +11,9 @@ from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
 from shmstage.cli.params import SIZE_OR_PERCENT, cluster_options, config_option
 from shmstage.config import node_reserve
-from shmstage.errors import CapacityError
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
-from shmstage.stage.tiers import configured
+from shmstage.stage.tiers import configured, refusal
 
 
 class ProgressLine:
@@ -176,7 +175,7 @@ def stage_cmd(
         p = plan(src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies)
         click.echo(dumps(p) if as_json else _render_plan(p))
         if p.tier is None:
-            raise CapacityError(f"{p.name} does not fit in any tier of {dest}; nothing was removed")
+            raise refusal(p.name, p.skipped)  # what the real run would say
         return
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
@@ -235,6 +234,13 @@ def _render_plan(p: Plan) -> str:
         f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(v.last_used))})"
         for v in p.evict
     ]
-    how = "restage in place" if p.already_staged else f"stage {format_size(p.needed)}"
+    if p.already_staged:
+        how = (
+            f"restage in place ({format_size(p.needed)} to copy)"
+            if p.needed
+            else "restage in place"
+        )
+    else:
+        how = f"stage {format_size(p.needed)}"
     lines.append(f"would {how} into tier {(p.tier_index or 0) + 1}: {p.tier}/{p.name}")
     return "\n".join(lines)

@@ -16,9 +16,12 @@ Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
                                           (see :mod:`shmstage.stage.leases`)
     DEST/.shmstage/reservations/<name>    bytes a live stager still has to write, flocked
                                           while it runs (see :mod:`shmstage.stage.reserve`)
+    DEST/.shmstage/meta/.<name>.used      last used (its mtime; any job may set it to now)
+    DEST/.shmstage/inflight/<name>.<pid>  what a live stage adds to a tier with max_size
+                                          (see :mod:`shmstage.stage.makeroom`)
 
-A dataset is published when DEST/<name> exists and its inode matches the one in
-its meta record; :func:`find` and :func:`list_staged` return only such copies.
+A dataset is published when DEST/<name> exists and its inode (on DEST's file system,
+whatever that device's number is now) matches the one in its meta record; :func:`find` and :func:`list_staged` return only such copies.
 Readers need no lock: they see either no dataset or a complete one.
 
     from shmstage.stage import stage, find

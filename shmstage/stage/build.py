@@ -27,7 +27,7 @@ from typing import Any
 
 from shmstage.errors import ShmstageError
 from shmstage.stage import copy as copier
-from shmstage.stage.estimate import SHORT_SYMLINK, page_size, rounded
+from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Entry, require_fit, walk
 from shmstage.stage.reserve import Claim
 from shmstage.stage.sources import Listing, Source, Want
@@ -91,9 +91,11 @@ def build(
     resumable: bool,
     report: Callable[..., None],
     claim: Claim,
+    admit: Callable[[Need], None] | None = None,
 ) -> Built:
     """Fill partial/<name> from ``src`` and write its manifest (steps in the module docstring).
-    ``manifest`` is the published copy's, when it is of the same source (else None)."""
+    ``manifest`` is the published copy's, when it is of the same source (else None).
+    ``admit(need)`` runs before the fit is claimed, and may make room or refuse."""
     part = store.partial(name)
     old_root = store.path(name)
     incremental = src.incremental
@@ -101,39 +103,15 @@ def build(
     # lists: a linked file takes the published entry's mtime (tuples suffice for the rest)
     entries: list[Any] = [list(e) for e in listing.entries] if incremental else listing.entries
     keys = listing.keys
-    old = {e[0]: e for e in manifest["entries"]} if manifest and incremental else {}
-    old_keys = (manifest or {}).get("objects") or {}
-
-    def unchanged(e: list[Any]) -> bool:
-        o = old.get(e[0])
-        if o is None or o[1] != "f":
-            return False
-        if keys is None:
-            return list(o) == e
-        return old_keys.get(e[0]) == keys[e[0]]
 
     # 1-2: the fit, counting only what is still to write.
-    page = page_size(store.dest)
-    kept, freed = plan_partial(part, entries, resumable)
-    reuse: set[str] = set()
-    needed = inodes = 0
-    for e in entries:
-        kind = e[1]
-        if kind == "f":
-            if e[0] in kept:
-                continue
-            if old and unchanged(e):  # no published copy: nothing to link
-                reuse.add(e[0])
-                e[3] = old[e[0]][3]  # keeps the mtime of the copy it is linked from
-            else:
-                needed += rounded(e[2], page)
-        elif kind == "l" and len(os.fsencode(e[5] or "")) + 1 > SHORT_SYMLINK:
-            needed += page
-        inodes += 1
+    need, kept, reuse = to_write(store, name, entries, keys, manifest, resumable, incremental)
+    if admit is not None:
+        admit(need)  # the cache's policy over this tier (tiers.py): room, max_size
     claim.reserve(
-        needed,
+        need.bytes,
         lambda pending: require_fit(
-            needed, inodes, store.dest, reserve, pending=pending, freed=freed
+            need.bytes, need.inodes, store.dest, reserve, pending=pending, freed=need.freed
         ),
     )
     keep = prepare_partial(part, entries, resumable)
@@ -192,6 +170,60 @@ def build(
     # 5: what needs every file in place.
     finish_tree(part, hard, dirs, src.owner, src.group)
     return Built(total, listing.bytes, listing.files)
+
+
+@dataclass(frozen=True)
+class Need:
+    """What building partial/<name> still writes: the fit ``stage`` checks (step 1)."""
+
+    bytes: int  # whole pages still to write: neither linked to the published copy nor kept
+    inodes: int
+    freed: int  # what removing the rest of partial/ (a killed run's files) frees first
+    total: int  # whole pages the new version takes once published (what max_size counts)
+
+
+def to_write(
+    store: Store,
+    name: str,
+    entries: list[Any],
+    keys: dict[str, Any] | None,
+    manifest: dict[str, Any] | None,
+    resumable: bool,
+    incremental: bool,
+) -> tuple[Need, set[str], set[str]]:
+    """Step 1, read-only but for ``entries``: (what is still to write, files of partial/ a
+    resume keeps, files linked to the published copy).  A linked file's entry (a list)
+    takes the mtime of the copy it is linked from."""
+    old = {e[0]: e for e in manifest["entries"]} if manifest and incremental else {}
+    old_keys = (manifest or {}).get("objects") or {}
+
+    def unchanged(e: list[Any]) -> bool:
+        o = old.get(e[0])
+        if o is None or o[1] != "f":
+            return False
+        if keys is None:
+            return list(o) == e
+        return old_keys.get(e[0]) == keys[e[0]]
+
+    page = page_size(store.dest)
+    kept, freed = plan_partial(store.partial(name), entries, resumable and incremental)
+    reuse: set[str] = set()
+    needed = inodes = 0
+    for e in entries:
+        kind = e[1]
+        if kind == "f":
+            if e[0] in kept:
+                continue
+            if old and unchanged(e):  # no published copy: nothing to link
+                reuse.add(e[0])
+                e[3] = old[e[0]][3]  # keeps the mtime of the copy it is linked from
+            else:
+                needed += rounded(e[2], page)
+        elif kind == "l" and len(os.fsencode(e[5] or "")) + 1 > SHORT_SYMLINK:
+            needed += page
+        inodes += 1
+    total = of_entries("", entries, page).page_bytes
+    return Need(needed, inodes, freed, total), kept, reuse
 
 
 def prepare_manifest(

@@ -137,13 +137,16 @@ def stage(
     progress: Callable[[Progress], None] | None = None,
     strip_components: int = 0,
     peers: Any = None,
+    admit: Callable[[build.Need], None] | None = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
     ``strip_components`` drops that many leading path components of an archive's
     members, like ``tar --strip-components``.  ``peers`` (a
     :class:`shmstage.cluster.Peers`) stages a directory together with other nodes:
-    each reads a share of the source and they exchange the rest."""
+    each reads a share of the source and they exchange the rest.  ``admit(need)`` runs
+    once what a restage (or a resume) still writes is known, before its fit is claimed:
+    the cache's policy (tiers.py) makes room there or refuses (CapacityError)."""
     t0 = time.monotonic()
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
@@ -200,6 +203,7 @@ def stage(
             claim,
             strip_components,
             peers,
+            admit,
         )
 
 
@@ -276,6 +280,7 @@ def _stage_locked(
     claim: Claim,
     strip_components: int = 0,
     peers: Any = None,
+    admit: Callable[[build.Need], None] | None = None,
 ) -> StagedDataset:
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
@@ -325,7 +330,7 @@ def _stage_locked(
             _kill_at("marker")
             built = build.build(
                 store, name, src, listing, manifest if same else None, workers, verify,
-                reserve, resumable, report, claim,
+                reserve, resumable, report, claim, admit,
             )  # fmt: skip
             _kill_at("build")
         _kill_at("manifest")
@@ -388,6 +393,49 @@ def _stage_locked(
                 f"cannot stage into {store.dest}: {e.strerror}: {e.filename}"
             ) from None
         raise
+
+
+def restage_need(
+    src: str | os.PathLike[str],
+    *,
+    name: str,
+    dest: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    strip_components: int = 0,
+) -> build.Need | None:
+    """Read-only: what ``stage`` would write restaging ``src`` over its published copy in
+    ``dest`` (the engine's own count: unchanged files are linked, a resume keeps what it
+    has), or None when ``name`` is not published there.  An unchanged source needs
+    nothing (``bytes`` 0, ``total`` 0).  The same refusal as ``stage`` for another source."""
+    kind, source = sources.resolve(os.fspath(src))
+    store = Store(dest)
+    if not os.path.lexists(store.book):
+        return None
+    record = store.published(check_name(name))
+    if record is None:
+        return None
+    if record.source != source and not force:  # stage's own refusal
+        raise RefusedError(
+            f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
+            "or pass --force to replace it"
+        )
+    manifest = store.manifest_for(record)
+    same = manifest is not None and record.source == source and not force
+    opened = sources.open_source(kind, source, strip_components, None)
+    stamp = opened.stamp()
+    if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
+        return build.Need(0, 0, 0, 0)
+    listing = opened.listing()
+    if same and stamp is None and build.current(manifest, listing):
+        return build.Need(0, 0, 0, 0)
+    marker = os.path.join(store.partial_dir, f".{name}.source")
+    resumable = not force and _read_marker(marker) == source
+    incremental = opened.incremental
+    entries: list[Any] = [list(e) for e in listing.entries] if incremental else listing.entries
+    need, _, _ = build.to_write(
+        store, name, entries, listing.keys, manifest if same else None, resumable, incremental
+    )
+    return need
 
 
 def _recheck_access(

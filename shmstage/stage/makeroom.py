@@ -11,19 +11,23 @@ plan chose it, or one being staged right now, is refused there and kept (see NOT
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from shmstage.capacity import check_fit
-from shmstage.errors import RefusedError, ShmstageError
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import SizeError, format_size, is_percent, parse_size
 from shmstage.stage import leases
+from shmstage.stage.build import Need
 from shmstage.stage.estimate import Estimate, estimate
 from shmstage.stage.reserve import pending
 from shmstage.stage.store import Store
 
 POLICIES = ("lru",)
+IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<pid>: what a live stage adds (max_size)
 
 # NOTE [races]: make-room against stagers and jobs.
 #
@@ -36,6 +40,17 @@ POLICIES = ("lru",)
 # * Another stager takes the freed space first: engine.stage's reservation check fails
 #   with CapacityError before a byte is written; the caller plans again (or moves on).
 # A dataset leased at any instant before its removal is never removed.
+#
+# NOTE [max_size]: concurrent stagers against a tier's cache.max_size.
+#
+#   capping (flock of inflight/) { plan: cached + in flight + this one <= max_size
+#                                  -> evict -> InFlight(what this stage adds) }
+#   -> engine.stage ... publish -> InFlight closed
+#
+# Planning and claiming are one step under the tier's flock, so a second stager counts the
+# first one's dataset before it is published (cached_bytes sees only published ones); from
+# the publish until its claim is closed a dataset counts twice, never zero times.  A claim
+# is flocked for its stager's life: a dead stager's claim counts nothing and is removed.
 
 
 @dataclass(frozen=True)
@@ -62,9 +77,14 @@ class Room:
 
     tier: str
     fits: bool
-    needed: int  # bytes the new dataset takes there
+    needed: int  # bytes the new dataset (or a restage's changes) takes there
     victims: tuple[Victim, ...] = ()
     reason: str | None = None  # why it does not fit (even after evicting what may go)
+
+
+class NoRoom(CapacityError):
+    """Even evicting every dataset that may go is not enough: final for the tier (no race
+    to retry), and nothing was removed."""
 
 
 def max_bytes(policy: CachePolicy | None, tier: str) -> int | None:
@@ -118,8 +138,13 @@ def cached_bytes(store: Store, exclude: str | None = None) -> int:
     )
 
 
+def need_of(est: Estimate) -> Need:
+    """A first copy needs all of it."""
+    return Need(est.page_bytes, est.inodes, 0, est.page_bytes)
+
+
 def plan(
-    est: Estimate,
+    what: Estimate | Need,
     name: str,
     tier: str,
     reserve: int | str | None,
@@ -127,35 +152,43 @@ def plan(
     *,
     evict: bool = True,
 ) -> Room:
-    """Can ``est`` (staged as ``name``) go into ``tier``, and which datasets must go first?
+    """Can ``what`` (a new dataset's estimate, or what restaging ``name`` in place still
+    writes: engine.restage_need) go into ``tier``, and which datasets must go first?  The
+    fit is the engine's, on what is written; ``max_size`` counts the whole new version
+    (a restage's old version leaves), the other datasets and the stages in flight.
     ``evict=False``: only say whether it fits as things are (still honouring ``max_size``)."""
+    need = what if isinstance(what, Need) else need_of(what)
     store = Store(tier)
     others = pending(store.book) if os.path.lexists(store.book) else 0
     cap = max_bytes(policy, tier)
-    if cap is not None and est.page_bytes > cap:
+    if cap is not None and need.total > cap:
         return Room(
-            tier, False, est.page_bytes,
-            reason=f"{name} ({format_size(est.page_bytes)}) is larger than the cache's "
+            tier, False, need.bytes,
+            reason=f"{name} ({format_size(need.total)}) is larger than the cache's "
             f"max_size ({format_size(cap)})",
         )  # fmt: skip
-    cached = cached_bytes(store, exclude=name) if cap is not None else 0
+    flying = in_flight(store) if cap is not None else 0
+    cached = cached_bytes(store, exclude=name) + flying if cap is not None else 0
     pool = candidates(store, keep=name) if evict else []
     freed = 0
     chosen: list[Victim] = []
     while True:
         fit = check_fit(
-            est.page_bytes, tier, reserve, inodes=est.inodes, pending=others, freed=freed
-        )
-        over = cap is not None and cached - freed + est.page_bytes > cap
+            need.bytes, tier, reserve, inodes=need.inodes, pending=others,
+            freed=need.freed + freed,
+        )  # fmt: skip
+        over = cap is not None and cached - freed + need.total > cap
         if fit.fits and not over:
-            return Room(tier, True, est.page_bytes, tuple(chosen))
+            return Room(tier, True, need.bytes, tuple(chosen))
         if not pool:
             break
         v = pool.pop(0)
         chosen.append(v)
         freed += v.bytes
+    busy = f", {format_size(flying)} of it by stages in progress" if flying else ""
     why = (
-        f"the cache's max_size is {format_size(cap)} and {format_size(cached - freed)} of it is held"
+        f"the cache's max_size is {format_size(cap)} and {format_size(cached - freed)} of it "
+        f"is held{busy}"
         if fit.fits
         else (fit.reason or "it does not fit")
     )
@@ -165,7 +198,7 @@ def plan(
             f" (even after evicting all {len(chosen)} unleased dataset(s), "
             f"{format_size(freed)}; {leased} more leased by running jobs)"
         )
-    return Room(tier, False, est.page_bytes, reason=why)
+    return Room(tier, False, need.bytes, reason=why)
 
 
 def _leased_count(store: Store, keep: str) -> int:
@@ -191,3 +224,100 @@ def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list
             continue  # gone: another make-room or evict removed it first
         removed.append(v)
     return removed, notes
+
+
+# --- stages in flight against max_size (see NOTE [max_size]) -----------------------------
+
+
+def _in_flight_dir(store: Store) -> str:
+    return os.path.join(store.book, IN_FLIGHT)
+
+
+@contextmanager
+def capping(store: Store) -> Iterator[None]:
+    """Hold the tier's max_size lock (a flock of inflight/ itself: no file to leave behind)
+    while planning against max_size and claiming what this stage adds."""
+    where = _in_flight_dir(store)
+    try:
+        with suppress(FileExistsError):
+            os.mkdir(where, 0o755)
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _claims(store, reap=True)  # only here: a claim is made under this lock
+        yield
+    finally:
+        os.close(fd)
+
+
+def in_flight(store: Store) -> int:
+    """Bytes the live stages of the tier will add once published (their claims); a dead
+    stager's claim counts nothing."""
+    return _claims(store)
+
+
+def _claims(store: Store, *, reap: bool = False) -> int:
+    """Sum the live claims; ``reap``: remove the dead ones (held under :func:`capping`,
+    where no claim is between its creation and its flock)."""
+    where = _in_flight_dir(store)
+    try:
+        entries = os.listdir(where)
+    except OSError:
+        return 0
+    total = 0
+    for entry in entries:
+        path = os.path.join(where, entry)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # finished and removed meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: its stager is alive
+                with suppress(ValueError, OSError):
+                    total += max(0, int(os.pread(fd, 32, 0).decode().strip() or 0))
+                continue
+            if reap:
+                with suppress(OSError):
+                    os.unlink(path)  # nobody holds it: its stager died
+        finally:
+            os.close(fd)
+    return total
+
+
+class InFlight:
+    """What this stage will add to a capped tier, counted by the others' plans until it is
+    published and this is closed (take it under :func:`capping`)."""
+
+    def __init__(self, store: Store, name: str, nbytes: int) -> None:
+        self.path = os.path.join(_in_flight_dir(store), f"{name}.{os.getpid()}")
+        try:
+            self.fd = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+            )  # fmt: skip
+        except OSError as e:
+            raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            os.pwrite(self.fd, f"{max(0, nbytes)}\n".encode(), 0)
+        except OSError as e:
+            self.close()
+            raise ShmstageError(f"cannot write {self.path}: {e.strerror}") from None
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        with suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

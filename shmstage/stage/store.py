@@ -85,6 +85,8 @@ class Record:
     last_used: float
     seconds: float
     root_ino: int  # inode of DEST/<name> when published: ties the record to that exact tree
+    # st_dev when published: kept for the format, never compared (a block device's number
+    # changes when NVMe is renumbered at boot or a loop device is re-attached; see same_tree)
     root_dev: int
 
 
@@ -156,7 +158,7 @@ class Store:
                 "remove it or stage under another --name"
             )
         record = self.read_record(name) if os.geteuid() == 0 else None
-        if record is not None and (st.st_ino, st.st_dev) == (record.root_ino, record.root_dev):
+        if record is not None and self.same_tree(st, record.root_ino):
             return st  # root staged it and gave it its source's owner (cp -a; see access.py)
         _check_owner(self.path(name), st)
         return st
@@ -279,6 +281,7 @@ class Store:
     def write_record(self, record: Record) -> None:
         data = {"format": FORMAT, **record.__dict__}
         _write_json(self.meta_path(record.name), data)
+        self.ensure_stamp(record.name)  # before any job can use it (see touch)
 
     def read_manifest(self, name: str) -> dict[str, Any] | None:
         data = _read_json(self.manifest_path(name))
@@ -304,12 +307,26 @@ class Store:
     def manifest_for(self, record: Record) -> dict[str, Any] | None:
         """The manifest of exactly the tree ``record`` describes: the committed one, or the
         next one while a publish is between its exchange and its commit (see ``recover``)."""
-        want = [record.root_ino, record.root_dev]
         for path in (self.manifest_path(record.name), self.new_manifest_path(record.name)):
             data = _read_json(path)
-            if data and data.get("format") == FORMAT and data.get("root") == want:
+            if data and data.get("format") == FORMAT and _root_ino(data) == record.root_ino:
                 return data
         return None
+
+    def same_tree(self, st: os.stat_result, root_ino: int) -> bool:
+        """Is ``st`` (an lstat under DEST) the tree whose root inode was ``root_ino``?
+
+        The inode, on the file system DEST is on now: not the st_dev recorded at publish,
+        which names the block device, and that number changes when NVMe disks are
+        renumbered at boot, a dm/md device is assembled again or a loop device is
+        re-attached, while every inode on the file system stays what it was.  A tree on
+        another file system (something mounted on DEST/<name>) is never ours."""
+        if st.st_ino != root_ino:
+            return False
+        try:
+            return os.lstat(self.dest).st_dev == st.st_dev
+        except OSError:
+            return False
 
     # A publish writes the next version's record to meta/.<name>.next.json BEFORE the
     # exchange, so whichever tree DEST/<name> is when a kill lands, one record matches it
@@ -336,14 +353,13 @@ class Store:
         if nxt is None:
             return
         try:
-            st = os.lstat(self.path(name))
-            root = (st.st_ino, st.st_dev)
+            exchanged = self.same_tree(os.lstat(self.path(name)), nxt.root_ino)
         except OSError:
-            root = None
-        if root == (nxt.root_ino, nxt.root_dev):
+            exchanged = False
+        if exchanged:
             # The exchange happened: roll forward.
             data = _read_json(self.new_manifest_path(name))
-            if data and data.get("root") == [nxt.root_ino, nxt.root_dev]:
+            if data and _root_ino(data) == nxt.root_ino:
                 self.commit_manifest(name)
             self.write_record(nxt)
         with suppress(FileNotFoundError):
@@ -371,7 +387,7 @@ class Store:
             return None
         for read in (self.read_record, self.read_next):  # .next only during a publish
             record = read(name)
-            if record is not None and (st.st_ino, st.st_dev) == (record.root_ino, record.root_dev):
+            if record is not None and self.same_tree(st, record.root_ino):
                 return record
         return None
 
@@ -379,22 +395,65 @@ class Store:
         return os.path.join(self.meta_dir, f".{name}.used")
 
     def touch(self, record: Record) -> Record:
-        """Set ``last_used`` to now: the mtime of a stamp file, so a reader never rewrites the
-        record a concurrent stager may be replacing (best effort: readers may not own DEST)."""
+        """Set ``last_used`` to now: the mtime of the dataset's stamp, so a reader never
+        rewrites the record a concurrent stager may be replacing.  Any user's job counts
+        (see :meth:`ensure_stamp`); best effort: a store of an older version, or one on a
+        read-only file system, keeps its order."""
         now = time.time()
+        path = self._used_path(record.name)
+        if not os.path.lexists(path):
+            self.ensure_stamp(record.name)  # a record written before stamps existed
         try:
-            fd = os.open(
-                self._used_path(record.name),
-                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-            )
-            try:
-                os.utime(fd, (now, now))
-            finally:
-                os.close(fd)
+            # No times: the kernel sets "now" for anyone who may write the stamp, while
+            # setting any other time takes its owner (utimensat(2)).
+            os.utime(path, None, follow_symlinks=False)
         except OSError:
             return record
         return Record(**{**record.__dict__, "last_used": max(now, record.last_used)})
+
+    def ensure_stamp(self, name: str) -> None:
+        """Make the dataset's LRU stamp, ``meta/.<name>.used``, one every user may write.
+
+        The jobs that use a dataset root staged mostly run as other users, who cannot write
+        DEST's bookkeeping; make-room must still see their use, or it evicts the dataset a
+        job just read.  The stamp is a character device like /dev/null (1:3), mode 0666:
+        write permission lets anyone set its time to now and nothing else.  It holds no
+        data (what is written to it is discarded: no one can fill the tmpfs through it; on
+        a ``nodev`` mount it cannot even be opened), a reader of it gets end of file at once
+        (an older shmstage's touch, which opens it, never blocks), and no one but root can
+        remove or replace it (meta/ is root's).  Making a device takes root (CAP_MKNOD):
+        elsewhere the stamp is a regular file only its owner may touch, as before.  A
+        regular-file stamp of an older version is replaced, keeping its time.  Best effort."""
+        path = self._used_path(name)
+        times = None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+        else:
+            if _is_stamp(st) or os.geteuid() != 0:
+                return  # a device already, or a regular file a non-root owner touches
+            times = (st.st_atime, st.st_mtime)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            try:
+                os.mknod(tmp, stat.S_IFCHR | 0o600, os.makedev(*_NULL_DEVICE))
+                os.chmod(tmp, 0o666)  # exactly, whatever the umask
+            except PermissionError:  # not root, or no CAP_MKNOD here (a user namespace)
+                if times is not None:
+                    return  # keep the regular file there is
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                os.close(fd)
+            if times is not None:
+                os.utime(tmp, times, follow_symlinks=False)
+            os.rename(tmp, path)
+        except OSError:
+            with suppress(OSError):
+                os.unlink(tmp)
 
     # --- publish and remove ---------------------------------------------------
 
@@ -470,6 +529,17 @@ class Store:
 
     def _trash_path(self, name: str) -> str:
         return os.path.join(self.trash_dir, f"{name}.{me()}.{time.monotonic_ns()}")
+
+
+_NULL_DEVICE = (1, 3)  # /dev/null's numbers: the LRU stamp (Store.ensure_stamp)
+
+
+def _is_stamp(st: os.stat_result) -> bool:
+    return (
+        stat.S_ISCHR(st.st_mode)
+        and (os.major(st.st_rdev), os.minor(st.st_rdev)) == _NULL_DEVICE
+        and stat.S_IMODE(st.st_mode) == 0o666
+    )
 
 
 class Busy(RefusedError):
@@ -717,6 +787,12 @@ def _read_pid(fd: int) -> int | None:
     except (OSError, ValueError):
         return None
     return pid if pid > 0 and alive(pid, start) else None
+
+
+def _root_ino(manifest: dict[str, Any]) -> int | None:
+    """The root inode a manifest was written for (its ``root`` is [st_ino, st_dev])."""
+    root = manifest.get("root")
+    return root[0] if isinstance(root, list) and root else None
 
 
 def _read_json(path: str) -> dict[str, Any] | None:

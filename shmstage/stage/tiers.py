@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.stage import counters, engine, makeroom, sources
+from shmstage.stage.build import Need
 from shmstage.stage.estimate import Estimate, estimate, page_size
 from shmstage.stage.gc import GcReport
 from shmstage.stage.gc import gc as gc_one
@@ -132,7 +133,7 @@ def stage(
         )
     progress = kw.get("progress")
     waiting = (lambda pid: progress(engine.Progress("waiting", holder=pid))) if progress else None
-    with _placing(tiers[0], name, waiting) if len(tiers) > 1 else nullcontext():
+    with _placing_all(tiers, name, waiting) if len(tiers) > 1 else nullcontext():
         home = holding(name, joined(tiers))
         order = [home] if home is not None else list(tiers)
         skipped: list[Skipped] = []
@@ -141,34 +142,45 @@ def stage(
             index = tiers.index(tier)
             policy = policies.get(tier)
             roomy = _roomy(make_room, policy)
+            capped = makeroom.max_bytes(policy, tier) is not None
             evicted: list[Victim] = []
             notes: list[str] = []
             last = "other stagers kept taking the room made"
-            for attempt in range(3):  # a lease or another stager may win a race: plan again
-                # A restage in place first asks the engine, which counts only what changed.
-                if roomy and not (tier == home and attempt == 0):
-                    est = _sized(sized, src, tier)
-                    room = makeroom.plan(est, name, tier, reserve, policy)
-                    if not room.fits:
-                        skipped.append(Skipped(tier, room.reason or "does not fit"))
+            for _attempt in range(3):  # a lease or another stager may win a race: plan again
+                # held: this stage's claim against max_size, until it is published
+                with ExitStack() as held:
+                    admit = None
+                    if roomy and tier == home:
+                        # A restage in place: the engine says what it still writes (only
+                        # what changed), and room is made for that, under its lock.
+                        admit = _admitter(name, tier, reserve, policy, held, evicted, notes)
+                    elif roomy:
+                        est = _sized(sized, src, tier)
+                        store = Store(tier).open() if capped else Store(tier)
+                        with makeroom.capping(store) if capped else nullcontext():
+                            room = makeroom.plan(est, name, tier, reserve, policy)
+                            if not room.fits:
+                                skipped.append(Skipped(tier, room.reason or "does not fit"))
+                                break
+                            if not _evict(room, tier, evicted, notes):
+                                continue  # a victim was leased or busy meanwhile
+                            if capped:
+                                held.enter_context(makeroom.InFlight(store, name, est.page_bytes))
+                    try:
+                        ds = engine.stage(
+                            src, name=name, dest=tier, reserve=reserve, admit=admit, **kw
+                        )
+                    except makeroom.NoRoom as e:  # evicting all that may go is not enough
+                        skipped.append(Skipped(tier, _reason(e)))
                         break
-                    removed, kept = makeroom.evict(room, engine.evict_report)
-                    evicted += removed
-                    notes += kept
-                    if removed:
-                        counters.add(tier, evictions=len(removed))
-                    if len(removed) < len(room.victims):
-                        continue  # a victim was leased or busy meanwhile
-                try:
-                    ds = engine.stage(src, name=name, dest=tier, reserve=reserve, **kw)
-                except CapacityError as e:
-                    if len(order) == 1 and not roomy:
-                        raise  # one tier: the engine's own words
-                    if roomy:
-                        last = _reason(e)
-                        continue  # another stager took the room first
-                    skipped.append(Skipped(tier, _reason(e)))
-                    break
+                    except CapacityError as e:
+                        if len(order) == 1 and not roomy:
+                            raise  # one tier: the engine's own words
+                        if roomy:
+                            last = _reason(e)
+                            continue  # another stager took the room first
+                        skipped.append(Skipped(tier, _reason(e)))
+                        break
                 if ds.changed:
                     counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
                 else:
@@ -179,10 +191,57 @@ def stage(
                 )  # fmt: skip
             else:
                 skipped.append(Skipped(tier, last))
+    raise refusal(name, skipped)
+
+
+def refusal(name: str, skipped: list[Skipped] | tuple[Skipped, ...]) -> CapacityError:
+    """Why no tier took ``name``: the one error ``stage`` and ``stage --dry-run`` give."""
     if len(skipped) == 1:
-        raise CapacityError(f"dataset does not fit: {skipped[0].reason}")  # the engine's words
+        return CapacityError(f"dataset does not fit: {skipped[0].reason}")  # the engine's words
     detail = "; ".join(f"{s.tier}: {s.reason}" for s in skipped)
-    raise CapacityError(f"{name} does not fit in any tier: {detail}")
+    return CapacityError(f"{name} does not fit in any tier: {detail}")
+
+
+def _evict(room: makeroom.Room, tier: str, evicted: list[Victim], notes: list[str]) -> bool:
+    """Evict ``room.victims``; False when one was kept (leased or busy meanwhile)."""
+    removed, kept = makeroom.evict(room, engine.evict_report)
+    evicted += removed
+    notes += kept
+    if removed:
+        counters.add(tier, evictions=len(removed))
+    return len(removed) == len(room.victims)
+
+
+def _admitter(
+    name: str,
+    tier: str,
+    reserve: int | str | None,
+    policy: CachePolicy | None,
+    held: ExitStack,
+    evicted: list[Victim],
+    notes: list[str],
+) -> Callable[[Need], None]:
+    """The engine's ``admit`` for a restage in place: make room for what it still writes
+    (the changed files, next to the old version it replaces), and claim against max_size
+    the growth of the new version over the old (see makeroom.py NOTE [max_size])."""
+    capped = makeroom.max_bytes(policy, tier) is not None
+
+    def admit(need: Need) -> None:
+        store = Store(tier)
+        for _ in range(3):
+            with makeroom.capping(store) if capped else nullcontext():
+                room = makeroom.plan(need, name, tier, reserve, policy)
+                if not room.fits:
+                    raise makeroom.NoRoom(f"dataset does not fit: {room.reason}")
+                if not _evict(room, tier, evicted, notes):
+                    continue  # a victim was leased or busy meanwhile: plan again
+                if capped:
+                    grows = need.total - makeroom.size_of(store, name)
+                    held.enter_context(makeroom.InFlight(store, name, grows))
+                return
+        raise CapacityError("dataset does not fit: other stagers kept taking the room made")
+
+    return admit
 
 
 def _reason(e: CapacityError) -> str:
@@ -204,7 +263,15 @@ def plan(
     source = sources.location_of(os.fspath(src))
     home = holding(name, joined(tiers))
     if home is not None:  # restaged where it is; the engine copies only what changed
-        return Plan(name, source, home, tiers.index(home), True, 0)
+        policy = policies.get(home)
+        need = engine.restage_need(src, name=name, dest=home)
+        if need is None or need == Need(0, 0, 0, 0):  # current: a no-op, nothing to fit
+            return Plan(name, source, home, tiers.index(home), True, 0)
+        # The real run's decision: the engine's fit on what changed, and room made for it.
+        room = makeroom.plan(need, name, home, reserve, policy, evict=_roomy(make_room, policy))
+        if room.fits:
+            return Plan(name, source, home, tiers.index(home), True, room.needed, room.victims)
+        return Plan(name, source, None, None, True, 0, (), (Skipped(home, room.reason or ""),))
     skipped: list[Skipped] = []
     sized: dict[int, Estimate] = {}
     for tier in tiers:
@@ -245,6 +312,27 @@ def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -
     if page not in cache:
         cache[page] = estimate(src, tier)
     return cache[page]
+
+
+@contextmanager
+def _placing_all(
+    tiers: tuple[str, ...], name: str, on_wait: Callable[[int | None], None] | None = None
+) -> Iterator[None]:
+    """Hold ``name``'s placing lock in every tier, taken in one order (sorted paths) whatever
+    order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B`` and
+    ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier."""
+    with ExitStack() as stack:
+        first: ShmstageError | None = None
+        held = 0
+        for tier in sorted(tiers):
+            try:
+                stack.enter_context(_placing(tier, name, on_wait))
+                held += 1
+            except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
+                first = first or e  # it cannot take the dataset either; the others still lock
+        if not held and first is not None:
+            raise first
+        yield
 
 
 @contextmanager

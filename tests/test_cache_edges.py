@@ -1,0 +1,325 @@
+"""The node cache at its edges (issue 20): a renumbered block device, tiers listed in
+another order, make-room under a memory cgroup, restages under make-room and max_size,
+concurrent stagers against max_size, and non-root jobs' use of root-staged datasets.
+
+Real loop devices, tmpfs tiers in the test's private mount namespace, real cgroups, real
+concurrent stagers and real users (setpriv)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage import system
+from shmstage.stage import copy as copier
+from tests.test_cache import make_ds, names_in, sh
+from tests.test_stage_lease import wait_for
+
+pytestmark = pytest.mark.root
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def tmp_path(open_tmp_path):
+    """Sources every user can reach (see tests/test_stage.py)."""
+    return open_tmp_path
+
+
+def _losetup(*args: str) -> str:
+    return subprocess.run(
+        ["losetup", *args], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
+
+
+def test_gc_keeps_every_dataset_after_the_block_device_is_renumbered(tmp_path, shmstage_bin):
+    """A tier on an ext4 file system whose loop device is re-attached under another number
+    (as NVMe disks are renumbered at boot): the datasets are still listed, a restage is a
+    no-op, and gc removes nothing."""
+    img = tmp_path / "tier.img"
+    with open(img, "wb") as f:
+        f.truncate(64 * MIB)
+    subprocess.run(["mkfs.ext4", "-q", str(img)], check=True, timeout=120)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    tier = mnt / "shmstage"
+    attached: list[str] = []
+    mounted = False
+    try:
+        attached.append(_losetup("--find", "--show", str(img)))
+        subprocess.run(["mount", attached[0], str(mnt)], check=True, timeout=60)
+        mounted = True
+        srcs = [make_ds(tmp_path / n, 2, files=3) for n in ("a", "b")]
+        for src in srcs:
+            r = sh(shmstage_bin, "stage", str(src), "--dest", str(tier), "--reserve", "1M", "-q")
+            assert r.returncode == 0, r.stderr
+        before = os.stat(mnt).st_dev
+        subprocess.run(["umount", str(mnt)], check=True, timeout=60)
+        mounted = False
+        # The image is attached again while the first device still holds it: another number.
+        attached.append(_losetup("--find", "--show", str(img)))
+        _losetup("-d", attached.pop(0))
+        subprocess.run(["mount", attached[0], str(mnt)], check=True, timeout=60)
+        mounted = True
+        assert os.stat(mnt).st_dev != before
+        r = sh(shmstage_bin, "gc", "--dest", str(tier), "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["removed"] == []
+        assert names_in(tier) == ["a", "b"]
+        listed = json.loads(sh(shmstage_bin, "list", "--dest", str(tier), "--json").stdout)
+        assert [x["name"] for x in listed] == ["a", "b"]
+        r = sh(shmstage_bin, "stage", str(srcs[0]), "--dest", str(tier), "--reserve", "1M")
+        assert r.returncode == 0 and r.stderr.startswith("a is up to date"), r.stderr
+        r = sh(shmstage_bin, "verify", "b", "--dest", str(tier))
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
+        for dev in attached:
+            subprocess.run(["losetup", "-d", dev], check=False, timeout=60)
+
+
+@pytest.fixture
+def two_tiers(tmpfs):
+    """Two tmpfs tiers, each large enough for the datasets here: (tier1, tier2)."""
+    return tmpfs("16M", name="ram") / "shmstage", tmpfs("16M", name="nvme") / "shmstage"
+
+
+def test_stagers_listing_tiers_in_opposite_orders_make_one_copy(
+    two_tiers, tmp_path, shmstage_bin, procs
+):
+    """`--dest A,B` and `--dest B,A` staging one dataset at once: the second waits for the
+    first, whatever the order, then finds its copy; one copy, and both print its path."""
+    t1, t2 = two_tiers
+    src = make_ds(tmp_path / "ds", 4, files=16)
+    common = ["stage", str(src), "--reserve", "1M", "--workers", "1"]
+    slow = {**os.environ, copier.SLOW_ENV: "0.1"}
+    pa = procs.start(
+        [*shmstage_bin, *common, "--dest", f"{t1},{t2}"], env=slow,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (t1 / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "a copying", pa)
+    rb = sh(shmstage_bin, *common, "--dest", f"{t2},{t1}")
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{t1}/ds\n", err_a
+    assert rb.returncode == 0 and rb.stdout == f"{t1}/ds\n", rb.stderr
+    assert "ds is up to date" in rb.stderr
+    assert names_in(t1) == ["ds"] and names_in(t2) == []
+
+
+PROBE = "from shmstage import system; print(system.memory().usable)"
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A fresh cgroup v1 memory cgroup under ours: its path (skip where there is none)."""
+    mine = system._cgroup_paths("/proc").get("memory")
+    root = Path("/sys/fs/cgroup/memory")
+    if mine is None or not root.is_dir() or Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        pytest.skip("needs a cgroup v1 memory hierarchy")
+    cg = root / mine.strip("/") / f"shmstage-cache-test-{os.getpid()}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a memory cgroup: {e}")
+    yield cg
+    for _ in range(100):  # its processes have exited; the kernel frees it shortly after
+        try:
+            cg.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
+
+
+def in_cgroup(cg: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` as a process of the cgroup ``cg`` (its memory is charged there)."""
+    script = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
+    return subprocess.run(
+        ["sh", "-c", script, "sh", *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_make_room_counts_the_ram_evicting_frees_under_a_memory_cgroup(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """In a memory cgroup whose limit, not the tmpfs, is what is short: make-room counts the
+    RAM that evicting the LRU dataset gives back, evicts that one only, and stages."""
+    cg = memory_cgroup
+    tier = tmpfs("512M", name="ram") / "shmstage"
+    (cg / "memory.limit_in_bytes").write_text(str(1 << 30))
+    args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
+    for n in ("a", "b"):
+        r = in_cgroup(cg, [*shmstage_bin, "stage", str(make_ds(tmp_path / n, 100)), *args])
+        assert r.returncode == 0, r.stderr
+    # Lower the limit so ~50 MiB stays usable: the 100 MiB of "c" fits only once "a" is gone.
+    usable = int(in_cgroup(cg, [sys.executable, "-c", PROBE]).stdout)
+    (cg / "memory.limit_in_bytes").write_text(str((1 << 30) - usable + 50 * MIB))
+    c = make_ds(tmp_path / "c", 100)
+    r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args])
+    assert r.returncode == 2 and "is usable (the memory cgroup limit)" in r.stderr, r.stderr
+    r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["a"]
+    assert names_in(tier) == ["b", "c"]
+
+
+def rewrite(src: Path, files: int) -> None:
+    """New bytes (and a new mtime) in the first ``files`` files of a make_ds tree."""
+    for i in range(files):
+        f = src / f"{i}.bin"
+        size = f.stat().st_size
+        f.write_bytes(os.urandom(size))
+        os.utime(f, (1e9 + i, 1e9 + i))
+
+
+def changed_restage(tmpfs, tmp_path: Path, shmstage_bin) -> tuple[Path, Path, list[str]]:
+    """big (12 MiB, 12 files) and other (5 MiB) staged into a 24 MiB tier, then 7 of big's
+    files rewritten: its 7 changed MiB fit only once other is evicted; the whole new
+    version (12 MiB) would not fit even then.  Returns (tier, big, stage arguments)."""
+    tier = tmpfs("24M", name="ram") / "shmstage"
+    big, other = make_ds(tmp_path / "big", 12, files=12), make_ds(tmp_path / "other", 5)
+    args = ["--dest", str(tier), "--reserve", "1M"]
+    for src in (big, other):
+        r = sh(shmstage_bin, "stage", str(src), *args, "-q")
+        assert r.returncode == 0, r.stderr
+    rewrite(big, 7)
+    return tier, big, args
+
+
+def test_a_restage_with_make_room_evicts_for_what_changed(tmpfs, tmp_path, shmstage_bin):
+    """A restage --make-room whose changed files do not fit next to its old version evicts
+    the other dataset and restages (7 MiB copied), instead of sizing the whole new version
+    and refusing."""
+    tier, big, args = changed_restage(tmpfs, tmp_path, shmstage_bin)
+    r = sh(shmstage_bin, "stage", str(big), *args, "--make-room", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert [v["name"] for v in got["evicted"]] == ["other"]
+    assert (got["changed"], got["copied_bytes"]) == (True, 7 * MIB)
+    assert names_in(tier) == ["big"]
+    assert sh(shmstage_bin, "verify", "big", "--dest", str(tier)).returncode == 0
+
+
+def test_dry_run_of_a_restage_decides_as_the_real_run(tmpfs, tmp_path, shmstage_bin):
+    """stage --dry-run of a restage runs the real fit: refused with the real run's very
+    error (exit 2) when the changes do not fit; with --make-room it names the dataset the
+    real run would evict and what it would copy; nothing is removed."""
+    tier, big, args = changed_restage(tmpfs, tmp_path, shmstage_bin)
+    dry = sh(shmstage_bin, "stage", str(big), *args, "--dry-run")
+    real = sh(shmstage_bin, "stage", str(big), *args)
+    assert real.returncode == 2
+    assert real.stderr.startswith("Error: dataset does not fit: needs 7.0 MiB")
+    assert (dry.returncode, dry.stderr) == (2, real.stderr), dry.stdout
+    r = sh(shmstage_bin, "stage", str(big), *args, "--make-room", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"would evict other from {tier} (5.0 MiB, last used ")
+    assert lines[1:] == [f"would restage in place (7.0 MiB to copy) into tier 1: {tier}/big"]
+    assert names_in(tier) == ["big", "other"]
+
+
+def capped(tmp_path: Path, tier: Path, max_size: str) -> dict[str, str]:
+    """A node config giving ``tier`` a cache max_size: the environment that points at it."""
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(
+        f"version: 1\ndest:\n  - path: {tier}\n    cache: {{max_size: {max_size}, policy: lru}}\n"
+    )
+    return {"SHMSTAGE_CONFIG": str(cfg)}
+
+
+def test_a_restage_in_place_keeps_the_tier_under_max_size(tmpfs, tmp_path, shmstage_bin):
+    """A dataset restaged in place that grew past what its tier's max_size leaves: the LRU
+    other dataset is evicted, as for a first copy; the new version alone over max_size is
+    refused and the old version stays."""
+    tier = tmpfs("48M", name="ram") / "shmstage"
+    env = capped(tmp_path, tier, "20M")
+    other, big = make_ds(tmp_path / "other", 8), make_ds(tmp_path / "big", 10, files=10)
+    for src in (other, big):
+        r = sh(shmstage_bin, "stage", str(src), "--reserve", "1M", "-q", env=env)
+        assert r.returncode == 0, r.stderr
+    (big / "more.bin").write_bytes(os.urandom(4 * MIB))  # 14 + 8 MiB > 20
+    r = sh(shmstage_bin, "stage", str(big), "--reserve", "1M", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"evicted other from {tier} to make room" in r.stderr
+    assert names_in(tier) == ["big"]
+    (big / "huge.bin").write_bytes(os.urandom(8 * MIB))  # 22 MiB alone
+    r = sh(shmstage_bin, "stage", str(big), "--reserve", "1M", env=env)
+    assert r.returncode == 2, r.stderr
+    assert "big (22.0 MiB) is larger than the cache's max_size (20.0 MiB)" in r.stderr
+    assert names_in(tier) == ["big"]
+
+
+def test_concurrent_stagers_do_not_exceed_max_size(tmpfs, tmp_path, shmstage_bin, procs):
+    """Two stagers of different datasets that each fit a tier's max_size alone but not
+    together: the second counts the first's dataset while it is still being copied, and,
+    with nothing it may evict, is refused before writing; the tier stays under max_size."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    env = capped(tmp_path, tier, "20M")
+    a, b = make_ds(tmp_path / "a", 12, files=12), make_ds(tmp_path / "b", 12, files=12)
+    args = ["--reserve", "1M", "--workers", "1"]
+    pa = procs.start(
+        [*shmstage_bin, "stage", str(a), *args],
+        env={**os.environ, **env, copier.SLOW_ENV: "0.2"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "a" / "0.bin").exists(), "a copying", pa)
+    rb = sh(shmstage_bin, "stage", str(b), *args, env=env)
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{tier}/a\n", err_a
+    assert rb.returncode == 2, rb.stderr
+    assert "12.0 MiB of it by stages in progress" in rb.stderr
+    assert names_in(tier) == ["a"]
+
+
+USE = "import sys, shmstage\nwith shmstage.lease(sys.argv[1], dest=sys.argv[2]) as ds: print(ds.path)\n"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_non_root_jobs_use_counts_for_lru_on_a_root_managed_tier(open_tmpfs, shmstage_bin):
+    """Root stages "used" then "other"; a job running as nobody leases "used" and ends: that
+    use makes "other" the least recently used, so root's make-room evicts "other".  nobody
+    can bump the time and nothing else: not remove the stamp, not store data in it."""
+    base = open_tmpfs("20M", name="ram")
+    tier = base / "shmstage"
+    srcs = {
+        n: make_ds(base.parent / "src" / n, m) for n, m in (("used", 4), ("other", 4), ("new", 13))
+    }
+    for n in ("used", "other"):
+        r = sh(shmstage_bin, "stage", str(srcs[n]), "--dest", str(tier), "--reserve", "1M", "-q")
+        assert r.returncode == 0, r.stderr
+    time.sleep(0.05)  # a distinct LAST USED for the job's use
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    r = subprocess.run(
+        [*nobody, sys.executable, "-c", USE, "used", str(tier)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{tier}/used\n", r.stderr
+    listed = json.loads(sh(shmstage_bin, "list", "--dest", str(tier), "--json").stdout)
+    used = {x["name"]: x["last_used"] for x in listed}
+    assert used["used"] > used["other"]
+    stamp = tier / ".shmstage" / "meta" / ".used.used"
+    for attack in (
+        ["rm", "-f", str(stamp)],
+        ["mv", str(stamp), str(stamp) + "x"],
+        ["touch", "-d", "2001-01-01", str(stamp)],  # any time but now takes the owner
+    ):
+        r = subprocess.run([*nobody, *attack], capture_output=True, timeout=60)
+        assert r.returncode != 0, attack
+    # What is written to it goes nowhere (a device like /dev/null): no RAM to fill.
+    subprocess.run([*nobody, "sh", "-c", f"head -c 1M /dev/zero > {stamp}"], timeout=60)
+    st = stamp.lstat()
+    assert stat.S_ISCHR(st.st_mode) and st.st_size == 0 and st.st_mtime == used["used"]
+    assert (stamp.read_bytes(), shutil.disk_usage(base).used < 9 * MIB) == (b"", True)
+    r = sh(shmstage_bin, "stage", str(srcs["new"]), "--dest", str(tier), "--reserve", "1M",
+           "--make-room", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["other"]
+    assert names_in(tier) == ["new", "used"]
