@@ -292,7 +292,8 @@ def make_loader(
     (progressive resizing, a curriculum, ``dataset.set_epoch(e)``) reaches the workers.
     ``persistent_workers=True`` saves the workers' start-up at each epoch (worth it when
     that is seconds: a heavy ``__init__``, many workers) but the workers keep the dataset
-    they were started with: a change made on it afterwards is never seen.
+    they were started with: a change made on it afterwards is never seen.  It is ignored
+    when the loader has no workers.
 
     When the dataset reads a staged copy, the process takes a lease on it (held until it
     exits) so ``shmstage evict`` refuses to remove it: ``lease=PATH`` names the staged path;
@@ -302,9 +303,10 @@ def make_loader(
     if lease is not False:
         for path in [lease] if lease not in (None, True) else _dataset_paths(dataset):
             hold_lease(path, required=lease not in (None, True))  # type: ignore[arg-type]
-    if persistent_workers:
-        overrides["persistent_workers"] = True
-    return DataLoader(dataset, batch_size=batch_size, **loader_kwargs(**overrides))
+    kwargs = loader_kwargs(**overrides)
+    if persistent_workers and kwargs["num_workers"] > 0:  # none to keep when there are none
+        kwargs["persistent_workers"] = True
+    return DataLoader(dataset, batch_size=batch_size, **kwargs)
 
 
 _LEASE_ATTRS = ("root", "root_dir", "data_dir", "path")

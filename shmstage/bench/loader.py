@@ -157,6 +157,8 @@ def measure(
         pin_memory=pin_memory,
         shuffle=True,
         drop_last=len(dataset) >= batch_size,
+        # steady state of one setting: workers kept across epochs (the dataset does not change)
+        persistent_workers=True,
     )
     start = time.perf_counter()
     batches = iter(loader)

@@ -56,7 +56,15 @@ def train(
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dataset = ImageFolder(data, ImagenetTrain(image_size))
-    loader = make_loader(dataset, batch_size, shuffle=True, drop_last=len(dataset) >= batch_size)
+    # The dataset never changes between epochs: keep the workers (make_loader's default
+    # restarts them each epoch, which the stall share would then count).
+    loader = make_loader(
+        dataset,
+        batch_size,
+        shuffle=True,
+        drop_last=len(dataset) >= batch_size,
+        persistent_workers=True,
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = tiny_cnn(len(dataset.classes)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
