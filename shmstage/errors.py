@@ -44,6 +44,29 @@ class VerifyError(ShmstageError):
     exit_code = 3
 
 
+class Interrupted(ShmstageError):
+    """A signal (SIGTERM, SIGHUP, SIGINT) stopped the operation once it had cleaned up.
+
+    ``exit_code`` is the shell's 128+N; the command line then dies of the signal itself
+    (:class:`KilledBy`), so a calling shell loop stops as it would for any other command."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class KilledBy(SystemExit):
+    """Raised to end the command line because of signal ``signal``: ``shmstage.cli.main``
+    dies of it (bash ends a ``for`` loop on ^C only when its command died of SIGINT; an
+    exit status of 130 means "handled", and the loop goes on).  A ``SystemExit`` with
+    code 128+N, so a caller that cannot die (Click's test runner) still sees that number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal = signum
+
+
 class ShmstageWarning(UserWarning):
     """Works, but not as it should (e.g. a job reads the unstaged source)."""
 

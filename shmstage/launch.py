@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -20,12 +19,12 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import psutil
 
 from shmstage._libc import load_libc
-from shmstage.errors import RefusedError, ShmstageError
+from shmstage.errors import KilledBy, RefusedError, ShmstageError
 
 # Signals a launcher must pass on: torchrun shuts its workers down on INT/TERM, jobs
 # checkpoint on USR1/USR2 (Slurm's --signal), HUP/QUIT for the rest.
@@ -42,7 +41,6 @@ LEFTOVER_GRACE = 5.0  # seconds a leftover descendant gets between SIGTERM and S
 _SI_USER = 0  # si_code of a signal sent with kill()
 _SI_KERNEL = 0x80  # si_code of a signal the kernel sent, e.g. a terminal's ^C
 _PR_SET_PDEATHSIG = 1
-_PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -103,40 +101,8 @@ class RunResult:
     signal: int | None = None  # the signal that killed the job, if one did
 
 
-class JobKilled(SystemExit):
-    """The job died of ``signal``: ``shmstage run`` dies of it too (see :func:`die_of`).
-
-    A ``SystemExit`` with code 128+N, so a caller that cannot die (Click's test runner) still
-    sees the shell's number; ``shmstage.cli.main`` turns it into the death itself."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signal = signum
-
-
-def die_of(signum: int) -> NoReturn:
-    """Die of ``signum``, as the job did, so the caller sees death by a signal, not exit 128+N.
-
-    A shell tells the two apart: bash ends a ``for`` loop on ^C only when the command it ran
-    was killed by SIGINT (an exit status of 130 means "the command handled ^C", and the loop
-    goes on).  Core dumps are turned off first, as GNU timeout does: a SIGQUIT or SIGSEGV
-    core would be ours, not the job's.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    libc = _libc() if sys.platform.startswith("linux") else None
-    if libc is not None:
-        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    with contextlib.suppress(ValueError, OSError):  # SIGKILL/SIGSTOP cannot be caught anyway
-        signal.signal(signum, signal.SIG_DFL)
-    with contextlib.suppress(ValueError, OSError):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
-    os.kill(os.getpid(), signum)
-    # A signal whose default action does not terminate (a stop, an ignored one): exit instead.
-    raise SystemExit(128 + signum)
+class JobKilled(KilledBy):
+    """The job died of ``signal``: ``shmstage run`` dies of it too, once it has cleaned up."""
 
 
 # --- placeholders -----------------------------------------------------------

@@ -170,7 +170,7 @@ def test_signal_after_uninstall_restores_previous_pil(venv, links, shmstage_bin,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 128 + sig
+    assert proc.returncode == -sig  # died of it, once the old PIL was back
     assert err.splitlines()[-1] == (
         f"Error: interrupted by {sig.name}; the previous PIL {STOCK} was restored and imports"
     )
@@ -193,7 +193,7 @@ def test_sigterm_during_build_changes_nothing(venv, links, shmstage_bin):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143
+    assert proc.returncode == -signal.SIGTERM
     assert err.splitlines()[-1] == f"Error: interrupted by SIGTERM; nothing was changed in {venv}"
     assert pil_version(venv) == STOCK
 

@@ -7,14 +7,19 @@ Every ``ShmstageError`` becomes ``Error: ...`` on stderr with its exit code.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import resource
+import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from shmstage import __version__
-from shmstage.errors import ShmstageError
+from shmstage._libc import load_libc
+from shmstage.errors import Interrupted, KilledBy, ShmstageError
 
 # command name -> "module:attribute" (relative to shmstage.cli)
 COMMANDS: dict[str, str] = {
@@ -84,11 +89,14 @@ class ShmstageGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except Interrupted as e:  # cleaned up: say so, then die of the signal (main)
+            ShmstageClickError(e).show()
+            raise KilledBy(e.signum) from None
         except ShmstageError as e:
             raise ShmstageClickError(e) from None
         except KeyboardInterrupt:
             click.echo("Interrupted.", err=True)
-            sys.exit(130)
+            raise KilledBy(signal.SIGINT) from None
 
 
 @click.group(
@@ -116,10 +124,32 @@ def cli() -> None:
 def main() -> None:
     try:
         cli(auto_envvar_prefix="SHMSTAGE")
-    except SystemExit as e:
-        # `run`'s job died of a signal: so do we (launch.die_of).  Looked up, not imported:
-        # the module is loaded when `run` ran a job, and other commands stay light.
-        launch = sys.modules.get("shmstage.launch")
-        if launch is not None and isinstance(e, launch.JobKilled):
-            launch.die_of(e.signal)
-        raise
+    except KilledBy as e:  # a signal stopped us, or `run`'s job: die of it
+        die_of(e.signal)
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def die_of(signum: int) -> NoReturn:
+    """Die of ``signum``, so the caller sees death by a signal, not exit 128+N.
+
+    A shell tells the two apart: bash ends a ``for`` loop on ^C only when the command it ran
+    was killed by SIGINT (an exit status of 130 means "the command handled ^C", and the loop
+    goes on).  Core dumps are turned off first, as GNU timeout does: a SIGQUIT or SIGSEGV
+    core would be ours, not the job's.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError, AttributeError):  # no libc/prctl: the rlimit still applies
+        load_libc().prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    with contextlib.suppress(ValueError, OSError):  # SIGKILL/SIGSTOP cannot be caught anyway
+        signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(ValueError, OSError):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    os.kill(os.getpid(), signum)
+    # A signal whose default action does not terminate (a stop, an ignored one): exit instead.
+    raise SystemExit(128 + signum)

@@ -27,7 +27,7 @@ from shmstage.demo.report import (
     StagingFacts,
     TrainResult,
 )
-from shmstage.errors import RefusedError, ShmstageError
+from shmstage.errors import KilledBy, RefusedError, ShmstageError
 
 # Reads of the original, in MB/s (10**6 bytes), as root: slow enough that reading limits the
 # original run (the staged run trains ~165 images/s of ~90 KB on 2 CPUs, ~15 MB/s), fast enough
@@ -258,7 +258,7 @@ def _signals_unwind() -> Iterator[None]:
         return
 
     def unwind(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
+        raise KilledBy(signum)
 
     old = {sig: signal.signal(sig, unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

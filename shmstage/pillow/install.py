@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shmstage import system
-from shmstage.errors import ShmstageError
+from shmstage.errors import Interrupted, ShmstageError
 from shmstage.pillow.avx2 import scan_avx2
 from shmstage.pillow.plan import WORK, InstallPlan, Step, refuse_unmanageable
 from shmstage.pillow.probe import (
@@ -160,13 +160,11 @@ def _restore(plan: InstallPlan, pairs: list[tuple[Path, Path]], work: str) -> st
     return f"the previous PIL {facts.get('version')} was restored and imports"
 
 
-class InstallInterrupted(ShmstageError):
+class InstallInterrupted(Interrupted):
     """SIGTERM, SIGHUP or SIGINT arrived during the install; the previous PIL was put back."""
 
     def __init__(self, signum: int, outcome: str) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; {outcome}")
-        self.signum = signum
-        self.exit_code = 128 + signum
+        super().__init__(signum, f"interrupted by {signal.Signals(signum).name}; {outcome}")
 
 
 class _Stop(BaseException):

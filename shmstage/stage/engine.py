@@ -18,6 +18,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from shmstage import errors
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
@@ -100,13 +101,12 @@ class VerifyReport:
     differences: list[Difference] = field(default_factory=list)
 
 
-class Interrupted(ShmstageError):
+class Interrupted(errors.Interrupted):
     """SIGTERM (or SIGHUP) arrived while staging; the partial copy was removed."""
 
     def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {name}; the partial copy was removed")
-        self.exit_code = 128 + signum
+        super().__init__(signum, f"interrupted by {name}; the partial copy was removed")
 
 
 def _dataset(record: Record, store: Store, **kw: Any) -> StagedDataset:
