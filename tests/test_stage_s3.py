@@ -248,6 +248,97 @@ def test_odd_keys(aws, tmp_path):
     assert e.value.exit_code == 2
 
 
+def _refused(r: subprocess.CompletedProcess, *names: str) -> None:
+    """Exit 2, one `Error: cannot stage` line naming each of ``names`` (quoted)."""
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("Error: cannot stage") and r.stderr.count("\n") == 1, r.stderr
+    for n in names:
+        assert repr(n) in r.stderr, (n, r.stderr)
+
+
+def test_object_and_folder_marker_of_one_name_refused(aws, shmstage_bin, tmp_path):
+    """`a` and a console folder marker `a/` (obstore lists both as `a`) are refused, naming
+    both keys, with or without `a/b` beside them: neither `a` published as 0 bytes nor
+    dropped silently."""
+    dest = tmp_path / "dest"
+    for extra in ({}, {"a/b": b"under"}):
+        p = prefix()
+        aws.put(f"{p}/a", b"the data")
+        aws.put(f"{p}/a/", b"")
+        aws.put(f"{p}/c", b"c")
+        for k, v in extra.items():
+            aws.put(f"{p}/{k}", v)
+        r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+        _refused(r, f"{p}/a", f"{p}/a/")
+        assert "both stage to the path 'a'" in r.stderr
+        assert not (dest / p).exists()
+        assert not any((dest / ".shmstage/partial").iterdir())
+
+
+def test_folder_marker_made_after_a_good_copy_never_replaces_it(aws, shmstage_bin, tmp_path):
+    """Someone "creates a folder" `a/` in the console after `a` was staged: the re-stage is
+    refused (exit 2, naming both keys) and the published `a` keeps its bytes."""
+    p = prefix()
+    aws.put(f"{p}/a", b"the data")
+    dest = tmp_path / "dest"
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+    assert r.returncode == 0, r.stderr
+    aws.put(f"{p}/a/", b"")
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+    _refused(r, f"{p}/a", f"{p}/a/")
+    assert (dest / p / "a").read_bytes() == b"the data"
+    assert verify(p, dest, checksum=True).ok
+
+
+def test_markers_are_directories_empty_objects_files(aws, shmstage_bin, tmp_path):
+    """A lone empty marker `x/` is an empty directory, `m/` with `m/n` the directory of `n`,
+    an empty object `e` an empty file; an empty object `f` with `f/g` is refused (a file
+    cannot be a directory), and so is a non-empty key `z/` (not a file path)."""
+    p = prefix()
+    for k, v in {"x/": b"", "m/": b"", "m/n": b"n", "e": b"", "d/e2": b""}.items():
+        aws.put(f"{p}/{k}", v)
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    root = Path(ds.path)
+    assert tree(root) == {"m/n": b"n", "e": b"", "d/e2": b""}
+    assert (root / "x").is_dir() and not os.listdir(root / "x")
+    assert (root / "e").is_file() and ds.files == 3
+    assert not stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest").changed
+    q = prefix()
+    aws.put(f"{q}/f", b"")
+    aws.put(f"{q}/f/g", b"g")
+    r = run_cli(
+        shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{q}", "--dest", str(tmp_path / "d2")
+    )
+    _refused(r, "f", "f/g")
+    assert "'f' is both an object and a prefix" in r.stderr
+    z = prefix()
+    aws.put(f"{z}/ok", b"ok")
+    aws.put(f"{z}/z/", b"data in a folder marker")
+    r = run_cli(
+        shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{z}", "--dest", str(tmp_path / "d3")
+    )
+    _refused(r, f"{z}/z/")
+
+
+def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin, tmp_path):
+    """At a bucket's root, `/lead` (listed as `lead` by obstore, which cannot read it) is
+    refused by name, not reported as deleted (exit 17); `/x` beside `x` is refused naming
+    both, not one of them dropped."""
+    for n, keys, names in (
+        (1, {"/lead": b"L", "ok": b"1"}, ["/lead"]),
+        (2, {"/x": b"slash", "x": b"plain", "ok": b"1"}, ["x", "/x"]),
+        (3, {"/d/deep": b"D", "ok": b"1"}, ["/d/deep"]),
+    ):
+        bucket = f"lead{n}-{os.getpid()}"
+        aws.s3.create_bucket(Bucket=bucket)
+        for k, v in keys.items():
+            aws.put(k, v, bucket=bucket)
+        dest = tmp_path / f"dest{n}"
+        r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(dest))
+        _refused(r, *names)
+        assert not (dest / bucket).exists()
+
+
 def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):
     """A key with a .. segment is refused by name (exit 2), nothing staged."""
     p = prefix()
