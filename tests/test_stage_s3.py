@@ -38,14 +38,17 @@ class Moto:
     (``auth=False``: signatures not checked, for presigned URLs, which moto's auth check
     cannot read: it answers them 500, KeyError HTTP_AUTHORIZATION)."""
 
-    def __init__(self, auth: bool = True) -> None:
+    def __init__(self, auth: bool = True, frozen: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
         if auth:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
+        # frozen: every object's LastModified is one second (S3's resolution), as for objects
+        # written within the same second
+        start = [FROZEN_CLOCK] if frozen else ["-m", "moto.server"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, *start, "-H", "127.0.0.1", "-p", str(self.port)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -87,8 +90,16 @@ class Moto:
         self.proc.wait(timeout=30)
 
 
-def _moto_server(auth: bool):
-    m = Moto(auth=auth)
+FROZEN_CLOCK = "-c" + (
+    "import datetime, sys, moto.s3.models as m, moto.server as s;"
+    "t = datetime.datetime(2026, 1, 2, 3, 4, 5);"
+    "m.utcnow = lambda: t;"
+    "s.main(sys.argv[1:])"
+)
+
+
+def _moto_server(auth: bool, frozen: bool = False):
+    m = Moto(auth=auth, frozen=frozen)
     try:
         m.s3.create_bucket(Bucket=BUCKET)
         yield m
@@ -124,6 +135,17 @@ def moto_noauth():
 def noauth(moto_noauth, monkeypatch):
     """Like ``aws``, with a moto that does not check signatures (so presigned URLs work)."""
     return _point_at(moto_noauth, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def moto_frozen():
+    yield from _moto_server(auth=True, frozen=True)
+
+
+@pytest.fixture
+def frozen(moto_frozen, monkeypatch):
+    """Like ``aws``, with a moto whose clock stands still: a rewrite keeps its LastModified."""
+    return _point_at(moto_frozen, monkeypatch)
 
 
 @pytest.fixture
@@ -550,6 +572,39 @@ def test_resume_after_kill_fetches_only_the_rest(aws, shmstage_bin, procs, tmp_p
     ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
     assert tree(Path(ds.path)) == want
     assert 0 < ds.copied_bytes < 200 * 30000
+
+
+def test_resume_never_keeps_bytes_of_an_older_version(frozen, shmstage_bin, procs, tmp_path):
+    """SIGKILL after `a` landed in partial/, then `a` rewritten with the same size and the
+    same LastModified (a rewrite within the same second): the re-run fetches the new bytes
+    (size, mtime and mode match, the ETag does not) and a further stage is a no-op."""
+    p = prefix()
+    old, new = os.urandom(200_000), os.urandom(200_000)
+    frozen.put(f"{p}/a", old)
+    for i in range(300):
+        frozen.put(f"{p}/b{i:03d}", os.urandom(30000))
+    dest = tmp_path / "dest"
+    job = procs.start(
+        [*shmstage_bin, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--workers", "1"],
+        env=frozen.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    landed = dest / ".shmstage/partial" / p / "a"
+    deadline = time.monotonic() + 60
+    while not (landed.exists() and landed.stat().st_mode & 0o777 == 0o644):
+        assert time.monotonic() < deadline and job.poll() is None, "a never landed"
+        time.sleep(0.005)
+    job.kill()
+    job.wait()
+    assert landed.read_bytes() == old and not (dest / p).exists()
+    head = frozen.s3.head_object(Bucket=BUCKET, Key=f"{p}/a")
+    frozen.put(f"{p}/a", new)
+    again = frozen.s3.head_object(Bucket=BUCKET, Key=f"{p}/a")
+    assert again["LastModified"] == head["LastModified"] and again["ETag"] != head["ETag"]
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert (Path(ds.path) / "a").read_bytes() == new
+    assert verify(ds.name, dest, checksum=True).ok
+    later = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert not later.changed and (Path(later.path) / "a").read_bytes() == new
 
 
 def test_concurrent_stagers_share_one_copy(aws, shmstage_bin, procs, tmp_path):
