@@ -32,7 +32,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -337,7 +337,12 @@ class S3Source(Source):
     ) -> tuple[dict[str, tuple[int, int, list[Any]]], set[str]]:
         """One object per path, and the directories that only folder markers make; refuses
         two keys that stage to one path and a non-empty key that ends in "/"."""
-        dirs = {rel[:i] for rel in seen for i, c in enumerate(rel) if c == "/"}
+        dirs: set[str] = set()
+        for rel in seen:
+            i = rel.rfind("/")
+            while i > 0 and rel[:i] not in dirs:  # its parents are in already
+                dirs.add(rel[:i])
+                i = rel.rfind("/", 0, i)
         doubtful: dict[str, list[str]] = {}
         for rel, got in seen.items():
             if len(got) > 1 or got[0][0] == 0 or rel in dirs:
@@ -745,7 +750,7 @@ def _ns(dt: Any) -> int:
 
 
 def _tree(
-    location: str, files: dict[str, tuple[int, int, list[Any]]], markers: set[str] = frozenset()
+    location: str, files: dict[str, tuple[int, int, list[Any]]], markers: Collection[str] = ()
 ) -> Listing:
     """The tree the objects stage to: directories from the keys' ``/`` and the folder
     ``markers``, refusing keys that cannot be file paths and a key that is also a
