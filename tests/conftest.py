@@ -9,6 +9,7 @@ process.  Tests never touch the real /dev/shm or /etc/fstab.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -184,16 +186,30 @@ class Procs:
     def cleanup(self) -> None:
         for p in self.started:
             if p.poll() is None:
+                # What it started too: a grandchild left running holds the pipes open, so
+                # communicate() below would time out and leave them unclosed (a ResourceWarning,
+                # an error wherever a later GC finalizes them: issue 20 item 31).
+                try:
+                    kids = psutil.Process(p.pid).children(recursive=True)
+                except psutil.Error:
+                    kids = []
                 try:  # its whole group when it leads one (start_new_session=True)
                     if os.getpgid(p.pid) == p.pid:
                         os.killpg(p.pid, 9)
                 except OSError:
                     pass
                 p.kill()
+                for kid in kids:
+                    with contextlib.suppress(psutil.Error):
+                        kid.kill()
         for p in self.started:
             try:
                 p.communicate(timeout=30)  # reap, and close its pipes
             except (subprocess.TimeoutExpired, ValueError, OSError):
+                for pipe in (p.stdin, p.stdout, p.stderr):
+                    if pipe is not None:
+                        with contextlib.suppress(OSError):
+                            pipe.close()
                 p.wait()
 
 

@@ -39,14 +39,17 @@ class Moto:
     (``auth=False``: signatures not checked, for presigned URLs, which moto's auth check
     cannot read: it answers them 500, KeyError HTTP_AUTHORIZATION)."""
 
-    def __init__(self, auth: bool = True) -> None:
+    def __init__(self, auth: bool = True, frozen: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
         if auth:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
+        # frozen: every object's LastModified is one second (S3's resolution), as for objects
+        # written within the same second
+        start = [FROZEN_CLOCK] if frozen else ["-m", "moto.server"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, *start, "-H", "127.0.0.1", "-p", str(self.port)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -88,8 +91,16 @@ class Moto:
         self.proc.wait(timeout=30)
 
 
-def _moto_server(auth: bool):
-    m = Moto(auth=auth)
+FROZEN_CLOCK = "-c" + (
+    "import datetime, sys, moto.s3.models as m, moto.server as s;"
+    "t = datetime.datetime(2026, 1, 2, 3, 4, 5);"
+    "m.utcnow = lambda: t;"
+    "s.main(sys.argv[1:])"
+)
+
+
+def _moto_server(auth: bool, frozen: bool = False):
+    m = Moto(auth=auth, frozen=frozen)
     try:
         m.s3.create_bucket(Bucket=BUCKET)
         yield m
@@ -125,6 +136,17 @@ def moto_noauth():
 def noauth(moto_noauth, monkeypatch):
     """Like ``aws``, with a moto that does not check signatures (so presigned URLs work)."""
     return _point_at(moto_noauth, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def moto_frozen():
+    yield from _moto_server(auth=True, frozen=True)
+
+
+@pytest.fixture
+def frozen(moto_frozen, monkeypatch):
+    """Like ``aws``, with a moto whose clock stands still: a rewrite keeps its LastModified."""
+    return _point_at(moto_frozen, monkeypatch)
 
 
 @pytest.fixture
@@ -247,6 +269,97 @@ def test_odd_keys(aws, tmp_path):
         stage(f"s3://{BUCKET}/{q}", dest=tmp_path / "dest")
     assert "'a' is both an object and a prefix" in str(e.value)
     assert e.value.exit_code == 2
+
+
+def _refused(r: subprocess.CompletedProcess, *names: str) -> None:
+    """Exit 2, one `Error: cannot stage` line naming each of ``names`` (quoted)."""
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("Error: cannot stage") and r.stderr.count("\n") == 1, r.stderr
+    for n in names:
+        assert repr(n) in r.stderr, (n, r.stderr)
+
+
+def test_object_and_folder_marker_of_one_name_refused(aws, shmstage_bin, tmp_path):
+    """`a` and a console folder marker `a/` (obstore lists both as `a`) are refused, naming
+    both keys, with or without `a/b` beside them: neither `a` published as 0 bytes nor
+    dropped silently."""
+    dest = tmp_path / "dest"
+    for extra in ({}, {"a/b": b"under"}):
+        p = prefix()
+        aws.put(f"{p}/a", b"the data")
+        aws.put(f"{p}/a/", b"")
+        aws.put(f"{p}/c", b"c")
+        for k, v in extra.items():
+            aws.put(f"{p}/{k}", v)
+        r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+        _refused(r, f"{p}/a", f"{p}/a/")
+        assert "both stage to the path 'a'" in r.stderr
+        assert not (dest / p).exists()
+        assert not any((dest / ".shmstage/partial").iterdir())
+
+
+def test_folder_marker_made_after_a_good_copy_never_replaces_it(aws, shmstage_bin, tmp_path):
+    """Someone "creates a folder" `a/` in the console after `a` was staged: the re-stage is
+    refused (exit 2, naming both keys) and the published `a` keeps its bytes."""
+    p = prefix()
+    aws.put(f"{p}/a", b"the data")
+    dest = tmp_path / "dest"
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+    assert r.returncode == 0, r.stderr
+    aws.put(f"{p}/a/", b"")
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest))
+    _refused(r, f"{p}/a", f"{p}/a/")
+    assert (dest / p / "a").read_bytes() == b"the data"
+    assert verify(p, dest, checksum=True).ok
+
+
+def test_markers_are_directories_empty_objects_files(aws, shmstage_bin, tmp_path):
+    """A lone empty marker `x/` is an empty directory, `m/` with `m/n` the directory of `n`,
+    an empty object `e` an empty file; an empty object `f` with `f/g` is refused (a file
+    cannot be a directory), and so is a non-empty key `z/` (not a file path)."""
+    p = prefix()
+    for k, v in {"x/": b"", "m/": b"", "m/n": b"n", "e": b"", "d/e2": b""}.items():
+        aws.put(f"{p}/{k}", v)
+    ds = stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest")
+    root = Path(ds.path)
+    assert tree(root) == {"m/n": b"n", "e": b"", "d/e2": b""}
+    assert (root / "x").is_dir() and not os.listdir(root / "x")
+    assert (root / "e").is_file() and ds.files == 3
+    assert not stage(f"s3://{BUCKET}/{p}", dest=tmp_path / "dest").changed
+    q = prefix()
+    aws.put(f"{q}/f", b"")
+    aws.put(f"{q}/f/g", b"g")
+    r = run_cli(
+        shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{q}", "--dest", str(tmp_path / "d2")
+    )
+    _refused(r, "f", "f/g")
+    assert "'f' is both an object and a prefix" in r.stderr
+    z = prefix()
+    aws.put(f"{z}/ok", b"ok")
+    aws.put(f"{z}/z/", b"data in a folder marker")
+    r = run_cli(
+        shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{z}", "--dest", str(tmp_path / "d3")
+    )
+    _refused(r, f"{z}/z/")
+
+
+def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin, tmp_path):
+    """At a bucket's root, `/lead` (listed as `lead` by obstore, which cannot read it) is
+    refused by name, not reported as deleted (exit 17); `/x` beside `x` is refused naming
+    both, not one of them dropped."""
+    for n, keys, names in (
+        (1, {"/lead": b"L", "ok": b"1"}, ["/lead"]),
+        (2, {"/x": b"slash", "x": b"plain", "ok": b"1"}, ["x", "/x"]),
+        (3, {"/d/deep": b"D", "ok": b"1"}, ["/d/deep"]),
+    ):
+        bucket = f"lead{n}-{os.getpid()}"
+        aws.s3.create_bucket(Bucket=bucket)
+        for k, v in keys.items():
+            aws.put(k, v, bucket=bucket)
+        dest = tmp_path / f"dest{n}"
+        r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(dest))
+        _refused(r, *names)
+        assert not (dest / bucket).exists()
 
 
 def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):
@@ -460,6 +573,39 @@ def test_resume_after_kill_fetches_only_the_rest(aws, shmstage_bin, procs, tmp_p
     ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
     assert tree(Path(ds.path)) == want
     assert 0 < ds.copied_bytes < 200 * 30000
+
+
+def test_resume_never_keeps_bytes_of_an_older_version(frozen, shmstage_bin, procs, tmp_path):
+    """SIGKILL after `a` landed in partial/, then `a` rewritten with the same size and the
+    same LastModified (a rewrite within the same second): the re-run fetches the new bytes
+    (size, mtime and mode match, the ETag does not) and a further stage is a no-op."""
+    p = prefix()
+    old, new = os.urandom(200_000), os.urandom(200_000)
+    frozen.put(f"{p}/a", old)
+    for i in range(300):
+        frozen.put(f"{p}/b{i:03d}", os.urandom(30000))
+    dest = tmp_path / "dest"
+    job = procs.start(
+        [*shmstage_bin, "stage", f"s3://{BUCKET}/{p}", "--dest", str(dest), "--workers", "1"],
+        env=frozen.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    landed = dest / ".shmstage/partial" / p / "a"
+    deadline = time.monotonic() + 60
+    while not (landed.exists() and landed.stat().st_mode & 0o777 == 0o644):
+        assert time.monotonic() < deadline and job.poll() is None, "a never landed"
+        time.sleep(0.005)
+    job.kill()
+    job.wait()
+    assert landed.read_bytes() == old and not (dest / p).exists()
+    head = frozen.s3.head_object(Bucket=BUCKET, Key=f"{p}/a")
+    frozen.put(f"{p}/a", new)
+    again = frozen.s3.head_object(Bucket=BUCKET, Key=f"{p}/a")
+    assert again["LastModified"] == head["LastModified"] and again["ETag"] != head["ETag"]
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert (Path(ds.path) / "a").read_bytes() == new
+    assert verify(ds.name, dest, checksum=True).ok
+    later = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert not later.changed and (Path(later.path) / "a").read_bytes() == new
 
 
 def test_concurrent_stagers_share_one_copy(aws, shmstage_bin, procs, tmp_path):

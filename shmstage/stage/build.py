@@ -18,6 +18,7 @@ steps while its walk runs.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Callable
@@ -114,7 +115,11 @@ def build(
             need.bytes, need.inodes, store.dest, reserve, pending=pending, freed=need.freed
         ),
     )
-    keep = prepare_partial(part, entries, resumable)
+    # what to_write kept and nothing else (a file fetched under another key is not kept)
+    keep = prepare_partial(part, [e for e in entries if e[1] != "f" or e[0] in kept], resumable)
+    if keys is not None:  # until this run's manifest is written, no file is known to be kept
+        with suppress(FileNotFoundError):
+            os.unlink(store.new_manifest_path(name))
 
     written: list[bool] = []
 
@@ -205,8 +210,15 @@ def to_write(
             return list(o) == e
         return old_keys.get(e[0]) == keys[e[0]]
 
+    # A resume keeps a file only if it was fetched under today's change key: size, mtime
+    # and mode do not tell an object rewritten within LastModified's second (the killed
+    # run's manifest says which key each file was fetched under).
+    resumed = entries
+    if resumable and keys is not None:
+        fetched = fetched_keys(store, name)
+        resumed = [e for e in entries if e[1] != "f" or fetched.get(e[0]) == keys[e[0]]]
     page = page_size(store.dest)
-    kept, freed = plan_partial(store.partial(name), entries, resumable and incremental)
+    kept, freed = plan_partial(store.partial(name), resumed, resumable and incremental)
     reuse: set[str] = set()
     needed = inodes = 0
     for e in entries:
@@ -224,6 +236,22 @@ def to_write(
         inodes += 1
     total = of_entries("", entries, page).page_bytes
     return Need(needed, inodes, freed, total), kept, reuse
+
+
+def fetched_keys(store: Store, name: str) -> dict[str, Any]:
+    """The change keys partial/<name>'s files were fetched under: those of the manifest a
+    killed run wrote beside it ({} when there is none, or it is another tree's)."""
+    try:
+        fd = os.open(store.new_manifest_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            data = json.load(f)
+        root = os.lstat(store.partial(name))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("root") != [root.st_ino, root.st_dev]:
+        return {}
+    objects = data.get("objects")
+    return objects if isinstance(objects, dict) else {}
 
 
 def prepare_manifest(

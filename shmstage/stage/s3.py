@@ -32,7 +32,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -302,27 +302,116 @@ class S3Source(Source):
     def listing(self) -> Listing:
         """One LIST of the prefix: the tree's entries and each object's change key."""
         prefix = self.where.prefix
-        files: dict[str, tuple[int, int, list[Any]]] = {}
+        seen: dict[str, list[tuple[int, int, list[Any]]]] = {}
         try:
             for chunk in self.obs.list(self.store, prefix or None, chunk_size=1000):
                 self.started = True
                 for meta in chunk:
                     rel = meta["path"][len(prefix) :]
-                    if rel.endswith("/") or not rel:
-                        continue  # a console "folder" marker: the directory exists anyway
+                    if not rel:
+                        continue  # the prefix's own "folder" marker: the tree's root
                     etag = (meta.get("e_tag") or "").strip('"')
                     key = [etag, meta["size"], meta.get("version")]
-                    files[rel] = (meta["size"], _ns(meta["last_modified"]), key)
+                    seen.setdefault(rel, []).append((meta["size"], _ns(meta["last_modified"]), key))
+            if not seen:
+                raise EmptySource(
+                    f"no objects under {self.location}/: check the prefix (an object store lists "
+                    "an empty or missing prefix without an error)"
+                )
+            files, markers = self._one_per_path(seen)
         except ShmstageError:
             raise
         except Exception as e:  # obstore's errors: mapped by kind and S3 code
             raise self.error(e) from None
-        if not files:
-            raise EmptySource(
-                f"no objects under {self.location}/: check the prefix (an object store lists an "
-                "empty or missing prefix without an error)"
-            )
-        return _tree(self.location, files)
+        return _tree(self.location, files, markers)
+
+    # NOTE [keys obstore strips]: obstore drops a key's leading and trailing "/" (in LIST
+    # and GET alike), so `a`, `a/` (a console "folder" marker) and, at the bucket's root,
+    # `/a` are all listed as `a`, and only `a` can be read.  Where the listing is ambiguous
+    # (one path listed twice, a zero-byte object that may be a marker, an object that is
+    # also a directory of others) one delimited LIST of that directory tells: an object
+    # listed there is exactly the key `a`; `a/...` keys show as the common prefix `a`.
+
+    def _one_per_path(
+        self, seen: dict[str, list[tuple[int, int, list[Any]]]]
+    ) -> tuple[dict[str, tuple[int, int, list[Any]]], set[str]]:
+        """One object per path, and the directories that only folder markers make; refuses
+        two keys that stage to one path and a non-empty key that ends in "/"."""
+        dirs: set[str] = set()
+        for rel in seen:
+            i = rel.rfind("/")
+            while i > 0 and rel[:i] not in dirs:  # its parents are in already
+                dirs.add(rel[:i])
+                i = rel.rfind("/", 0, i)
+        doubtful: dict[str, list[str]] = {}
+        for rel, got in seen.items():
+            if len(got) > 1 or got[0][0] == 0 or rel in dirs:
+                doubtful.setdefault(rel.rpartition("/")[0], []).append(rel)
+        files = {rel: got[0] for rel, got in seen.items()}
+        markers: set[str] = set()
+        for d in sorted(doubtful):
+            plain, under = self.level(d)
+            for rel in sorted(doubtful[d]):
+                got = seen[rel]
+                real = rel in plain  # the key is exactly prefix + rel
+                if len(got) > 1:
+                    names = self._spellings(rel, real, len(got), under)
+                    raise RefusedError(
+                        f"cannot stage {self.location}: keys {' and '.join(map(repr, names))} "
+                        f"both stage to the path {rel!r} (obstore drops a key's leading and "
+                        "trailing '/'); rename or delete one of them"
+                    )
+                if real:
+                    continue  # a plain object (an empty file; _tree refuses it if also a directory)
+                del files[rel]
+                if got[0][0]:
+                    raise self.slashed(rel, under)
+                markers.add(rel)  # an empty `rel/` "folder" marker: only the directory
+        return files, markers
+
+    def level(self, d: str) -> tuple[set[str], set[str]]:
+        """One delimited LIST of the directory ``d`` (relative to the prefix): the paths of
+        the objects exactly in it, and the paths that some longer key continues with "/"
+        ("" at the bucket's root: keys that begin with "/")."""
+        base = self.where.prefix + (d + "/" if d else "")
+        res = self.obs.list_with_delimiter(self.store, base or None)
+        cut = len(self.where.prefix)
+        plain = {
+            o["path"][cut:] for o in res["objects"]
+            if o["path"].startswith(base) and len(o["path"]) > len(base)
+        }  # fmt: skip
+        return plain, {p[cut:] for p in res["common_prefixes"]}
+
+    def _spellings(self, rel: str, real: bool, count: int, under: set[str]) -> list[str]:
+        """The keys that stage to ``rel``, as far as a listing can tell them apart."""
+        key = self.where.prefix + rel
+        names = [key] if real else []
+        others = [key + "/"] if rel in under or self.where.prefix else []
+        if not self.where.prefix:  # the bucket's root: a key may also begin with "/"
+            others += [f"/{key}", f"/{key}/"]
+        return names + (others or [key + "/"])[: count - len(names)]
+
+    def missing(self, rel: str) -> RefusedError | None:
+        """Why a listed object's GET found nothing: a key obstore cannot read (``/a``, or a
+        non-empty ``a/``; see NOTE [keys obstore strips]), else None (it was deleted)."""
+        try:
+            plain, under = self.level(rel.rpartition("/")[0])
+            if not self.where.prefix and "/" in rel:  # `/d/a`: only the root tells
+                under |= self.level("")[1] & {""}
+        except Exception:
+            return None  # the usual message, then
+        if rel in plain or not (rel in under or "" in under):
+            return None
+        return self.slashed(rel, under)
+
+    def slashed(self, rel: str, under: set[str]) -> RefusedError:
+        """A non-empty object listed as ``rel`` that is not the key ``rel``."""
+        key = self.where.prefix + rel
+        name = f"{key}/" if rel in under or self.where.prefix else f"/{key}"
+        return RefusedError(
+            f"cannot stage {self.location}: key {name!r} holds data but is not a file path "
+            "(a key that begins or ends with '/'; obstore cannot read it); rename it"
+        )
 
     # --- fetch -------------------------------------------------------------------
 
@@ -430,7 +519,10 @@ class S3Source(Source):
         except Exception as e:
             if rng is not None and _NOT_PARTIAL in str(e):
                 raise _IgnoresRange from None
-            raise self.error(e, key) from None
+            err = self.error(e, key)
+            if type(e).__name__ in ("NotFoundError", "FileNotFoundError"):
+                err = self.missing(w.path) or err
+            raise err from None
         self.started = True
         etag = (res.meta.get("e_tag") or "").strip('"')
         if w.key[0] and etag and etag != w.key[0]:  # a server that ignores If-Match
@@ -657,11 +749,14 @@ def _ns(dt: Any) -> int:
     return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
 
 
-def _tree(location: str, files: dict[str, tuple[int, int, list[Any]]]) -> Listing:
-    """The tree the objects stage to: directories from the keys' ``/``, refusing keys that
-    cannot be file paths and a key that is also a "directory" of other keys."""
+def _tree(
+    location: str, files: dict[str, tuple[int, int, list[Any]]], markers: Collection[str] = ()
+) -> Listing:
+    """The tree the objects stage to: directories from the keys' ``/`` and the folder
+    ``markers``, refusing keys that cannot be file paths and a key that is also a
+    "directory" of other keys."""
     dirs: set[str] = set()
-    for rel in files:
+    for rel in [*files, *markers]:
         parts = rel.split("/")
         for p in parts:
             if p in ("", ".", "..") or len(p.encode()) > _NAME_MAX or "\0" in p:
@@ -670,16 +765,13 @@ def _tree(location: str, files: dict[str, tuple[int, int, list[Any]]]) -> Listin
                     "(an empty, . or .. segment, or a name over 255 bytes); rename it or stage "
                     "a prefix without it"
                 )
-        for i in range(1, len(parts)):
-            dirs.add("/".join(parts[:i]))
-    for d in dirs & files.keys():
-        if files[d][0] == 0:  # a console "folder/" marker (obstore drops the "/"): the directory
-            del files[d]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + (rel in markers)))
     both = sorted(dirs & files.keys())
     if both:
+        under = min(r for r in [*files, *markers] if r.startswith(both[0] + "/"))
         raise RefusedError(
             f"cannot stage {location}: {both[0]!r} is both an object and a prefix of other "
-            "objects (a file cannot also be a directory); rename one of them"
+            f"objects ({under!r}; a file cannot also be a directory); rename one of them"
         )
     entries: list[tuple] = [(".", "d", 0, 0, DIR_MODE, None)]
     entries += [(d, "d", 0, 0, DIR_MODE, None) for d in sorted(dirs)]
