@@ -83,6 +83,8 @@ def resolve(
         port,
         DEFAULT_TIMEOUT if timeout is None else timeout,
         DEFAULT_INFLIGHT if inflight is None else inflight,
+        # two jobs that share a rendezvous port must not mix: Slurm names the job
+        f"Slurm job {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else "",
     )
 
 
