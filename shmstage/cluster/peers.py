@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from shmstage.cluster.exchange import SLOTS, Ring, Target, _Lost, verify_written, wait_work
+from shmstage.cluster.kv import Mismatch
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import RefusedError, ShmstageError
@@ -59,7 +60,9 @@ class Peers:
         if self.ring is not None:
             self.ring.close()
         own = e is not None and not isinstance(e, PeerLost)
-        if own:
+        # A node refused by the rendezvous (another job's, another --nodes) has nothing to
+        # tell that job: its nodes are not this one's peers.
+        if own and not isinstance(e, Mismatch):
             reason = str(e) if isinstance(e, ShmstageError) else f"{kind.__name__}: {e}"  # type: ignore[union-attr]
             self.rv.report(reason or "interrupted")
         self.rv.close(failed=e is not None, own=own)

@@ -162,12 +162,19 @@ class Rendezvous:
         """Tell the others why this node stops (``lost``: because it lost ``suspect`` or
         the exchange; else for a reason of its own).  Best effort, and quick: node 0 may
         be gone or frozen."""
+        quick = min(QUICK, self.timeout)
+        blob = json.dumps({"reason": reason, "suspect": suspect, "lost": lost}).encode()
         try:
-            if self.store is None:
-                self.connect(timeout=min(QUICK, self.timeout))
-            assert self.store is not None
-            blob = json.dumps({"reason": reason, "suspect": suspect, "lost": lost}).encode()
-            self.store.set(f"fail/{self.rank}", blob, min(QUICK, self.timeout))
+            if self.store is None and self.rank == 0:  # open it, for the others to read why
+                self.connect(timeout=quick)
+            if self.store is not None:
+                self.store.set(f"fail/{self.rank}", blob, quick)
+            else:  # failed before joining: say why, without joining now
+                once = Client(self.host, self.port, self.nodes, self.rank, None, quick, main=False)
+                try:
+                    once.set(f"fail/{self.rank}", blob, quick)
+                finally:
+                    once.close()
         except Exception:  # noqa: BLE001 - the store is node 0's: it may be dead already
             pass
 
