@@ -6,7 +6,8 @@
         stage("/nfs/imagenet", peers=peers)
 
 ``resolve`` returns None for one node: then ``stage`` runs exactly as on a single node.
-Modules: rendezvous (TCPStore + gloo, failures), plan (shares and pieces), exchange
+Modules: rendezvous (node 0's store + gloo, failures), kv (that store: a deadline on every
+call), plan (shares and pieces), exchange
 (the pipelined ring), peers (the hook the staging engine calls).
 """
 
