@@ -81,10 +81,16 @@ class Rendezvous:
     def gloo(self) -> Any:
         """The gloo group (made once, by every node together)."""
         if self.group is None:
-            # c10d logs failures as C++ warnings with stack traces; the one-line error says
-            # what happened (read once, when torch loads: set before importing it)
+            # c10d and gloo log failures as C++ errors with stack traces; the one-line error
+            # says what happened.  Read once, when torch loads: set only for the import, so
+            # that a job started after staging (`shmstage run`) keeps torch's own default.
+            level = os.environ.get("TORCH_CPP_LOG_LEVEL")
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-            from torch.distributed import PrefixStore, ProcessGroupGloo
+            try:
+                from torch.distributed import PrefixStore, ProcessGroupGloo
+            finally:
+                if level is None:
+                    del os.environ["TORCH_CPP_LOG_LEVEL"]
 
             assert self.store is not None
             store = PrefixStore(f"gloo{self.round}/", gloo_store(self.store))
