@@ -71,6 +71,31 @@ def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
     assert first_host("n1,n2") == "n1" and first_host("a[3]") == "a3"
 
 
+def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
+    """Two processes started as node 1 of one job (real sockets, node 0's store): the
+    second is refused, and node 0 stops with the same line instead of mixing them in."""
+    from shmstage.cluster.kv import Mismatch
+    from shmstage.cluster.rendezvous import Rendezvous
+
+    port = _free_ports(1)[0]
+    node0 = Rendezvous("127.0.0.1", port, 2, 0, timeout=5.0)
+    first = Rendezvous("127.0.0.1", port, 2, 1, timeout=5.0)
+    second = Rendezvous("127.0.0.1", port, 2, 1, timeout=5.0)
+    try:
+        node0.connect(job="source /src")
+        first.connect(job="source /src")
+        with pytest.raises(Mismatch, match="two nodes started as node 1 of 2"):
+            second.connect(job="source /src")
+        with pytest.raises(Mismatch, match="two nodes started as node 1 of 2"):
+            node0.allgather("tree", b"x")
+        other = Rendezvous("127.0.0.1", port, 2, 1, timeout=5.0)
+        with pytest.raises(Mismatch, match="belongs to another job"):
+            other.connect(job="source /elsewhere")
+    finally:
+        for rv in (second, first, node0):
+            rv.close(failed=True)
+
+
 # --- real nodes --------------------------------------------------------------------------
 
 

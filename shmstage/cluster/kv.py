@@ -137,6 +137,7 @@ class Server:
         with self.lock:
             return all(
                 r in self.bye
+                or (self.poison is not None and r not in self.connected)  # refused: gone
                 or (r in self.claimed and r not in self.connected)
                 or now - self.beat.get(r, now) > STALE
                 for r in range(1, self.nodes)
