@@ -501,17 +501,25 @@ def test_a_listener_that_never_answers_makes_the_nodes_fail_within_the_timeout(c
 
 @pytest.mark.root
 def test_sigterm_mid_exchange_exits_143_at_once_and_the_others_name_that_node(cluster) -> None:
-    """SIGTERM node 2 while the ring waits on gloo: it exits 143 (not 1 "exchange failed")
-    without waiting for its peers or --timeout (300 s here, beyond the test's patience), and
-    the others fail naming node 2; nothing is published."""
+    """Node 1 freezes, so node 2 ends up waiting on gloo for node 1's next piece; SIGTERM
+    node 2 then: it exits 143 (not 1 "exchange failed") without waiting for node 1 or
+    --timeout (300 s here, beyond the test's patience), and nodes 0 and 3 fail naming
+    node 2; nothing is published."""
     body = (
         "$STAGE --timeout 300 >/dev/null; echo rc=$?; "
         f"test -e {cluster.dest}/data && echo published; true"
     )
     nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
-    os.kill(_when_writing(cluster, nodes[2]), signal.SIGTERM)
-    results = _wait_all(nodes, timeout=100)
-    for rank, (_, out, err) in enumerate(results):
+    term = _when_writing(cluster, nodes[2])
+    frozen = _shmstage_of(nodes[1])
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        time.sleep(3)  # node 2 writes what it holds, then waits on gloo for node 1
+        os.kill(term, signal.SIGTERM)
+        results = _wait_all([nodes[0], nodes[2], nodes[3]], timeout=100)
+    finally:
+        os.kill(frozen, signal.SIGKILL)
+    for rank, (_, out, err) in zip((0, 2, 3), results):
         if rank == 2:
             assert out == "rc=143\n", (out, err)
             assert "SIGTERM" in _one_line(err), err
