@@ -159,7 +159,11 @@ class Peers:
             from datetime import timedelta
 
             try:
-                wait_work(self.rv.group.barrier(), timedelta(seconds=self.spec.timeout), None)
+                work = self.rv.group.barrier()
+            except Exception as e:  # a group that broke since the ring
+                raise self.rv.lost(e) from None
+            try:
+                wait_work(work, timedelta(seconds=self.spec.timeout), None)
             except _Lost as e:
                 raise self.rv.lost(e.error) from None
 
