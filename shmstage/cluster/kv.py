@@ -172,7 +172,7 @@ class Server:
                 if req is None:
                     return
                 _send(conn, self._handle(req))
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - a broken or foreign client: drop it, print nothing
             return
         finally:
             with self.lock:
@@ -191,7 +191,7 @@ class Server:
                 self.poison = (
                     f"the nodes were started with different --nodes: node {rank} with "
                     f"--nodes {nodes}, node 0 with --nodes {self.nodes}; start every node "
-                    "with the same --nodes; nothing was published by this job's nodes"
+                    "with the same --nodes; this node publishes nothing"
                 )
                 return {"error": "poison", "poison": self.poison}, None
             if not hello.get("main"):
@@ -202,7 +202,7 @@ class Server:
                 self.poison = (
                     f"two nodes started as node {rank} of {self.nodes} ({self.claimed[rank]} "
                     f"and {addr[0]}): give every node its own --node-rank, and every job its "
-                    "own --rendezvous port; nothing was published by this job's nodes"
+                    "own --rendezvous port; this node publishes nothing"
                 )
                 return {"error": "poison", "poison": self.poison}, None
             self.claimed[rank] = str(addr[0])
