@@ -144,4 +144,5 @@ def test_a_patient_gather_waits_for_a_live_node_and_names_a_dead_one() -> None:
     node1.beating.set()  # node 1 "dies": its heartbeat stops, it never posts again
     with pytest.raises(PeerLost, match="lost node 1 of 2"):
         node0.allgather("next", b"0", patient=True)
-    node0.beating.set()
+    node1.close()
+    node0.close()

@@ -71,6 +71,31 @@ def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
     assert first_host("n1,n2") == "n1" and first_host("a[3]") == "a3"
 
 
+def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
+    """Two processes started as node 1 of one job (real sockets, node 0's store): the
+    second is refused, and node 0 stops with the same line instead of mixing them in."""
+    from shmstage.cluster.kv import Mismatch
+    from shmstage.cluster.rendezvous import Rendezvous
+
+    port = _free_ports(1)[0]
+    node0 = Rendezvous("127.0.0.1", port, 2, 0, timeout=5.0)
+    first = Rendezvous("127.0.0.1", port, 2, 1, timeout=5.0)
+    second = Rendezvous("127.0.0.1", port, 2, 1, timeout=5.0)
+    try:
+        node0.connect(job="source /src")
+        first.connect(job="source /src")
+        with pytest.raises(Mismatch, match="two nodes started as node 1 of 2"):
+            second.connect(job="source /src")
+        with pytest.raises(Mismatch, match="two nodes started as node 1 of 2"):
+            node0.allgather("tree", b"x")
+        other = Rendezvous("127.0.0.1", port, 2, 1, timeout=5.0)
+        with pytest.raises(Mismatch, match="belongs to another job"):
+            other.connect(job="source /elsewhere")
+    finally:
+        for rv in (second, first, node0):
+            rv.close(failed=True)
+
+
 # --- real nodes --------------------------------------------------------------------------
 
 
@@ -129,13 +154,15 @@ class Cluster:
         for dev in self.devs:
             subprocess.run(["losetup", "-d", dev], check=False)
 
-    def start(self, body: str, nodes: int = NODES, env=None, per_node=None, args=""):
+    def start(self, body: str, nodes: int = NODES, env=None, per_node=None, args="", port=None):
         """Start ``nodes`` nodes: each mounts its loop device at SRC and a tmpfs at DEST in a
         mount namespace of its own, then runs the shell ``body`` there, in which $STAGE is
         the `shmstage stage` of that node (``args`` added), $ALONE the same without
-        --nodes, $EXE shmstage, $RANK the node's rank and $CLUSTER its cluster flags.  The unshare happens in a wrapper before exec: unshare(2) in a threaded
+        --nodes, $EXE shmstage, $RANK the node's rank and $CLUSTER its cluster flags.
+        ``per_node``: shell run first on that rank (e.g. to set variables).  The unshare happens in a wrapper before exec: unshare(2) in a threaded
         Python process would move only the calling thread."""
-        port, port2 = _free_ports(2)
+        free, port2 = _free_ports(2)
+        self.port = port = port or free  # ``port``: node 0's rendezvous, else a free one
         exe = shutil.which("shmstage", path=os.path.dirname(sys.executable)) or "shmstage"
         alone = f"{exe} stage {self.src} --name data --dest {self.dest} --reserve 0 --quiet {args}"
         out = []
@@ -154,6 +181,7 @@ class Cluster:
                 self.procs.start(
                     argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     env={**os.environ, **(env or {})},
+                    start_new_session=True,  # killed with its shmstage when the test ends
                 )
             )  # fmt: skip
         return out
@@ -296,8 +324,8 @@ def test_nodes_that_hold_the_copy_serve_their_share_to_those_that_do_not(cluster
 def test_a_killed_node_makes_every_node_fail_and_publish_nothing_then_a_rerun_completes(
     cluster,
 ) -> None:
-    """SIGKILL node 2 mid-exchange: the others exit non-zero naming it, no node publishes;
-    the same nodes run again (their partial copies in place) and complete."""
+    """SIGKILL node 2 mid-exchange: the others exit non-zero naming it in one line, no node
+    publishes; the same nodes run again (their partial copies in place) and complete."""
     body = (
         "$STAGE --timeout 30 >/dev/null; echo first=$?; "
         f"test -e {cluster.dest}/data && echo published; "
@@ -313,8 +341,8 @@ def test_a_killed_node_makes_every_node_fail_and_publish_nothing_then_a_rerun_co
         first, _, rest = out.partition("\n")
         assert first == ("first=137" if rank == 2 else "first=1"), (rank, out, err)
         assert not rest.startswith("published"), (rank, out)
-        if rank != 2:
-            assert "node 2 of 4" in err.splitlines()[0], (rank, err)
+        if rank != 2:  # the killed node, not node 0 (gone by the time some looked)
+            assert "lost node 2 of 4" in _one_line(err), (rank, err)
         second, _, copy = rest.partition("\n")
         assert second == "second=0", (rank, out, err)
         assert copy == want
@@ -338,7 +366,7 @@ def test_a_hung_node_makes_every_node_fail_within_the_timeout_naming_it(cluster)
     for out_err in results:
         _, out, err = out_err
         assert out == "rc=1\n", out_err
-        assert err.startswith("Error: lost node 2 of 4"), err
+        assert _one_line(err).startswith("Error: lost node 2 of 4"), err
 
 
 @pytest.mark.root
@@ -366,3 +394,173 @@ def test_run_stages_cluster_wide_then_starts_the_job_on_every_node(cluster) -> N
     ).stdout.decode()
     for rc, out, err in _wait_all(cluster.start(body, nodes=2)):
         assert (rc, out) == (0, want), err
+
+
+# --- failures: every node ends, with one line, and nothing is published -----------------
+
+# What a failed node may print on stderr: its one error line, nothing from the C++ side.
+NOISE = ("[W", "[E", "terminate called", "Traceback", "Exception ignored")
+
+
+def _one_line(err: str) -> str:
+    """The single line a failed node printed (asserting it is one, and no C++ noise)."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert not any(n in err for n in NOISE), err
+    return lines[0]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _shmstage_of(node) -> int:
+    """The pid of ``node``'s shmstage (the child of its shell), once it runs."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.05)
+    raise AssertionError("the node never started shmstage")
+
+
+@pytest.mark.root
+def test_a_frozen_node_0_makes_every_other_node_fail_within_the_timeout(cluster) -> None:
+    """SIGSTOP node 0 (the rendezvous' host) mid-exchange: its store answers nothing, its
+    links stay open; every other node gives up after --timeout with one line naming node
+    0, and nothing is published (before, they hung forever: no client-side deadline)."""
+    body = (
+        "$STAGE --timeout 4 >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
+    victim = _when_writing(cluster, nodes[0])
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        results = _wait_all(nodes[1:])
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    for _, out, err in results:
+        assert out == "rc=1\n", (out, err)
+        assert "node 0" in _one_line(err), err
+
+
+@pytest.mark.root
+def test_a_node_0_frozen_before_the_others_arrive_makes_them_fail_within_the_timeout(
+    cluster,
+) -> None:
+    """Node 0 listens, then freezes before nodes 1-3 start: the kernel still accepts their
+    connections, nobody answers; each fails after --timeout naming node 0."""
+    body = (
+        "$STAGE --timeout 4 >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    node0 = cluster.start(body, nodes=4, per_node={1: "exit 0; ", 2: "exit 0; ", 3: "exit 0; "})[0]
+    deadline = time.monotonic() + 60
+    while not _listening(cluster.port):
+        assert time.monotonic() < deadline, "node 0 never listened"
+        time.sleep(0.05)
+    victim = _shmstage_of(node0)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        others = cluster.start(body, port=cluster.port, per_node={0: "exit 0; "})[1:]
+        results = _wait_all(others)
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    for _, out, err in results:
+        assert out == "rc=1\n", (out, err)
+        assert "node 0" in _one_line(err), err
+
+
+@pytest.mark.root
+def test_a_listener_that_never_answers_makes_the_nodes_fail_within_the_timeout(cluster) -> None:
+    """Something that accepts connections on the rendezvous port and never answers (not a
+    shmstage): nodes 1-3 fail after --timeout with one line, instead of hanging."""
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen(16)
+    accepted: list[socket.socket] = []
+    try:
+        port = fake.getsockname()[1]
+        body = "$STAGE --timeout 3 >/dev/null; echo rc=$?; true"
+        nodes = cluster.start(body, port=port, per_node={0: "exit 0; "})[1:]
+        fake.settimeout(60)
+        for _ in nodes:
+            accepted.append(fake.accept()[0])  # accept, then say nothing
+        results = _wait_all(nodes)
+    finally:
+        for s in accepted:
+            s.close()
+        fake.close()
+    for _, out, err in results:
+        assert out == "rc=1\n", (out, err)
+        assert "node 0" in _one_line(err) and "did not answer within 3 s" in err, err
+
+
+@pytest.mark.root
+def test_sigterm_mid_exchange_exits_143_at_once_and_the_others_name_that_node(cluster) -> None:
+    """Node 1 freezes, so node 2 ends up waiting on gloo for node 1's next piece; SIGTERM
+    node 2 then: it exits 143 (not 1 "exchange failed") without waiting for node 1 or
+    --timeout (300 s here, beyond the test's patience), and nodes 0 and 3 fail naming
+    node 2; nothing is published."""
+    body = (
+        "$STAGE --timeout 300 >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
+    term = _when_writing(cluster, nodes[2])
+    frozen = _shmstage_of(nodes[1])
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        time.sleep(3)  # node 2 writes what it holds, then waits on gloo for node 1
+        os.kill(term, signal.SIGTERM)
+        results = _wait_all([nodes[0], nodes[2], nodes[3]], timeout=100)
+    finally:
+        os.kill(frozen, signal.SIGKILL)
+    for rank, (_, out, err) in zip((0, 2, 3), results):
+        if rank == 2:
+            assert out == "rc=143\n", (out, err)
+            assert "SIGTERM" in _one_line(err), err
+        else:
+            assert out == "rc=1\n", (rank, out, err)
+            assert "node 2 of 4" in _one_line(err), (rank, err)
+
+
+@pytest.mark.root
+def test_nodes_started_with_different_node_counts_all_refuse_naming_it(cluster) -> None:
+    """Nodes 0 and 2 run --nodes 3, node 1 --nodes 2: every node refuses at once (exit 2)
+    with one line naming the mismatch, instead of some publishing and others timing out."""
+    body = (
+        f"$STAGE $EXTRA >/dev/null; echo rc=$?; test -e {cluster.dest}/data && echo published; true"
+    )
+    nodes = cluster.start(body, nodes=3, per_node={1: 'EXTRA="--nodes 2"; '})
+    for _, out, err in _wait_all(nodes, timeout=100):
+        assert out == "rc=2\n", (out, err)
+        assert "different --nodes" in _one_line(err), err
+
+
+@pytest.mark.root
+def test_two_jobs_on_one_rendezvous_port_do_not_mix(cluster) -> None:
+    """Two 2-node jobs (Slurm jobs 101 and 202) given the same rendezvous port: the job whose
+    node 0 holds the port stages; the other's nodes fail at once, each with one line (port
+    in use; the rendezvous belongs to another job), and publish nothing."""
+    body = (
+        'CLUSTER="--nodes 2 --node-rank $JOBRANK --rendezvous 127.0.0.1:$PORT"; '
+        "$ALONE $CLUSTER >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    port = _free_ports(1)[0]
+    per_node = {
+        r: f"export SLURM_JOB_ID={101 if r < 2 else 202}; JOBRANK={r % 2}; PORT={port}; "
+        for r in range(4)
+    }
+    results = _wait_all(cluster.start(body, per_node=per_node, port=port), timeout=100)
+    jobs = [results[:2], results[2:]]
+    done = [all(out == "rc=0\npublished\n" for _, out, _ in job) for job in jobs]
+    assert sorted(done) == [False, True], results
+    for _, out, err in jobs[done.index(False)]:
+        assert out in ("rc=1\n", "rc=2\n"), (out, err)
+        line = _one_line(err)
+        assert "in use" in line or "belongs to another job" in line, err

@@ -5,7 +5,7 @@
     result.get("read-once").median_s, result.get("naive").x_dataset   # e.g. 41.0, 3.98
 
 One process per node (``spec`` from :func:`shmstage.cluster.resolve`) runs this together
-with the others; their own rendezvous (a TCPStore on node 0) only starts runs together and
+with the others; their own rendezvous (a store on node 0) only starts runs together and
 gathers the figures.  Per run and mode, all nodes leave a barrier and start ``shmstage stage
 SRC`` at once: alone (naive) or with ``--nodes`` (read-once, on a port node 0 picks for that
 run), each into a fresh name in a scratch store under DEST, checked against SRC and

@@ -6,8 +6,9 @@
         stage("/nfs/imagenet", peers=peers)
 
 ``resolve`` returns None for one node: then ``stage`` runs exactly as on a single node.
-Modules: rendezvous (TCPStore + gloo, failures), plan (shares and pieces), exchange
-(the pipelined ring), peers (the hook the staging engine calls).
+Modules: rendezvous (node 0's store + gloo, failures), kv (that store: a deadline on every
+call), plan (shares and pieces), exchange (the pipelined ring), peers (the hook the staging
+engine calls).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def resolve(
         port,
         DEFAULT_TIMEOUT if timeout is None else timeout,
         DEFAULT_INFLIGHT if inflight is None else inflight,
+        # two jobs that share a rendezvous port must not mix: Slurm names the job
+        f"Slurm job {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else "",
     )
 
 

@@ -164,9 +164,9 @@ class Ring:
                 try:
                     sent = self.group.send([outbox], nxt, tag)
                     got = self.group.recv([inbox], prev, tag)
-                    _wait(sent, wait, nxt)
-                    _wait(got, wait, prev)
-                except _Lost:
+                    wait_work(sent, wait, nxt)
+                    wait_work(got, wait, prev)
+                except (_Lost, ShmstageError):  # a signal (Interrupted): as it is
                     raise
                 except Exception as e:
                     raise _Lost(e, None) from None
@@ -348,11 +348,27 @@ class _Lost(Exception):
         self.error, self.peer = error, peer
 
 
-def _wait(work: Any, timeout: timedelta, peer: int) -> None:
-    try:
-        work.wait(timeout)
-    except Exception as e:
-        raise _Lost(e, peer) from None
+def wait_work(work: Any, timeout: timedelta, peer: int | None) -> None:
+    """Wait for a gloo operation, up to ``timeout``; ``_Lost`` if it fails or times out.
+
+    The wait runs in a helper thread and this one joins it in short slices: a signal
+    (SIGTERM) is acted on at once, not after the peer answers or ``timeout`` (a gloo wait
+    holds the thread in C++, and one cut short by its own timeout closes the link).  On a
+    signal the helper is left behind, as a daemon; the exit closes its links."""
+    box: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait(timeout)
+        except BaseException as e:  # handed to the caller as a value
+            box.append(e)
+
+    helper = threading.Thread(target=wait, name="shmstage-gloo-wait", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(_POLL)
+    if box:
+        raise _Lost(box[0], peer)
 
 
 def verify_written(targets: dict[int, Target], plan: Plan) -> list[str]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from shmstage.cluster.exchange import SLOTS, Ring, Target, _Lost, verify_written
+from shmstage.cluster.exchange import SLOTS, Ring, Target, _Lost, verify_written, wait_work
+from shmstage.cluster.kv import Mismatch
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import RefusedError, ShmstageError
@@ -37,6 +38,7 @@ class ClusterSpec:
     port: int
     timeout: float = DEFAULT_TIMEOUT
     inflight: int = DEFAULT_INFLIGHT  # bytes of pieces this node holds at most
+    job: str = ""  # which job this is (e.g. "Slurm job 123"), with the source: see agree
 
 
 class Peers:
@@ -57,10 +59,13 @@ class Peers:
     ) -> None:
         if self.ring is not None:
             self.ring.close()
-        if e is not None and not isinstance(e, PeerLost):
+        own = e is not None and not isinstance(e, PeerLost)
+        # A node refused by the rendezvous (another job's, another --nodes) has nothing to
+        # tell that job: its nodes are not this one's peers.
+        if own and not isinstance(e, Mismatch):
             reason = str(e) if isinstance(e, ShmstageError) else f"{kind.__name__}: {e}"  # type: ignore[union-attr]
             self.rv.report(reason or "interrupted")
-        self.rv.close()
+        self.rv.close(failed=e is not None, own=own)
 
     def fail(self, reason: str) -> None:
         """Tell the other nodes this one stops (a caller that reports failures as values,
@@ -84,7 +89,9 @@ class Peers:
             if plan.total:
                 self.ring = Ring(plan, self.spec.rank, tree.root, self.spec.timeout, _root())
                 self.ring.prefetch()
-        self.rv.connect()
+        # The job: every node of one job stages the same source (and Slurm job); a node of
+        # another job on the same port is refused instead of joining this one's rounds.
+        self.rv.connect(job=" ".join(filter(None, (f"source {tree.root}", self.spec.job))))
         self.rv.round += 1
         entries = [list(e) for e in tree.entries]
         digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
@@ -152,9 +159,13 @@ class Peers:
             from datetime import timedelta
 
             try:
-                self.rv.group.barrier().wait(timedelta(seconds=self.spec.timeout))
-            except Exception as e:
+                work = self.rv.group.barrier()
+            except Exception as e:  # a group that broke since the ring
                 raise self.rv.lost(e) from None
+            try:
+                wait_work(work, timedelta(seconds=self.spec.timeout), None)
+            except _Lost as e:
+                raise self.rv.lost(e.error) from None
 
     # --- refusing ----------------------------------------------------------------------
 

@@ -1,13 +1,16 @@
-"""Meeting the other nodes: a TCPStore on node 0 for agreement, a gloo group for the bytes.
+"""Meeting the other nodes: a small store on node 0 for agreement, a gloo group for the bytes.
 
 Every exchange of small facts (is your tree the same? is your copy current? what do you
-need? who failed?) goes through the store with ``--timeout`` on every wait, so a node that
-never comes, dies or hangs is named instead of waited for.  The gloo group is only made
-when bytes must move.  torch is imported lazily: ``--nodes 1`` never loads it.
+need? who failed?) goes through node 0's store (kv.py) with ``--timeout`` on every call,
+so a node that never comes, dies, hangs or freezes (node 0 included) is named instead of
+waited for.  The gloo group is only made when bytes must move; it finds its peers through
+the same store.  torch is imported lazily: ``--nodes 1`` never loads it.
 """
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import json
 import os
 import threading
@@ -16,9 +19,11 @@ from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
+from shmstage.cluster.kv import Client, Server, StoreLost, StoreTimeout, gloo_store
 from shmstage.errors import ShmstageError
 
 HEARTBEAT = 1.0  # seconds: a node whose count stands still this long is dead or hung
+QUICK = 3.0  # seconds for a best-effort call on the way out (node 0 may be frozen)
 
 
 class PeerLost(ShmstageError):
@@ -32,62 +37,70 @@ class Rendezvous:
 
     def __init__(self, host: str, port: int, nodes: int, rank: int, timeout: float) -> None:
         self.host, self.port, self.nodes, self.rank, self.timeout = host, port, nodes, rank, timeout
-        self.store: Any = None
+        self.store: Client | None = None
+        self.server: Server | None = None
         self.group: Any = None
         self.round = 0  # one per stage() call, so `prepare` can stage several datasets
         self.beating = threading.Event()  # set: stop the heartbeat
 
     # --- connecting -------------------------------------------------------------------
 
-    def connect(self, timeout: float | None = None) -> None:
+    def connect(self, timeout: float | None = None, job: str | None = None) -> None:
+        """Join the job's store (node 0: open it first).  ``job`` says which job this is
+        (the source, the Slurm job): a node of another job is refused, not mixed in."""
         if self.store is not None:
             return
-        # c10d logs every failed store call of a dying cluster as a C++ warning with a stack
-        # trace; the one-line error says what happened.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        try:
-            from torch.distributed import TCPStore
-        except ImportError:
+        if importlib.util.find_spec("torch") is None:  # before anyone waits for this node
             raise ShmstageError(
                 "--nodes needs torch (torch.distributed moves the bytes between nodes): "
                 "pip install 'shmstage[cluster]', or stage on each node alone without --nodes"
-            ) from None
-
-        wait = self.timeout if timeout is None else timeout
-        try:
-            self.store = TCPStore(
-                self.host,
-                self.port,
-                self.nodes,
-                is_master=self.rank == 0,
-                timeout=timedelta(seconds=wait),
-                wait_for_workers=False,
             )
-        except Exception as e:  # RuntimeError/DistNetworkError: a one-line reason
-            where = f"{self.host}:{self.port}"
-            if self.rank == 0:
+        wait = self.timeout if timeout is None else timeout
+        where = f"{self.host}:{self.port}"
+        if self.rank == 0 and self.server is None:
+            try:
+                self.server = Server(self.port, self.nodes, job)
+            except OSError as e:
+                why = (
+                    "in use (another job's rendezvous?)"
+                    if e.errno == errno.EADDRINUSE
+                    else e.strerror
+                )
                 raise ShmstageError(
-                    f"cannot open the rendezvous on {where} (node 0): {_first_line(e)}; "
+                    f"cannot open the rendezvous on {where} (node 0): port {self.port} {why}; "
                     "pick a free port with --rendezvous HOST:PORT"
                 ) from None
-            raise PeerLost(
-                f"cannot reach the rendezvous on {where} (node 0) within {wait:g} s: "
-                f"{_first_line(e)}; is node 0 running with the same --rendezvous?"
-            ) from None
-        self.store.set_timeout(timedelta(seconds=self.timeout))
+        try:
+            self.store = Client(self.host, self.port, self.nodes, self.rank, job, wait)
+        except StoreLost as e:
+            raise PeerLost(str(e)) from None
+        self.store.timeout = self.timeout
+        self.store.watch = self.watch
         threading.Thread(target=self._heartbeat, name="shmstage-heartbeat", daemon=True).start()
 
     def gloo(self) -> Any:
         """The gloo group (made once, by every node together)."""
         if self.group is None:
-            from torch.distributed import PrefixStore, ProcessGroupGloo
+            # c10d and gloo log failures as C++ errors with stack traces; the one-line error
+            # says what happened.  Read once, when torch loads: set only for the import, so
+            # that a job started after staging (`shmstage run`) keeps torch's own default.
+            level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+            try:
+                from torch.distributed import PrefixStore, ProcessGroupGloo
+            finally:
+                if level is None:
+                    del os.environ["TORCH_CPP_LOG_LEVEL"]
 
-            store = PrefixStore("gloo/", self.store)
+            assert self.store is not None
+            store = PrefixStore(f"gloo{self.round}/", gloo_store(self.store))
             try:
                 self.group = ProcessGroupGloo(
                     store, self.rank, self.nodes, timedelta(seconds=self.timeout)
                 )
             except Exception as e:
+                if isinstance(e, ShmstageError) and not isinstance(e, (StoreLost, StoreTimeout)):
+                    raise  # Interrupted, a mismatch: as they are
                 raise self.lost(e) from None
         return self.group
 
@@ -102,25 +115,26 @@ class Rendezvous:
 
         ``patient``: wait as long as the missing nodes' heartbeats go on (they are busy,
         e.g. timing a long copy); give up on one whose heartbeat stood still ``timeout``."""
-        self.store.set(self.key(what), value)
-        keys = [self.key(what, r) for r in range(self.nodes)]
-        deadline = time.monotonic() + self.timeout
-        last_beat: dict[int, tuple[int, float]] = {}  # rank -> (count, when it last moved)
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=min(1.0, self.timeout)))
-                break
-            except Exception as e:
-                if _failed_store(e):
-                    raise self.lost(e) from None
-                self.raise_reported()
+        store = self._store()
+        try:
+            store.set(self.key(what), value)
+            keys = [self.key(what, r) for r in range(self.nodes)]
+            deadline = time.monotonic() + self.timeout
+            last_beat: dict[int, tuple[int, float]] = {}  # rank -> (count, when it last moved)
+            while True:
+                try:
+                    store.wait(keys, min(1.0, self.timeout))
+                    break
+                except StoreTimeout:
+                    pass
+                self.watch()
                 if patient:
                     now, beats = time.monotonic(), self._beats()
                     for r, k in enumerate(keys):
                         count, moved = last_beat.get(r, (-1, now))
                         if beats[r] != count:
                             last_beat[r] = (beats[r], now)
-                        elif now - moved > self.timeout and not self.store.check([k]):
+                        elif now - moved > self.timeout and not store.check([k]):
                             raise PeerLost(
                                 f"lost {_ranks([r], self.nodes)} (no heartbeat for "
                                 f"{self.timeout:g} s: killed, crashed, hung or unreachable) "
@@ -128,42 +142,57 @@ class Rendezvous:
                             ) from None
                     continue
                 if time.monotonic() > deadline:
-                    missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                    missing = [r for r, k in enumerate(keys) if not store.check([k])]
                     raise PeerLost(
                         f"{_ranks(missing, self.nodes)} did not answer within {self.timeout:g} s "
                         f"(while agreeing on {what}); nothing was published, re-run to resume "
                         "(raise --timeout if a node is only slow)"
                     ) from None
-        return [self.store.get(k) for k in keys]
+            return [store.get(k) for k in keys]
+        except StoreLost as e:
+            raise PeerLost(str(e)) from None
 
     def allgather_json(self, what: str, value: Any, patient: bool = False) -> list[Any]:
         blobs = self.allgather(what, json.dumps(value).encode(), patient)
         return [json.loads(v) for v in blobs]
 
+    def _store(self) -> Client:
+        if self.store is None:
+            self.connect()
+        assert self.store is not None
+        return self.store
+
     # --- failures ---------------------------------------------------------------------
 
     def report(self, reason: str, suspect: int | None = None, lost: bool = False) -> None:
         """Tell the others why this node stops (``lost``: because it lost ``suspect`` or
-        the exchange; else for a reason of its own).  Best effort: node 0 may be gone."""
+        the exchange; else for a reason of its own).  Best effort, and quick: node 0 may
+        be gone or frozen."""
+        quick = min(QUICK, self.timeout)
+        blob = json.dumps({"reason": reason, "suspect": suspect, "lost": lost}).encode()
         try:
-            if self.store is None:
-                self.connect(timeout=min(5.0, self.timeout))
-            self.store.set(
-                f"fail/{self.rank}",
-                json.dumps({"reason": reason, "suspect": suspect, "lost": lost}).encode(),
-            )
+            if self.store is None and self.rank == 0:  # open it, for the others to read why
+                self.connect(timeout=quick)
+            if self.store is not None:
+                self.store.set(f"fail/{self.rank}", blob, quick)
+            else:  # failed before joining: say why, without joining now
+                once = Client(self.host, self.port, self.nodes, self.rank, None, quick, main=False)
+                try:
+                    once.set(f"fail/{self.rank}", blob, quick)
+                finally:
+                    once.close()
         except Exception:  # noqa: BLE001 - the store is node 0's: it may be dead already
             pass
 
-    def reports(self) -> dict[int, dict[str, Any]]:
+    def reports(self, deadline: float | None = None) -> dict[int, dict[str, Any]]:
+        """Every other node's failure report (StoreLost: node 0 did not answer)."""
         out = {}
+        store = self._store()
         for r in range(self.nodes):
-            k = f"fail/{r}"
-            try:
-                if r != self.rank and self.store.check([k]):
-                    out[r] = json.loads(self.store.get(k))
-            except Exception:  # noqa: BLE001 - store gone: what we have
-                break
+            if r != self.rank:
+                blob = store.get_now(f"fail/{r}", deadline)
+                if blob is not None:
+                    out[r] = json.loads(blob)
         return out
 
     def raise_reported(self) -> None:
@@ -174,95 +203,122 @@ class Rendezvous:
                     f"node {r} of {self.nodes} failed: {rep['reason']}; nothing was published"
                 )
 
+    def watch(self) -> None:
+        """Raise if another node stopped for a reason of its own or lost its connection
+        (killed, crashed): run while waiting for keys, so nobody waits ``timeout`` for a
+        node that is gone (gloo waits for every node's address this way)."""
+        assert self.store is not None
+        self.raise_reported()
+        crashed = [
+            r for r, st in self.store.status(min(QUICK, self.timeout)).items()
+            if r != self.rank and st["claimed"] and not st["connected"] and not st["bye"]
+        ]  # fmt: skip
+        if crashed:
+            raise self._gone(crashed, "its connection closed: killed or crashed")
+
     def lost(self, error: BaseException, suspect: int | None = None) -> PeerLost:
         """Turn a failed gloo or store operation into one line naming the node to blame.
 
         A dead node shows only to its ring neighbours (connection reset), and gloo does not
         always say which link broke; the others see the neighbours go.  So: a node that
-        posted a reason of its own is named with it; else the nodes whose heartbeat stopped
-        without a word (killed, crashed, hung) are."""
+        posted a reason of its own is named with it; else node 0's store says which nodes
+        lost their connection (killed, crashed) or stopped beating (hung, frozen)."""
+        if isinstance(error, (StoreLost, PeerLost)):
+            return PeerLost(str(error))  # node 0 itself: nobody else to ask
         self.report(f"lost contact: {_first_line(error)}", suspect, lost=True)
         if self.group is not None:  # drop our links now: nodes waiting on us see it at once
             with suppress(Exception):
                 self.group.abort()
-        try:
-            first = self._beats()
-        except Exception:  # noqa: BLE001 - node 0 (the store) is gone
-            return self._gone([0])
+        quick = min(QUICK, self.timeout)
         deadline = time.monotonic() + 3 * HEARTBEAT
-        while True:
-            seen = self.reports()
-            for r, rep in sorted(seen.items()):
-                if not rep["lost"]:
-                    return PeerLost(
-                        f"node {r} of {self.nodes} failed: {rep['reason']}; nothing was published"
-                    )
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
         try:
-            last = self._beats()
-        except Exception:  # noqa: BLE001
-            return self._gone([0])
-        # Nodes that posted a report were alive to do so (and may have exited since).
-        seen = self.reports()
-        stalled = [
-            r for r in range(self.nodes) if r != self.rank and last[r] == first[r] and r not in seen
-        ]
-        if stalled:
-            return self._gone(stalled)
+            while True:
+                for r, rep in sorted(self.reports(quick).items()):
+                    if not rep["lost"]:
+                        return PeerLost(
+                            f"node {r} of {self.nodes} failed: {rep['reason']}; nothing was "
+                            "published"
+                        )
+                status = self._store().status(quick)
+                seen = self.reports(quick)  # alive to post: not the culprit
+                crashed = [
+                    r for r, st in status.items()
+                    if r != self.rank and r not in seen and st["claimed"] and not st["connected"]
+                    and not st["bye"]
+                ]  # fmt: skip
+                hung = [
+                    r for r, st in status.items()
+                    if r != self.rank and r not in seen and st["connected"]
+                    and (st["quiet"] or 0) > 2 * HEARTBEAT
+                ]  # fmt: skip
+                if crashed:
+                    return self._gone(crashed, "its connection closed: killed or crashed")
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except StoreLost as e:
+            return PeerLost(str(e))
+        if hung:
+            return self._gone(hung, f"no sign of life for {2 * HEARTBEAT:g} s: hung or frozen")
         return PeerLost(
             f"the exchange failed: {_first_line(error)}; nothing was published, re-run to resume"
         )
 
-    def _gone(self, ranks: list[int]) -> PeerLost:
+    def _gone(self, ranks: list[int], why: str) -> PeerLost:
         return PeerLost(
-            f"lost {_ranks(ranks, self.nodes)} during the exchange (killed, crashed, hung or "
-            f"unreachable for {self.timeout:g} s); nothing was published on any node, "
-            "re-run to resume from the partial copies"
+            f"lost {_ranks(ranks, self.nodes)} during the exchange ({why}); nothing was "
+            "published on any node, re-run to resume from the partial copies"
         )
 
     # --- heartbeats --------------------------------------------------------------------
 
     def _beats(self) -> list[int]:
-        return [self.store.add(f"hb/{r}", 0) for r in range(self.nodes)]
+        store = self._store()
+        return [store.add(f"hb/{r}", 0) for r in range(self.nodes)]
 
     def _heartbeat(self) -> None:
-        """Count up ``hb/<rank>`` while this node lives (its own store connection: the
-        main thread's may be blocked in a wait)."""
-        from torch.distributed import TCPStore
-
+        """Count up ``hb/<rank>`` while this node lives (its own connection: the main
+        thread's may be busy in a wait)."""
         try:
-            store = TCPStore(
-                self.host, self.port, self.nodes, is_master=False,
-                timeout=timedelta(seconds=min(self.timeout, 30)), wait_for_workers=False,
-            )  # fmt: skip
-            while not self.beating.wait(HEARTBEAT / 2):
-                store.add(f"hb/{self.rank}", 1)
+            store = Client(self.host, self.port, self.nodes, self.rank, None, self.timeout,
+                           main=False)  # fmt: skip
         except Exception:  # noqa: BLE001 - the store is gone: the main thread finds out
             return
-
-    def close(self) -> None:
-        """Node 0 holds the store: keep it up until every node has said goodbye (bounded)."""
-        self.beating.set()
-        if self.store is None:
-            return
         try:
-            self.store.add("bye", 1)
-            if self.rank == 0:
-                deadline = time.monotonic() + min(self.timeout, 30.0)
-                while self.store.add("bye", 0) < self.nodes and time.monotonic() < deadline:
-                    if self.reports():
-                        time.sleep(1.0)  # a failure: give the others time to read the reasons
-                        break
-                    time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-        if self.group is not None:
+            while not self.beating.wait(HEARTBEAT / 2):
+                store.add(f"hb/{self.rank}", 1)
+        except Exception:  # noqa: BLE001 - likewise
+            return
+        finally:
+            store.close()
+
+    def close(self, failed: bool = False, own: bool = False) -> None:
+        """Node 0 holds the store: keep it up until every other node has said goodbye,
+        lost its connection or stopped beating (bounded), so that none of them finds it
+        gone while it still needs it (and blames node 0).
+
+        ``failed``: the stage failed (a broken group is left to the exit: shutting it down
+        can wait for its timeout).  ``own``: for a reason of this node's own (a signal, an
+        error); mid-exchange the others wait on gloo links that break only when this
+        process exits: then node 0 exits at once, and the others name it."""
+        self.beating.set()
+        exchanging = self.group is not None
+        if exchanging and not failed:
             with suppress(Exception):
                 self.group.shutdown()
         self.group = None
-        self.store = None
+        if self.store is not None:
+            with suppress(Exception):
+                self.store.bye(min(QUICK, self.timeout))
+            self.store.close()
+            self.store = None
+        if self.server is not None:
+            wait = 0.0 if own and exchanging else min(self.timeout, 30.0)
+            deadline = time.monotonic() + wait
+            while not self.server.settled() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.server.close()
+            self.server = None
 
 
 def _ranks(ranks: list[int], nodes: int) -> str:
@@ -274,8 +330,3 @@ def _ranks(ranks: list[int], nodes: int) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
-
-
-def _failed_store(e: BaseException) -> bool:
-    """A store wait that failed for another reason than its timeout (node 0 is gone)."""
-    return "timeout" not in str(e).lower() and "timed out" not in str(e).lower()
