@@ -362,7 +362,8 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
     """``batch`` with ``move`` applied to every tensor in it, and to every other object with a
-    ``.to()`` method; containers keep their types.
+    ``.to()`` method, even one that is also a container (a PackedSequence is a namedtuple
+    whose ``.to()`` keeps ``batch_sizes`` on the CPU); containers keep their types.
 
     Walked: mappings (``dict`` subclasses such as ``OrderedDict``, ``defaultdict`` with its
     ``default_factory``, your own, or any ``Mapping``), namedtuples, dataclasses (every
@@ -372,6 +373,11 @@ def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
     here, ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
     """
     if isinstance(batch, torch.Tensor):
+        return move(batch)
+    if _movable(batch):
+        # before the container checks: an object that moves itself knows what may move
+        # (PackedSequence, a namedtuple, keeps its batch_sizes on the CPU; walking it as a
+        # tuple would move them and it refuses that)
         return move(batch)
     if isinstance(batch, Mapping):
         items = {k: move_batch(v, move) for k, v in batch.items()}
@@ -403,28 +409,38 @@ def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
             return type(batch)(values)
         except TypeError:
             return values if isinstance(batch, list) else tuple(values)
-    if _movable(batch):
-        return move(batch)
     return batch
 
 
 def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor :func:`move_batch` would reach in ``batch``, and those held in the
-    attributes of an object that moved itself (found where it keeps them: ``vars(obj)``)."""
+    """Every tensor :func:`move_batch` would reach in ``batch`` (each once), and those held by
+    an object that moved itself: in its attributes (``vars(obj)``) and, when it is a
+    container too (a PackedSequence is a tuple), in its items."""
+    seen: set[int] = set()
+    for t in _walk_tensors(batch):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def _walk_tensors(batch: Any) -> Iterator[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from batch_tensors(v)
-    elif _is_dataclass_instance(batch):
-        for f in dataclasses.fields(batch):
-            yield from batch_tensors(getattr(batch, f.name))
-    elif isinstance(batch, (tuple, list)):
-        for v in batch:
-            yield from batch_tensors(v)
-    elif _movable(batch):
+        return
+    if _movable(batch):
         for v in getattr(batch, "__dict__", {}).values():
-            yield from batch_tensors(v)
+            yield from _walk_tensors(v)
+    values: Iterable[Any]
+    if isinstance(batch, Mapping):
+        values = batch.values()
+    elif _is_dataclass_instance(batch):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, (tuple, list)):
+        values = batch
+    else:
+        return
+    for v in values:
+        yield from _walk_tensors(v)
 
 
 def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -533,7 +549,8 @@ class CudaPrefetcher:
             consumer.wait_stream(self._stream)
             batch = nxt
             for t in batch_tensors(batch):
-                t.record_stream(consumer)
+                if t.device == self.device:  # not what stayed on the CPU (PackedSequence's batch_sizes)
+                    t.record_stream(consumer)
             nxt = next(source, end)
             if nxt is not end:
                 nxt = self._copy(nxt)

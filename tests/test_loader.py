@@ -980,3 +980,22 @@ def test_prefetcher_resolves_the_cuda_device_at_first_use(monkeypatch):
     p = CudaPrefetcher([], device="cuda:1")
     current["index"] = 0
     assert p.device == torch.device("cuda", 1)  # an explicit index is kept
+
+
+def test_prefetcher_moves_a_packed_sequence_by_its_own_to():
+    """A PackedSequence (a namedtuple with its own .to()) keeps batch_sizes on the CPU through the prefetcher."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    seqs = [torch.ones(n, 4) for n in (5, 3, 2, 4)]
+    dl = torch.utils.data.DataLoader(
+        seqs, batch_size=2, collate_fn=lambda b: pack_sequence(b, enforce_sorted=False)
+    )
+    got = list(CudaPrefetcher(dl, device="meta"))
+    assert len(got) == 2
+    for packed in got:
+        assert type(packed).__name__ == "PackedSequence"
+        assert packed.data.device.type == "meta" and packed.sorted_indices.device.type == "meta"
+        assert packed.batch_sizes.device.type == "cpu"
+    # record_stream's list reaches its tensors, each once
+    found = list(loader.batch_tensors(got[0]))
+    assert len(found) == len({id(t) for t in found}) == 4
