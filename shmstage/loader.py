@@ -143,12 +143,18 @@ def local_ranks(environ: Mapping[str, str] | None = None) -> int:
 def rank_cpus(cpus: system.CpuSet, ranks: int) -> int:
     """CPUs one rank may use, at least 1.
 
-    An affinity set narrower than the container's CPUs was bound to this rank (torchrun
-    --numa-binding, srun --cpu-bind, taskset): it is this rank's share already.  One as wide
-    as the container's is shared by the node's ``ranks``.  The cgroup CPU quota is the
-    container's, shared by every rank in it either way."""
+    An affinity set its launcher narrowed for this rank (``cpus.bound``: torchrun
+    --numa-binding, srun --cpu-bind) is this rank's, shared only by as many ranks as cannot
+    each have a disjoint one in the container (--numa-binding=node gives the 4 ranks of a
+    NUMA node that node's CPUs).  Any other (as wide as the container's, or inherited from a
+    launcher started under ``numactl``/``taskset``) is shared by the node's ``ranks``.  The
+    cgroup CPU quota is the container's, shared by every rank in it either way."""
     ranks = max(1, ranks)
-    share = cpus.affinity if cpus.bound else cpus.affinity // ranks
+    if cpus.bound:
+        sharers = min(ranks, max(1, math.ceil(ranks * cpus.affinity / cpus.container)))
+        share = cpus.affinity // sharers
+    else:
+        share = cpus.affinity // ranks
     if cpus.quota is not None:
         share = min(share, max(1, math.ceil(cpus.quota)) // ranks)
     return max(1, share)
@@ -549,7 +555,8 @@ class CudaPrefetcher:
             consumer.wait_stream(self._stream)
             batch = nxt
             for t in batch_tensors(batch):
-                if t.device == self.device:  # not what stayed on the CPU (PackedSequence's batch_sizes)
+                # not what stayed on the CPU (a PackedSequence's batch_sizes)
+                if t.device == self.device:
                     t.record_stream(consumer)
             nxt = next(source, end)
             if nxt is not end:

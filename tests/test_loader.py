@@ -56,12 +56,20 @@ def fake_node(
     affinity: int,
     quota: str | None,
     container: int | None = None,
+    launcher: int | None = None,
 ) -> None:
-    """Affinity of ``affinity`` CPUs, a cgroup v2 ``cpu.max`` of ``quota`` and a cpuset of
-    ``container`` CPUs (default: the affinity's) in a fake tree."""
+    """Affinity of ``affinity`` CPUs, a cgroup v2 ``cpu.max`` of ``quota``, a cpuset of
+    ``container`` CPUs (default: the affinity's) and a parent process (the launcher) with
+    ``launcher`` CPUs (default: the container's) in a fake tree."""
+    import os
+
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "cgroup").write_text("0::/job\n")
+    (proc / str(os.getppid())).mkdir()
+    (proc / str(os.getppid()) / "status").write_text(
+        f"Name:\ttorchrun\nCpus_allowed_list:\t0-{(launcher or container or affinity) - 1}\n"
+    )
     cg = tmp_path / "cgroup"
     (cg / "job").mkdir(parents=True)
     (cg / "cgroup.controllers").write_text("cpuset cpu memory\n")
@@ -130,6 +138,8 @@ def test_default_workers_follow_affinity_quota_and_local_world_size(
         # a quota is the container's: 8 bound ranks share 16 CPUs of quota
         (8, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "8"}, 1),
         (16, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "2"}, 7),
+        # torchrun --numa-binding=node, 8 ranks, 2 NUMA nodes: each node's 32 CPUs for 4 ranks
+        (32, 64, None, {"LOCAL_WORLD_SIZE": "8"}, 7),
     ],
 )
 def test_default_workers_count_each_ranks_cpus_once(
@@ -143,21 +153,39 @@ def test_default_workers_count_each_ranks_cpus_once(
     assert loader_kwargs()["num_workers"] == expected
 
 
+@pytest.mark.parametrize("launcher", [32, None])
+def test_a_launcher_bound_to_some_cpus_shares_them_among_its_ranks(monkeypatch, tmp_path, launcher):
+    """numactl --cpunodebind=0 torchrun --nproc-per-node 4 on 64 CPUs: every rank inherits the
+    launcher's 32 CPUs; they are the 4 ranks' together (7 workers each), not each rank's (31)."""
+    fake_node(monkeypatch, tmp_path, 32, None, 64, launcher=launcher)
+    if launcher is None:  # the parent is not visible (another PID namespace)
+        monkeypatch.setattr(system.os, "getppid", lambda: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_num_workers() == 7
+    assert loader_kwargs()["num_workers"] == 7
+
+
 @pytest.mark.parametrize(
-    ("affinity", "container", "quota", "ranks", "expected"),
+    ("affinity", "container", "quota", "launcher", "ranks", "expected"),
     [
-        (16, 16, None, 1, 16),
-        (16, 16, None, 4, 4),  # shared: divided
-        (4, 16, None, 4, 4),  # bound to this rank: kept
-        (16, 16, 4.0, 1, 4),
-        (16, 16, 2.5, 1, 3),
-        (4, 16, 8.0, 4, 2),  # the quota is shared even when the affinity is not
-        (2, 2, None, 8, 1),  # never below one
+        (16, 16, None, 16, 1, 16),
+        (16, 16, None, 16, 4, 4),  # shared: divided
+        (4, 16, None, 16, 4, 4),  # bound to this rank by its launcher: kept
+        (16, 16, 4.0, 16, 1, 4),
+        (16, 16, 2.5, 16, 1, 3),
+        (4, 16, 8.0, 16, 4, 2),  # the quota is shared even when the affinity is not
+        (2, 2, None, 2, 8, 1),  # never below one
+        # the launcher's own mask (numactl --cpunodebind=0 torchrun): every rank's, divided
+        (32, 64, None, 32, 4, 8),
+        (32, 64, None, None, 4, 8),  # launcher unknown: divided (fewer workers, not more)
+        # torchrun --numa-binding=node, 8 ranks on 2 nodes: 4 ranks share each node's 32
+        (32, 64, None, 64, 8, 8),
     ],
 )
-def test_rank_cpus(affinity, container, quota, ranks, expected):
-    """rank_cpus: divide a shared affinity set by the ranks, never a bound one; the quota always."""
-    assert loader.rank_cpus(system.CpuSet(affinity, container, quota), ranks) == expected
+def test_rank_cpus(affinity, container, quota, launcher, ranks, expected):
+    """rank_cpus: divide a shared affinity set by the ranks, a bound one only by the ranks that must share it; the quota always."""
+    cpus = system.CpuSet(affinity, container, quota, launcher)
+    assert loader.rank_cpus(cpus, ranks) == expected
 
 
 @pytest.mark.parametrize(
@@ -220,6 +248,38 @@ def test_real_taskset_binding_is_seen_as_this_ranks_share():
     assert affinity == half and bound and container >= n
     assert cpus == half  # bound to this rank: its whole share, not half of it
     assert workers == max(1, half - 1)
+
+
+@pytest.mark.timeout(60)
+def test_real_taskset_around_the_launcher_is_shared_by_its_ranks():
+    """A real `taskset` around a launcher: its rank inherits the launcher's mask and sees it as shared (not bound)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = len(os.sched_getaffinity(0))
+    if n < 2:
+        pytest.skip("needs at least 2 CPUs")
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2"}
+    for var in LOADER_ENV[4:]:
+        env.pop(var, None)
+    probe = (
+        "import json; from shmstage import system; c = system.cpu_set(); "
+        "print(json.dumps([c.affinity, c.launcher, c.bound]))"
+    )
+    launcher = (
+        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}], check=True)"
+    )
+
+    def run(*argv: str) -> list:
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=True)
+        return json.loads(out.stdout)
+
+    # the rank bound by its launcher (what torchrun --numa-binding does): bound
+    assert run("taskset", "-c", "0", sys.executable, "-c", probe) == [1, n, True]
+    # the launcher bound (taskset/numactl around torchrun): the rank's mask is the launcher's
+    assert run("taskset", "-c", "0", sys.executable, "-c", launcher) == [1, 1, False]
 
 
 def test_bad_local_world_size_is_a_clear_error(monkeypatch):
