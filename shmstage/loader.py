@@ -373,10 +373,13 @@ def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
 
     Walked: mappings (``dict`` subclasses such as ``OrderedDict``, ``defaultdict`` with its
     ``default_factory``, your own, or any ``Mapping``), namedtuples, dataclasses (every
-    field, ``init=False`` ones too), tuples and lists.  A mutable mapping or a dataclass is
-    copied (``copy.copy`` / ``dataclasses.replace``), so its type and extra attributes stay;
-    other leaves (strings, ids, None) are returned as they are.  Pure: no device is touched
-    here, ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
+    field, ``init=False`` ones too), tuples and lists.  A ``dict`` subclass (or a mapping
+    with its own ``__copy__``, as ``UserDict``) and a dataclass are shallow-copied, so their
+    type and extra attributes stay; a dataclass's ``__init__``/``__post_init__`` is not run
+    again.  Any other mapping is rebuilt as ``type(m)(dict_of_moved_items)``, or is a plain
+    ``dict`` when its constructor takes no dict.  Other leaves (strings, ids, None) are
+    returned as they are.  Pure: ``batch`` is not changed, and no device is touched here,
+    ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
     """
     if isinstance(batch, torch.Tensor):
         return move(batch)
@@ -386,28 +389,20 @@ def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
         # tuple would move them and it refuses that)
         return move(batch)
     if isinstance(batch, Mapping):
-        items = {k: move_batch(v, move) for k, v in batch.items()}
-        if isinstance(batch, MutableMapping):
-            try:
-                clone = copy.copy(batch)  # same class, default_factory, attributes, order
-                for k, v in items.items():
-                    clone[k] = v
-                return clone
-            except Exception:  # a mapping that cannot be copied: rebuild it below
-                pass
-        try:
-            return type(batch)(items)
-        except Exception:
-            return items
+        return _rebuilt_mapping(batch, {k: move_batch(v, move) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_batch(v, move) for v in batch))
     if _is_dataclass_instance(batch):
-        fields = dataclasses.fields(batch)
-        moved = {f.name: move_batch(getattr(batch, f.name), move) for f in fields}
-        clone = dataclasses.replace(batch, **{f.name: moved[f.name] for f in fields if f.init})
-        for f in fields:
-            if not f.init:  # replace() cannot set these: set them as __init__ would not
-                object.__setattr__(clone, f.name, moved[f.name])
+        # A copy with each field set, not dataclasses.replace(): that would run __init__ and
+        # __post_init__ again (an InitVar cannot be given twice, a normalisation would apply
+        # twice).  object.__setattr__ sets frozen dataclasses' fields too.
+        try:
+            clone = copy.copy(batch)
+        except Exception:  # a class that refuses copying: rebuild it through __init__
+            clone = dataclasses.replace(batch)
+        for f in dataclasses.fields(batch):
+            if hasattr(batch, f.name):  # an init=False field without default may be unset
+                object.__setattr__(clone, f.name, move_batch(getattr(batch, f.name), move))
         return clone
     if isinstance(batch, (tuple, list)):
         values = [move_batch(v, move) for v in batch]
@@ -416,6 +411,28 @@ def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
         except TypeError:
             return values if isinstance(batch, list) else tuple(values)
     return batch
+
+
+def _rebuilt_mapping(batch: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A mapping of ``batch``'s type holding ``items``, sharing no storage with ``batch``."""
+    if isinstance(batch, MutableMapping) and (
+        isinstance(batch, dict) or hasattr(type(batch), "__copy__")
+    ):
+        # a dict subclass (its items are the object: a copy has its own) or a mapping that
+        # copies itself (UserDict copies its data): keeps the class, default_factory, other
+        # attributes and the order.  Any other mapping keeps its items in an attribute, which
+        # copy.copy would share: the caller's batch would get the moved tensors.
+        try:
+            clone = copy.copy(batch)
+            for k, v in items.items():
+                clone[k] = v
+            return clone
+        except Exception:  # cannot be copied: built from the items below
+            pass
+    try:
+        return type(batch)(items)  # the Mapping convention: built from a dict
+    except Exception:
+        return items  # a constructor that takes no dict: a plain dict
 
 
 def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:

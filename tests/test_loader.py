@@ -1059,3 +1059,67 @@ def test_prefetcher_moves_a_packed_sequence_by_its_own_to():
     # record_stream's list reaches its tensors, each once
     found = list(loader.batch_tensors(got[0]))
     assert len(found) == len({id(t) for t in found}) == 4
+
+
+class Store(collections.abc.MutableMapping):
+    """A MutableMapping keeping its items in an attribute (copy.copy would share it)."""
+
+    def __init__(self, data) -> None:
+        self._data = data
+
+    def __getitem__(self, k):
+        return self._data[k]
+
+    def __setitem__(self, k, v):
+        self._data[k] = v
+
+    def __delitem__(self, k):
+        del self._data[k]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclasses.dataclass
+class Scaled:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float]
+
+    def __post_init__(self, scale: float) -> None:
+        self.x = self.x * scale
+
+
+@dataclasses.dataclass
+class Offset:
+    x: torch.Tensor
+    tag: str = "t"
+
+    def __post_init__(self) -> None:
+        self.x = self.x - 1  # a normalisation done once, at construction
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenSlots:
+    x: torch.Tensor
+
+
+def test_move_batch_copies_containers_without_sharing_or_rebuilding():
+    """move_batch leaves the caller's MutableMapping alone, handles InitVar, and never runs __post_init__ again."""
+    store = Store({"x": torch.ones(2)})
+    scaled = Scaled(torch.ones(2), 3.0)
+    offset = Offset(torch.full((2,), 5.0), "keep")
+    frozen = FrozenSlots(torch.ones(1))
+    out = loader.move_batch([store, scaled, offset, frozen], double)
+    assert type(out[0]) is Store and torch.equal(out[0]["x"], torch.full((2,), 2.0))
+    assert torch.equal(store["x"], torch.ones(2))  # the input batch is unchanged
+    assert type(out[1]) is Scaled and torch.equal(out[1].x, torch.full((2,), 6.0))
+    assert type(out[2]) is Offset and out[2].tag == "keep"
+    assert torch.equal(out[2].x, torch.full((2,), 8.0))  # (5 - 1) * 2: __post_init__ ran once
+    assert torch.equal(offset.x, torch.full((2,), 4.0))
+    assert type(out[3]) is FrozenSlots and torch.equal(out[3].x, torch.full((1,), 2.0))
+    (got,) = list(CudaPrefetcher([{"s": store, "d": scaled}], device="meta"))
+    assert got["s"]["x"].device.type == "meta" and got["d"].x.device.type == "meta"
+    assert store["x"].device.type == "cpu"
