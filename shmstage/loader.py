@@ -45,6 +45,7 @@ __all__ = [
     "local_ranks",
     "rank_generator",
     "batch_tensors",
+    "hides_tensors",
     "loader_kwargs",
     "make_loader",
     "move_batch",
@@ -437,22 +438,48 @@ def _rebuilt_mapping(batch: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping
 
 def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
     """Every tensor :func:`move_batch` would reach in ``batch`` (each once), and those held by
-    an object that moved itself: in its attributes (``vars(obj)``) and, when it is a
-    container too (a PackedSequence is a tuple), in its items."""
+    an object that moved itself: in its attributes (``vars(obj)`` and its ``__slots__``, as
+    an attrs ``@define`` class keeps them) and, when it is a container too (a PackedSequence
+    is a tuple), in its items."""
     seen: set[int] = set()
-    for t in _walk_tensors(batch):
+    for t in _walk_tensors(batch, set()):
         if id(t) not in seen:
             seen.add(id(t))
             yield t
 
 
-def _walk_tensors(batch: Any) -> Iterator[torch.Tensor]:
+def hides_tensors(obj: Any) -> bool:
+    """Whether ``obj`` moves itself (``.to()``) but :func:`batch_tensors` finds no tensor in
+    it (kept in a C++ object, a closure...): CudaPrefetcher cannot ``record_stream`` what it
+    cannot see, so it copies such an object on the consumer stream (see its NOTE)."""
+    return _movable(obj) and next(batch_tensors(obj), None) is None
+
+
+def _slot_values(obj: Any) -> Iterator[Any]:
+    """The values of ``obj``'s ``__slots__``, every class of its MRO; unset ones skipped."""
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):  # name-mangled
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            try:
+                yield getattr(obj, name)
+            except AttributeError:
+                continue
+
+
+def _walk_tensors(batch: Any, visiting: set[int]) -> Iterator[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
         return
+    if id(batch) in visiting:  # an attribute that refers back (obj.parent)
+        return
     if _movable(batch):
-        for v in getattr(batch, "__dict__", {}).values():
-            yield from _walk_tensors(v)
+        visiting.add(id(batch))
+        for v in [*getattr(batch, "__dict__", {}).values(), *_slot_values(batch)]:
+            yield from _walk_tensors(v, visiting)
     values: Iterable[Any]
     if isinstance(batch, Mapping):
         values = batch.values()
@@ -463,7 +490,7 @@ def _walk_tensors(batch: Any) -> Iterator[torch.Tensor]:
     else:
         return
     for v in values:
-        yield from _walk_tensors(v)
+        yield from _walk_tensors(v, visiting)
 
 
 def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -496,6 +523,9 @@ def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
 # without it the caching allocator would hand b(k)'s memory to the next copy as soon as the
 # Python tensor is freed, while kernels queued on the consumer stream may still read it.
 # record_stream makes the allocator wait for the consumer stream's pending work first.
+# It needs the tensors (batch_tensors): an object that moves itself but keeps them where
+# they cannot be found (hides_tensors) is copied on the consumer stream instead, whose own
+# allocations need no record_stream; only that object's copy loses the overlap.
 
 
 class CudaPrefetcher:
@@ -557,8 +587,16 @@ class CudaPrefetcher:
 
     def _copy(self, batch: Any) -> Any:
         assert self._stream is not None
+        device, consumer = self.device, torch.cuda.current_stream(self.device)
+
+        def move(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) or not hides_tensors(obj):
+                return _to(obj, device, self.non_blocking)
+            with torch.cuda.stream(consumer):  # see NOTE [CudaPrefetcher lifecycle]
+                return _to(obj, device, self.non_blocking)
+
         with torch.cuda.stream(self._stream):
-            return move_batch(batch, lambda t: _to(t, self.device, self.non_blocking))
+            return move_batch(batch, move)
 
     def _prefetch(self) -> Iterator[Any]:
         end = object()

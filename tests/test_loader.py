@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import gc
 import random
@@ -1123,3 +1124,85 @@ def test_move_batch_copies_containers_without_sharing_or_rebuilding():
     (got,) = list(CudaPrefetcher([{"s": store, "d": scaled}], device="meta"))
     assert got["s"]["x"].device.type == "meta" and got["d"].x.device.type == "meta"
     assert store["x"].device.type == "cpu"
+
+
+class SlottedGraph:
+    """Moves itself and keeps its tensors in __slots__ (a private one too), as attrs @define does."""
+
+    __slots__ = ("x", "__y")
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x = x
+        self.__y = y
+
+    def to(self, device, non_blocking: bool = False) -> SlottedGraph:
+        return SlottedGraph(self.x.to(device), self.__y.to(device))
+
+
+class SlottedChild(SlottedGraph):
+    __slots__ = ("z", "parent")
+
+
+class Opaque:
+    """Moves itself, keeping its tensor where nothing can see it (a closure)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.get = lambda: x
+
+    def to(self, device) -> Opaque:
+        return Opaque(self.get().to(device))
+
+
+def test_batch_tensors_finds_tensors_in_slots_and_flags_hidden_ones():
+    """record_stream's list reaches tensors in __slots__ (inherited, name-mangled); an object whose tensors stay hidden is flagged."""
+    attrs = pytest.importorskip("attrs")
+
+    @attrs.define
+    class Batch:
+        images: torch.Tensor
+        labels: torch.Tensor
+
+        def to(self, device, non_blocking: bool = False) -> Batch:
+            return Batch(self.images.to(device), self.labels.to(device))
+
+    child = SlottedChild(torch.ones(1), torch.ones(2))
+    child.z = torch.ones(3)
+    child.parent = child  # a cycle is walked once
+    found = list(loader.batch_tensors([Batch(torch.ones(4), torch.ones(5)), child]))
+    assert sorted(t.numel() for t in found) == [1, 2, 3, 4, 5]
+    moved = next(iter(CudaPrefetcher([Batch(torch.ones(2, 3), torch.zeros(2))], "meta")))
+    assert [t.device.type for t in loader.batch_tensors(moved)] == ["meta", "meta"]
+    assert not loader.hides_tensors(child) and not loader.hides_tensors(moved)
+    assert loader.hides_tensors(Opaque(torch.ones(1)))
+    assert not loader.hides_tensors(torch.ones(1)) and not loader.hides_tensors({"a": 1})
+
+
+def test_prefetcher_copies_an_object_hiding_its_tensors_on_the_consumer_stream(monkeypatch):
+    """Unit (streams faked): an object whose tensors record_stream cannot see is copied on the
+    consumer stream; tensors and objects with visible tensors on the side stream."""
+    active = ["consumer"]
+    seen: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def stream(s):
+        active.append(s)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    def recording(cls, name):
+        def to(self, device, non_blocking=False):
+            seen[name] = active[-1]
+            return self
+
+        return type(name, (cls,), {"to": to})
+
+    monkeypatch.setattr(loader.torch.cuda, "stream", stream)
+    monkeypatch.setattr(loader.torch.cuda, "current_stream", lambda device=None: "consumer")
+    p = CudaPrefetcher([], device="meta")
+    p._device, p._stream = torch.device("meta"), "side"
+    opaque = recording(Opaque, "opaque")(torch.ones(1))
+    slotted = recording(Graph, "visible")(torch.ones(1))
+    p._copy([opaque, slotted])
+    assert seen == {"opaque": "consumer", "visible": "side"}
