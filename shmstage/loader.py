@@ -528,6 +528,28 @@ def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
 # allocations need no record_stream; only that object's copy loses the overlap.
 
 
+_IN_PRODUCER = threading.local()  # .active: this thread is a BackgroundLoader's producer
+_PREFETCHER_IN_BACKGROUND = (
+    "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background "
+    "thread, with that thread's device and stream: wrap it the other way round, "
+    "CudaPrefetcher(BackgroundLoader(loader))"
+)
+
+
+def _refuse_other_thread(owner: int) -> None:
+    """Refuse to iterate a CudaPrefetcher in a BackgroundLoader's producer thread, or in a
+    thread other than the one that called ``iter()`` on it: its copies would use that
+    thread's current device and stream, with no ordering against the training loop's."""
+    if getattr(_IN_PRODUCER, "active", False):
+        raise ShmstageError(_PREFETCHER_IN_BACKGROUND)
+    if threading.get_ident() != owner:
+        raise ShmstageError(
+            "a CudaPrefetcher is iterated in the thread that called iter() on it (its copies "
+            "use that thread's device and stream): iterate it in the training loop's thread; "
+            "to read ahead in a thread, CudaPrefetcher(BackgroundLoader(loader))"
+        )
+
+
 class CudaPrefetcher:
     """Iterate ``loader`` with each batch already on ``device``, copied one batch ahead.
 
@@ -537,7 +559,9 @@ class CudaPrefetcher:
     unchanged; for another device type they are moved with a plain ``.to(device)``.
     ``device=None`` or ``"cuda"`` means the current CUDA device *at the first iteration*, so
     a prefetcher built before ``torch.cuda.set_device(local_rank)`` still copies to this
-    rank's GPU.  See NOTE [CudaPrefetcher lifecycle].
+    rank's GPU.  It is iterated in the thread that called ``iter()`` on it, never in a
+    BackgroundLoader's (wrap the other way round: ``CudaPrefetcher(BackgroundLoader(...))``).
+    See NOTE [CudaPrefetcher lifecycle].
     """
 
     def __init__(
@@ -576,6 +600,23 @@ class CudaPrefetcher:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        owner = threading.get_ident()
+        _refuse_other_thread(owner)
+        return self._epoch(owner)
+
+    def _epoch(self, owner: int) -> Iterator[Any]:
+        # each next() checks its thread: iter() ran here, but islice()/a generator may hand
+        # the iterator to BackgroundLoader's producer (the isinstance check cannot see it)
+        batches = self._batches()
+        while True:
+            _refuse_other_thread(owner)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+
+    def _batches(self) -> Iterator[Any]:
         device = self.device
         if device.type == "cpu":
             yield from self.loader
@@ -678,6 +719,7 @@ def _put(q: queue.Queue[Any], item: Any, done: threading.Event) -> bool:
 
 def _produce(source: Iterable[Any], q: queue.Queue[Any], done: threading.Event) -> None:
     it: Iterator[Any] | None = None
+    _IN_PRODUCER.active = True  # a CudaPrefetcher refuses to run here
     try:
         it = iter(source)
         for item in it:
@@ -783,11 +825,8 @@ class BackgroundLoader:
         if isinstance(iterable, CudaPrefetcher):
             # Its copies would run in the producer thread, on that thread's current device
             # and stream, not the training loop's: wrong GPU, and no ordering with compute.
-            raise ShmstageError(
-                "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background "
-                "thread, with that thread's device and stream: wrap it the other way round, "
-                "CudaPrefetcher(BackgroundLoader(loader))"
-            )
+            # (Wrapped in islice() or a generator it is refused by the prefetcher itself.)
+            raise ShmstageError(_PREFETCHER_IN_BACKGROUND)
         if max_prefetch < 1:
             raise ShmstageError(f"max_prefetch={max_prefetch}: use an integer >= 1")
         if join_timeout < 0:

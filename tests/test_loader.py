@@ -892,6 +892,59 @@ def test_background_refuses_to_run_a_prefetcher_in_its_thread():
     assert [float(t) for t in got] == [1.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda p: __import__("itertools").islice(p, 2),
+        iter,
+        lambda p: (b for b in p),
+        lambda p: (b for b in (lambda: (yield from p))()),  # iter() in the producer thread
+    ],
+    ids=["islice", "iter", "genexpr", "generator"],
+)
+def test_a_wrapped_prefetcher_is_refused_in_the_background_thread(wrap):
+    """BackgroundLoader(islice(CudaPrefetcher(...))) and the like: the prefetcher refuses to copy in the producer thread."""
+    threads: list[str] = []
+
+    def source():
+        for i in range(3):
+            threads.append(threading.current_thread().name)
+            yield torch.ones(1) * i
+
+    class Source:
+        def __iter__(self):
+            return source()
+
+    with pytest.raises(ShmstageError) as e:
+        list(BackgroundLoader(wrap(CudaPrefetcher(Source(), device="meta"))))
+    assert "CudaPrefetcher(BackgroundLoader(loader))" in str(e.value)
+    assert threads == []  # refused before reading a batch there
+
+
+def test_a_prefetcher_iterated_in_another_thread_than_iter_is_refused():
+    """iter() in one thread, next() in another: refused; the whole loop in one thread (any) is fine."""
+    p = CudaPrefetcher([torch.ones(1)], device="meta")
+    it = iter(p)
+    errors: list[BaseException] = []
+    got: list = []
+
+    def consume(iterable):
+        try:
+            got.extend(iterable)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=consume, args=(it,))
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ShmstageError)
+    assert "thread that called iter()" in str(errors[0])
+    t = threading.Thread(target=consume, args=(p,))
+    t.start()
+    t.join()
+    assert len(errors) == 1 and [x.device.type for x in got] == ["meta"]
+
+
 def test_background_over_a_real_loader():
     """BackgroundLoader composes with make_loader and CudaPrefetcher."""
     dl = make_loader(TensorDataset(torch.arange(8)), 2, num_workers=0)
