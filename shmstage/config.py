@@ -90,7 +90,9 @@ class NodeConfig:
     version: int = VERSION
     shm: ShmConfig = field(default_factory=ShmConfig)
     dest: str = "/dev/shm/shmstage"  # the first (fastest) tier: where `prepare` stages
-    reserve: int | None = None  # None = the default reserve (10% of the tmpfs, at most 4 GiB)
+    # bytes or "N%" (of the tmpfs staged into), as --reserve takes; None = the default
+    # reserve (10% of the tmpfs, at most 4 GiB)
+    reserve: int | str | None = None
     datasets: tuple[DatasetConfig, ...] = ()
     pillow_simd: PillowSimdConfig = field(default_factory=PillowSimdConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
@@ -360,7 +362,16 @@ class _Checker:
             return self.fail(key, node, f"must be at least {minimum}, got {value}")
         return value
 
-    def size(self, key: str, node: _Node, *, percent: bool = False, auto: bool = False) -> Any:
+    def reserve(self, key: str, node: _Node) -> Any:
+        """What ``--reserve`` takes: bytes, a size or N% (of the tmpfs); 0 but not 100%."""
+        value = self.size(key, node, percent=True, zero=True)
+        if isinstance(value, str) and parse_size(value, percent_of=100) >= 100:
+            return self.fail(key, node, "a reserve must be less than 100% of the tmpfs")
+        return value
+
+    def size(
+        self, key: str, node: _Node, *, percent: bool = False, auto: bool = False, zero: bool = False
+    ) -> Any:
         value = self.scalar(key, node)
         if value is _MISSING:
             return value
@@ -391,7 +402,7 @@ class _Checker:
             n = parse_size(value)
         except SizeError as e:
             return self.fail(key, node, str(e))
-        if percent and n == 0:
+        if percent and n == 0 and not zero:
             return self.fail(key, node, "a tmpfs size must be more than 0")
         return n
 
@@ -408,7 +419,7 @@ class _Checker:
                 "version": self.version,
                 "shm": self.shm,
                 "dest": self.dest,
-                "reserve": lambda k, n: self.size(k, n),
+                "reserve": self.reserve,
                 "datasets": self.datasets,
                 "pillow_simd": self.pillow_simd,
                 "loader": self.loader_section,

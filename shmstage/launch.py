@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -272,6 +273,11 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
 # - PR_SET_PDEATHSIG: if shmstage itself is SIGKILLed, the kernel sends the child SIGTERM.
 # - PR_SET_CHILD_SUBREAPER: descendants the job orphans are re-parented to us, not init,
 #   so after the job exits we find them, SIGTERM them, and SIGKILL after LEFTOVER_GRACE.
+# - Teardown (SignalHold): from the job's start to the end of run()'s cleanup the forwarded
+#   signals stay blocked, so once the job has exited a second ^C cannot unwind the leftovers'
+#   grace (they would be orphaned to init, still running) or --cleanup's evict (its trash
+#   left behind).  It is picked up with sigtimedwait: it ends the grace early (SIGKILL now)
+#   and, after the cleanup, shmstage dies of the first signal (the job's, else that one).
 
 
 def _libc() -> Any:
@@ -304,11 +310,68 @@ def _set_subreaper(libc: Any, on: bool) -> bool:
     return bool(old.value)
 
 
-def _terminate(procs: list[psutil.Process], grace: float) -> None:
+# Of FORWARDED_SIGNALS, those that stop shmstage; USR1/USR2 (a checkpoint request) mean nothing
+# once the job has ended.
+_STOPPING_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+
+
+class SignalHold:
+    """FORWARDED_SIGNALS held back (blocked) while shmstage tears down after its job: the
+    leftovers' SIGTERM grace and SIGKILL, the lease release, ``--cleanup``'s evict.
+
+    An impatient second ^C there must not unwind half-way (leftovers never SIGKILLed, an
+    evict's trash left behind): it is remembered instead (:meth:`poll`), cuts the leftovers'
+    grace short, and once the teardown is done shmstage dies of the first signal: the job's,
+    else this one (:meth:`release`).  Only the main thread can hold signals; elsewhere
+    nothing is held.  See NOTE [run: signals and the child].
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None  # the first stopping signal that arrived while held
+        self.unheld_mask: set[signal.Signals] | None = None  # the mask before hold()
+
+    @property
+    def holding(self) -> bool:
+        return self.unheld_mask is not None
+
+    def hold(self) -> None:
+        """Start holding (idempotent)."""
+        if self.unheld_mask is None and threading.current_thread() is threading.main_thread():
+            self.unheld_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+
+    def poll(self) -> int | None:
+        """Take the signals that arrived meanwhile; the first stopping one, or None."""
+        if self.holding:
+            while (info := signal.sigtimedwait(FORWARDED_SIGNALS, 0)) is not None:
+                if self.signal is None and info.si_signo in _STOPPING_SIGNALS:
+                    self.signal = info.si_signo
+        return self.signal
+
+    def release(self, redeliver: bool) -> None:
+        """Stop holding; with ``redeliver``, act on a signal that arrived meanwhile as if it
+        came now (so shmstage dies of it); without, it is dropped (the first one wins)."""
+        if not self.holding:
+            return
+        self.poll()
+        assert self.unheld_mask is not None
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.unheld_mask)
+        self.unheld_mask = None
+        if redeliver and self.signal is not None:
+            signal.raise_signal(self.signal)
+
+
+def _terminate(
+    procs: list[psutil.Process], grace: float, held: SignalHold | None = None
+) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = procs
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        if held is not None and held.poll() is not None:
+            break  # told to stop again: no more waiting, SIGKILL now
+        _, alive = psutil.wait_procs(alive, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
@@ -327,25 +390,34 @@ def spawn(
     executable: str | None = None,
     grace: float = LEFTOVER_GRACE,
     log: Callable[[str], None] | None = None,
+    held: SignalHold | None = None,
 ) -> tuple[int, int, int | None]:
     """Run ``command`` to completion forwarding signals; return (exit status, leftovers
     killed, the signal that killed the job or None).
 
+    ``held``: the caller's :class:`SignalHold`, which it releases after its own teardown;
+    without, spawn holds signals until the job's leftovers are gone.
     See NOTE [run: signals and the child].
     """
+    own = held is None
+    hold = SignalHold() if held is None else held
+    hold.hold()
     libc = _libc() if sys.platform.startswith("linux") else None
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     old_subreaper = _set_subreaper(libc, True)
+    returncode: int | None = None
     try:
-        returncode = _run_child(command, env, executable, before)
+        returncode = _run_child(command, env, executable, before, hold.unheld_mask)
         leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
         if leftovers:
             if log is not None:
                 log(f"terminating {len(leftovers)} process(es) the job left running")
-            _terminate(leftovers, grace)
+            _terminate(leftovers, grace, hold)
     finally:
         _set_subreaper(libc, old_subreaper)
+        if own:  # the job's own signal wins; an error in flight too
+            hold.release(redeliver=returncode is not None and returncode >= 0)
     return exit_status(returncode), len(leftovers), (-returncode if returncode < 0 else None)
 
 
@@ -354,10 +426,13 @@ def _run_child(
     env: Mapping[str, str] | None,
     executable: str | None,
     not_ours: set[int],
+    unheld_mask: set[signal.Signals] | None = None,
 ) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     watched = {*FORWARDED_SIGNALS, signal.SIGTSTP, signal.SIGCHLD}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if main_thread else set()
+    # the job starts with the mask shmstage had before it held signals for its teardown
+    child_mask = old_mask if unheld_mask is None else unheld_mask
     old_handlers: dict[int, Any] = {}
     child: subprocess.Popen[Any] | None = None
     try:
@@ -366,7 +441,7 @@ def _run_child(
                 list(command),
                 executable=executable,
                 env=None if env is None else dict(env),
-                preexec_fn=_child_setup(old_mask, os.getpid()),
+                preexec_fn=_child_setup(child_mask, os.getpid()),
                 start_new_session=True,  # see NOTE [run: signals and the child]
             )
         except FileNotFoundError:
@@ -584,6 +659,8 @@ def run(
     killed_by: int | None = None
     leftovers = 0
     held: list[Any] = []  # a lease per staged dataset, for the job's lifetime
+    teardown = SignalHold()  # from the job's start to the end of the cleanup (SignalHold)
+    failed = True
     try:
         if requests:
             from shmstage import stage as engine
@@ -616,25 +693,46 @@ def run(
             )
         args = substitute(command[1:], pairs)
         env = job_env(staged, settings)
-        returncode, leftovers, killed_by = spawn([command[0], *args], env, executable=exe, log=log)
+        teardown.hold()
+        returncode, leftovers, killed_by = spawn(
+            [command[0], *args], env, executable=exe, log=log, held=teardown
+        )
+        failed = False
     finally:
-        for lease in held:
-            lease.release()
-        if cleanup and staged:
-            from shmstage import stage as engine
-
-            for ds in staged:
-                if ds.changed:  # only what this run copied; a dataset others staged stays
-                    # The job's status (or the error that stopped it) wins over any cleanup
-                    # failure: a cleanup that cannot happen is said on stderr and left.
-                    try:
-                        evicted.extend(engine.evict(ds.name, dest=dest))
-                    except engine.InUse as e:  # another job reads it: not ours to take away
-                        if log is not None:
-                            log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")
-                    except ShmstageError as e:  # e.g. being restaged by someone else right now
-                        if log is not None:
-                            log(f"not evicting {ds.name}: {e}")
-            if log is not None and evicted:
-                log(f"evicted: {', '.join(evicted)}")
+        teardown.hold()  # staging stopped by a signal: a second one waits for the cleanup too
+        try:
+            _teardown(held, staged, evicted, cleanup, dest, log)
+        finally:
+            # the first signal wins: the job's, or the error (Interrupted) in flight
+            teardown.release(redeliver=not failed and killed_by is None)
     return RunResult(returncode, tuple(staged), tuple(evicted), leftovers, killed_by)
+
+
+def _teardown(
+    held: list[Any],
+    staged: list[Any],
+    evicted: list[str],
+    cleanup: bool,
+    dest: str | None,
+    log: Callable[[str], None] | None,
+) -> None:
+    """Release the job's leases and, with ``cleanup``, evict what this run staged."""
+    for lease in held:
+        lease.release()
+    if cleanup and staged:
+        from shmstage import stage as engine
+
+        for ds in staged:
+            if ds.changed:  # only what this run copied; a dataset others staged stays
+                # The job's status (or the error that stopped it) wins over any cleanup
+                # failure: a cleanup that cannot happen is said on stderr and left.
+                try:
+                    evicted.extend(engine.evict(ds.name, dest=dest))
+                except engine.InUse as e:  # another job reads it: not ours to take away
+                    if log is not None:
+                        log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")
+                except ShmstageError as e:  # e.g. being restaged by someone else right now
+                    if log is not None:
+                        log(f"not evicting {ds.name}: {e}")
+        if log is not None and evicted:
+            log(f"evicted: {', '.join(evicted)}")

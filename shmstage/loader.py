@@ -45,6 +45,7 @@ __all__ = [
     "local_ranks",
     "rank_generator",
     "batch_tensors",
+    "hides_tensors",
     "loader_kwargs",
     "make_loader",
     "move_batch",
@@ -143,12 +144,18 @@ def local_ranks(environ: Mapping[str, str] | None = None) -> int:
 def rank_cpus(cpus: system.CpuSet, ranks: int) -> int:
     """CPUs one rank may use, at least 1.
 
-    An affinity set narrower than the container's CPUs was bound to this rank (torchrun
-    --numa-binding, srun --cpu-bind, taskset): it is this rank's share already.  One as wide
-    as the container's is shared by the node's ``ranks``.  The cgroup CPU quota is the
-    container's, shared by every rank in it either way."""
+    An affinity set its launcher narrowed for this rank (``cpus.bound``: torchrun
+    --numa-binding, srun --cpu-bind) is this rank's, shared only by as many ranks as cannot
+    each have a disjoint one in the container (--numa-binding=node gives the 4 ranks of a
+    NUMA node that node's CPUs).  Any other (as wide as the container's, or inherited from a
+    launcher started under ``numactl``/``taskset``) is shared by the node's ``ranks``.  The
+    cgroup CPU quota is the container's, shared by every rank in it either way."""
     ranks = max(1, ranks)
-    share = cpus.affinity if cpus.bound else cpus.affinity // ranks
+    if cpus.bound:
+        sharers = min(ranks, max(1, math.ceil(ranks * cpus.affinity / cpus.container)))
+        share = cpus.affinity // sharers
+    else:
+        share = cpus.affinity // ranks
     if cpus.quota is not None:
         share = min(share, max(1, math.ceil(cpus.quota)) // ranks)
     return max(1, share)
@@ -362,40 +369,41 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
     """``batch`` with ``move`` applied to every tensor in it, and to every other object with a
-    ``.to()`` method; containers keep their types.
+    ``.to()`` method, even one that is also a container (a PackedSequence is a namedtuple
+    whose ``.to()`` keeps ``batch_sizes`` on the CPU); containers keep their types.
 
     Walked: mappings (``dict`` subclasses such as ``OrderedDict``, ``defaultdict`` with its
     ``default_factory``, your own, or any ``Mapping``), namedtuples, dataclasses (every
-    field, ``init=False`` ones too), tuples and lists.  A mutable mapping or a dataclass is
-    copied (``copy.copy`` / ``dataclasses.replace``), so its type and extra attributes stay;
-    other leaves (strings, ids, None) are returned as they are.  Pure: no device is touched
-    here, ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
+    field, ``init=False`` ones too), tuples and lists.  A ``dict`` subclass (or a mapping
+    with its own ``__copy__``, as ``UserDict``) and a dataclass are shallow-copied, so their
+    type and extra attributes stay; a dataclass's ``__init__``/``__post_init__`` is not run
+    again.  Any other mapping is rebuilt as ``type(m)(dict_of_moved_items)``, or is a plain
+    ``dict`` when its constructor takes no dict.  Other leaves (strings, ids, None) are
+    returned as they are.  Pure: ``batch`` is not changed, and no device is touched here,
+    ``move`` does it (CudaPrefetcher passes ``x.to(device, non_blocking=True)``).
     """
     if isinstance(batch, torch.Tensor):
         return move(batch)
+    if _movable(batch):
+        # before the container checks: an object that moves itself knows what may move
+        # (PackedSequence, a namedtuple, keeps its batch_sizes on the CPU; walking it as a
+        # tuple would move them and it refuses that)
+        return move(batch)
     if isinstance(batch, Mapping):
-        items = {k: move_batch(v, move) for k, v in batch.items()}
-        if isinstance(batch, MutableMapping):
-            try:
-                clone = copy.copy(batch)  # same class, default_factory, attributes, order
-                for k, v in items.items():
-                    clone[k] = v
-                return clone
-            except Exception:  # a mapping that cannot be copied: rebuild it below
-                pass
-        try:
-            return type(batch)(items)
-        except Exception:
-            return items
+        return _rebuilt_mapping(batch, {k: move_batch(v, move) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(move_batch(v, move) for v in batch))
     if _is_dataclass_instance(batch):
-        fields = dataclasses.fields(batch)
-        moved = {f.name: move_batch(getattr(batch, f.name), move) for f in fields}
-        clone = dataclasses.replace(batch, **{f.name: moved[f.name] for f in fields if f.init})
-        for f in fields:
-            if not f.init:  # replace() cannot set these: set them as __init__ would not
-                object.__setattr__(clone, f.name, moved[f.name])
+        # A copy with each field set, not dataclasses.replace(): that would run __init__ and
+        # __post_init__ again (an InitVar cannot be given twice, a normalisation would apply
+        # twice).  object.__setattr__ sets frozen dataclasses' fields too.
+        try:
+            clone = copy.copy(batch)
+        except Exception:  # a class that refuses copying: rebuild it through __init__
+            clone = dataclasses.replace(batch)
+        for f in dataclasses.fields(batch):
+            if hasattr(batch, f.name):  # an init=False field without default may be unset
+                object.__setattr__(clone, f.name, move_batch(getattr(batch, f.name), move))
         return clone
     if isinstance(batch, (tuple, list)):
         values = [move_batch(v, move) for v in batch]
@@ -403,28 +411,86 @@ def move_batch(batch: Any, move: Callable[[Any], Any]) -> Any:
             return type(batch)(values)
         except TypeError:
             return values if isinstance(batch, list) else tuple(values)
-    if _movable(batch):
-        return move(batch)
     return batch
 
 
+def _rebuilt_mapping(batch: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A mapping of ``batch``'s type holding ``items``, sharing no storage with ``batch``."""
+    if isinstance(batch, MutableMapping) and (
+        isinstance(batch, dict) or hasattr(type(batch), "__copy__")
+    ):
+        # a dict subclass (its items are the object: a copy has its own) or a mapping that
+        # copies itself (UserDict copies its data): keeps the class, default_factory, other
+        # attributes and the order.  Any other mapping keeps its items in an attribute, which
+        # copy.copy would share: the caller's batch would get the moved tensors.
+        try:
+            clone = copy.copy(batch)
+            for k, v in items.items():
+                clone[k] = v
+            return clone
+        except Exception:  # cannot be copied: built from the items below
+            pass
+    try:
+        return type(batch)(items)  # the Mapping convention: built from a dict
+    except Exception:
+        return items  # a constructor that takes no dict: a plain dict
+
+
 def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor :func:`move_batch` would reach in ``batch``, and those held in the
-    attributes of an object that moved itself (found where it keeps them: ``vars(obj)``)."""
+    """Every tensor :func:`move_batch` would reach in ``batch`` (each once), and those held by
+    an object that moved itself: in its attributes (``vars(obj)`` and its ``__slots__``, as
+    an attrs ``@define`` class keeps them) and, when it is a container too (a PackedSequence
+    is a tuple), in its items."""
+    seen: set[int] = set()
+    for t in _walk_tensors(batch, set()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def hides_tensors(obj: Any) -> bool:
+    """Whether ``obj`` moves itself (``.to()``) but :func:`batch_tensors` finds no tensor in
+    it (kept in a C++ object, a closure...): CudaPrefetcher cannot ``record_stream`` what it
+    cannot see, so it copies such an object on the consumer stream (see its NOTE)."""
+    return _movable(obj) and next(batch_tensors(obj), None) is None
+
+
+def _slot_values(obj: Any) -> Iterator[Any]:
+    """The values of ``obj``'s ``__slots__``, every class of its MRO; unset ones skipped."""
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):  # name-mangled
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            try:
+                yield getattr(obj, name)
+            except AttributeError:
+                continue
+
+
+def _walk_tensors(batch: Any, visiting: set[int]) -> Iterator[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from batch_tensors(v)
+        return
+    if id(batch) in visiting:  # an attribute that refers back (obj.parent)
+        return
+    if _movable(batch):
+        visiting.add(id(batch))
+        for v in [*getattr(batch, "__dict__", {}).values(), *_slot_values(batch)]:
+            yield from _walk_tensors(v, visiting)
+    values: Iterable[Any]
+    if isinstance(batch, Mapping):
+        values = batch.values()
     elif _is_dataclass_instance(batch):
-        for f in dataclasses.fields(batch):
-            yield from batch_tensors(getattr(batch, f.name))
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     elif isinstance(batch, (tuple, list)):
-        for v in batch:
-            yield from batch_tensors(v)
-    elif _movable(batch):
-        for v in getattr(batch, "__dict__", {}).values():
-            yield from batch_tensors(v)
+        values = batch
+    else:
+        return
+    for v in values:
+        yield from _walk_tensors(v, visiting)
 
 
 def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -457,6 +523,31 @@ def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
 # without it the caching allocator would hand b(k)'s memory to the next copy as soon as the
 # Python tensor is freed, while kernels queued on the consumer stream may still read it.
 # record_stream makes the allocator wait for the consumer stream's pending work first.
+# It needs the tensors (batch_tensors): an object that moves itself but keeps them where
+# they cannot be found (hides_tensors) is copied on the consumer stream instead, whose own
+# allocations need no record_stream; only that object's copy loses the overlap.
+
+
+_IN_PRODUCER = threading.local()  # .active: this thread is a BackgroundLoader's producer
+_PREFETCHER_IN_BACKGROUND = (
+    "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background "
+    "thread, with that thread's device and stream: wrap it the other way round, "
+    "CudaPrefetcher(BackgroundLoader(loader))"
+)
+
+
+def _refuse_other_thread(owner: int) -> None:
+    """Refuse to iterate a CudaPrefetcher in a BackgroundLoader's producer thread, or in a
+    thread other than the one that called ``iter()`` on it: its copies would use that
+    thread's current device and stream, with no ordering against the training loop's."""
+    if getattr(_IN_PRODUCER, "active", False):
+        raise ShmstageError(_PREFETCHER_IN_BACKGROUND)
+    if threading.get_ident() != owner:
+        raise ShmstageError(
+            "a CudaPrefetcher is iterated in the thread that called iter() on it (its copies "
+            "use that thread's device and stream): iterate it in the training loop's thread; "
+            "to read ahead in a thread, CudaPrefetcher(BackgroundLoader(loader))"
+        )
 
 
 class CudaPrefetcher:
@@ -468,7 +559,9 @@ class CudaPrefetcher:
     unchanged; for another device type they are moved with a plain ``.to(device)``.
     ``device=None`` or ``"cuda"`` means the current CUDA device *at the first iteration*, so
     a prefetcher built before ``torch.cuda.set_device(local_rank)`` still copies to this
-    rank's GPU.  See NOTE [CudaPrefetcher lifecycle].
+    rank's GPU.  It is iterated in the thread that called ``iter()`` on it, never in a
+    BackgroundLoader's (wrap the other way round: ``CudaPrefetcher(BackgroundLoader(...))``).
+    See NOTE [CudaPrefetcher lifecycle].
     """
 
     def __init__(
@@ -507,6 +600,23 @@ class CudaPrefetcher:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        owner = threading.get_ident()
+        _refuse_other_thread(owner)
+        return self._epoch(owner)
+
+    def _epoch(self, owner: int) -> Iterator[Any]:
+        # each next() checks its thread: iter() ran here, but islice()/a generator may hand
+        # the iterator to BackgroundLoader's producer (the isinstance check cannot see it)
+        batches = self._batches()
+        while True:
+            _refuse_other_thread(owner)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+
+    def _batches(self) -> Iterator[Any]:
         device = self.device
         if device.type == "cpu":
             yield from self.loader
@@ -518,8 +628,16 @@ class CudaPrefetcher:
 
     def _copy(self, batch: Any) -> Any:
         assert self._stream is not None
+        device, consumer = self.device, torch.cuda.current_stream(self.device)
+
+        def move(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) or not hides_tensors(obj):
+                return _to(obj, device, self.non_blocking)
+            with torch.cuda.stream(consumer):  # see NOTE [CudaPrefetcher lifecycle]
+                return _to(obj, device, self.non_blocking)
+
         with torch.cuda.stream(self._stream):
-            return move_batch(batch, lambda t: _to(t, self.device, self.non_blocking))
+            return move_batch(batch, move)
 
     def _prefetch(self) -> Iterator[Any]:
         end = object()
@@ -533,7 +651,9 @@ class CudaPrefetcher:
             consumer.wait_stream(self._stream)
             batch = nxt
             for t in batch_tensors(batch):
-                t.record_stream(consumer)
+                # not what stayed on the CPU (a PackedSequence's batch_sizes)
+                if t.device == self.device:
+                    t.record_stream(consumer)
             nxt = next(source, end)
             if nxt is not end:
                 nxt = self._copy(nxt)
@@ -599,6 +719,7 @@ def _put(q: queue.Queue[Any], item: Any, done: threading.Event) -> bool:
 
 def _produce(source: Iterable[Any], q: queue.Queue[Any], done: threading.Event) -> None:
     it: Iterator[Any] | None = None
+    _IN_PRODUCER.active = True  # a CudaPrefetcher refuses to run here
     try:
         it = iter(source)
         for item in it:
@@ -704,11 +825,8 @@ class BackgroundLoader:
         if isinstance(iterable, CudaPrefetcher):
             # Its copies would run in the producer thread, on that thread's current device
             # and stream, not the training loop's: wrong GPU, and no ordering with compute.
-            raise ShmstageError(
-                "BackgroundLoader(CudaPrefetcher(...)) would copy to the GPU from the background "
-                "thread, with that thread's device and stream: wrap it the other way round, "
-                "CudaPrefetcher(BackgroundLoader(loader))"
-            )
+            # (Wrapped in islice() or a generator it is refused by the prefetcher itself.)
+            raise ShmstageError(_PREFETCHER_IN_BACKGROUND)
         if max_prefetch < 1:
             raise ShmstageError(f"max_prefetch={max_prefetch}: use an integer >= 1")
         if join_timeout < 0:

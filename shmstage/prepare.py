@@ -22,7 +22,7 @@ from shmstage.capacity import MEMORY_BACKED, RESERVE_CAP
 from shmstage.config import DatasetConfig, NodeConfig
 from shmstage.errors import ShmstageError
 from shmstage.paths import is_within
-from shmstage.sizes import format_size
+from shmstage.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
     from shmstage.shm import RemountPlan
@@ -254,6 +254,9 @@ def auto_size(config: NodeConfig) -> int:
     reserve = config.reserve
     if reserve is None:
         reserve = min(RESERVE_CAP, -(-base // 9))  # 10% of the total is base / 9
+    elif isinstance(reserve, str):  # "N%" of the tmpfs being sized: base is the other 100-N%
+        per_million = parse_size(reserve, percent_of=1_000_000)  # below 100% (config)
+        reserve = -(-base * per_million // (1_000_000 - per_million))
     return -(-(base + reserve) // _MIB) * _MIB
 
 

@@ -333,11 +333,32 @@ class CpuSet:
     affinity: int  # CPUs in the process's affinity mask
     container: int  # CPUs of its cpuset cgroup (container_cpus)
     quota: float | None  # CPUs of the CFS quota on its cgroup path; None when unlimited
+    launcher: int | None = None  # CPUs in the parent's affinity mask; None when unknown
 
     @property
     def bound(self) -> bool:
-        """Whether the affinity was narrowed below the container's CPUs for this process."""
-        return self.affinity < self.container
+        """Whether the affinity was narrowed for this process by its launcher: narrower than
+        the container's CPUs and than its parent's (torchrun --numa-binding, srun --cpu-bind).
+        A mask the launcher has too (``numactl --cpunodebind=0 torchrun``, ``taskset``
+        around the launcher, systemd's CPUAffinity=) is every rank's: not bound.  Unknown
+        parent: not bound (dividing it among the ranks gives fewer workers, never too many)."""
+        return (
+            self.launcher is not None
+            and self.affinity < self.container
+            and self.affinity < self.launcher
+        )
+
+
+def parent_affinity_cpus(proc: str = "/proc") -> int | None:
+    """CPUs in the parent process's affinity mask (the launcher of a rank: torchrun,
+    slurmstepd); None when the parent is not visible (another PID namespace, hidepid)."""
+    ppid = os.getppid()
+    if ppid < 1:
+        return None
+    for line in (_read(f"{proc}/{ppid}/status") or "").splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_cpu_list(line.partition(":")[2])
+    return None
 
 
 def cpu_set(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> CpuSet:
@@ -345,6 +366,7 @@ def cpu_set(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> CpuSet:
         affinity_cpus(),
         container_cpus(proc, cgroup_root),
         cgroup_cpu_quota(proc, cgroup_root),
+        parent_affinity_cpus(proc),
     )
 
 

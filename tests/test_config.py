@@ -176,11 +176,8 @@ BAD = [
         "shm: {size: true}\n",
         '1: shm.size: expected bytes or a size like 64G, N% or "auto", got a boolean (true)',
     ),
-    (
-        "reserve: 10%\n",
-        "1: reserve: a percentage is not allowed here; use bytes or a size like 64G",
-    ),
-    ("reserve: auto\n", '1: reserve: "auto" is not allowed here; use bytes or a size like 64G'),
+    ("reserve: 100%\n", "1: reserve: a reserve must be less than 100% of the tmpfs"),
+    ("reserve: auto\n", '1: reserve: "auto" is not allowed here; use bytes or a size like 64G, N%'),
     (
         "reserve: -1G\n",
         "1: reserve: invalid size '-1G' (sizes must not be negative): use bytes or a number with K, M, G, T (powers of 1024; KiB/GiB too, KB/GB are powers of 1000) or N%",
@@ -402,3 +399,54 @@ def test_stage_and_run_keep_the_node_configs_reserve(tmpfs, tmp_path, shmstage_b
     assert r.returncode == 0, r.stderr  # the variable wins over the config
     r = sh("d", **{f"SHMSTAGE_{command.upper()}_RESERVE": "63M"})
     assert r.returncode == 2 and "+ 63.0 MiB reserve" in r.stderr, r.stderr
+
+
+def test_reserve_takes_what_the_reserve_option_takes():
+    """reserve: bytes, a size or N% of the tmpfs (as --reserve); 0 is no reserve; 100% is refused."""
+    assert parse("reserve: 10%\n").reserve == "10%"
+    assert parse("reserve: 12.5 %\n").reserve == "12.5%"
+    assert parse("reserve: 0\n").reserve == 0
+    assert parse("reserve: 1G\n").reserve == 1 << 30
+
+
+def test_auto_size_keeps_a_percentage_reserve_of_the_size_it_computes(monkeypatch, tmp_path):
+    """shm.size: auto with reserve: 20%: the reserve is 20% of the tmpfs it sizes (base / 0.8)."""
+    from shmstage import prepare, system
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(system, "disk_usage", lambda path: type("U", (), {"used": 0})())
+    monkeypatch.setattr(prepare, "footprint", lambda path, dest=None: (0, 0))
+    cfg = parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 20%\n")
+    size = prepare.auto_size(cfg)
+    assert size == 2 << 20  # 1 MiB of bookkeeping is 80%: 1.25 MiB, rounded up to MiB
+    assert prepare.auto_size(parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 0\n")) == 1 << 20
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("command", ["stage", "run"])
+def test_stage_and_run_keep_a_percentage_reserve_of_the_tmpfs(tmpfs, tmp_path, shmstage_bin, command):
+    """A config reserve of 90% refuses 10M on a 64M tmpfs (57.6M kept free), as --reserve 90% does; 10% lets it in."""
+    import os
+    import subprocess
+
+    src = _ten_mib_dataset(tmp_path / "ds")
+    mnt = tmpfs("64M")
+    cfg = tmp_path / "node.yaml"
+    job = ["--", "true"] if command == "run" else ["-q"]
+    source = ["--stage", str(src)] if command == "run" else [str(src)]
+
+    def sh(dest, reserve):
+        cfg.write_text(f"reserve: {reserve}\n")
+        return subprocess.run(
+            [*shmstage_bin, command, *source, "--dest", str(mnt / dest), *job],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "SHMSTAGE_CONFIG": str(cfg)},
+        )  # fmt: skip
+
+    r = sh("a", "90%")
+    assert r.returncode == 2, r.stderr
+    assert "+ 57.6 MiB reserve" in r.stderr and "Traceback" not in r.stderr
+    r = sh("b", "10%")
+    assert r.returncode == 0, r.stderr
+    assert (mnt / "b" / "ds").is_dir()

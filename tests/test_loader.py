@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import gc
 import random
@@ -56,12 +57,20 @@ def fake_node(
     affinity: int,
     quota: str | None,
     container: int | None = None,
+    launcher: int | None = None,
 ) -> None:
-    """Affinity of ``affinity`` CPUs, a cgroup v2 ``cpu.max`` of ``quota`` and a cpuset of
-    ``container`` CPUs (default: the affinity's) in a fake tree."""
+    """Affinity of ``affinity`` CPUs, a cgroup v2 ``cpu.max`` of ``quota``, a cpuset of
+    ``container`` CPUs (default: the affinity's) and a parent process (the launcher) with
+    ``launcher`` CPUs (default: the container's) in a fake tree."""
+    import os
+
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "cgroup").write_text("0::/job\n")
+    (proc / str(os.getppid())).mkdir()
+    (proc / str(os.getppid()) / "status").write_text(
+        f"Name:\ttorchrun\nCpus_allowed_list:\t0-{(launcher or container or affinity) - 1}\n"
+    )
     cg = tmp_path / "cgroup"
     (cg / "job").mkdir(parents=True)
     (cg / "cgroup.controllers").write_text("cpuset cpu memory\n")
@@ -130,6 +139,8 @@ def test_default_workers_follow_affinity_quota_and_local_world_size(
         # a quota is the container's: 8 bound ranks share 16 CPUs of quota
         (8, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "8"}, 1),
         (16, 64, "1600000 100000", {"LOCAL_WORLD_SIZE": "2"}, 7),
+        # torchrun --numa-binding=node, 8 ranks, 2 NUMA nodes: each node's 32 CPUs for 4 ranks
+        (32, 64, None, {"LOCAL_WORLD_SIZE": "8"}, 7),
     ],
 )
 def test_default_workers_count_each_ranks_cpus_once(
@@ -143,21 +154,39 @@ def test_default_workers_count_each_ranks_cpus_once(
     assert loader_kwargs()["num_workers"] == expected
 
 
+@pytest.mark.parametrize("launcher", [32, None])
+def test_a_launcher_bound_to_some_cpus_shares_them_among_its_ranks(monkeypatch, tmp_path, launcher):
+    """numactl --cpunodebind=0 torchrun --nproc-per-node 4 on 64 CPUs: every rank inherits the
+    launcher's 32 CPUs; they are the 4 ranks' together (7 workers each), not each rank's (31)."""
+    fake_node(monkeypatch, tmp_path, 32, None, 64, launcher=launcher)
+    if launcher is None:  # the parent is not visible (another PID namespace)
+        monkeypatch.setattr(system.os, "getppid", lambda: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_num_workers() == 7
+    assert loader_kwargs()["num_workers"] == 7
+
+
 @pytest.mark.parametrize(
-    ("affinity", "container", "quota", "ranks", "expected"),
+    ("affinity", "container", "quota", "launcher", "ranks", "expected"),
     [
-        (16, 16, None, 1, 16),
-        (16, 16, None, 4, 4),  # shared: divided
-        (4, 16, None, 4, 4),  # bound to this rank: kept
-        (16, 16, 4.0, 1, 4),
-        (16, 16, 2.5, 1, 3),
-        (4, 16, 8.0, 4, 2),  # the quota is shared even when the affinity is not
-        (2, 2, None, 8, 1),  # never below one
+        (16, 16, None, 16, 1, 16),
+        (16, 16, None, 16, 4, 4),  # shared: divided
+        (4, 16, None, 16, 4, 4),  # bound to this rank by its launcher: kept
+        (16, 16, 4.0, 16, 1, 4),
+        (16, 16, 2.5, 16, 1, 3),
+        (4, 16, 8.0, 16, 4, 2),  # the quota is shared even when the affinity is not
+        (2, 2, None, 2, 8, 1),  # never below one
+        # the launcher's own mask (numactl --cpunodebind=0 torchrun): every rank's, divided
+        (32, 64, None, 32, 4, 8),
+        (32, 64, None, None, 4, 8),  # launcher unknown: divided (fewer workers, not more)
+        # torchrun --numa-binding=node, 8 ranks on 2 nodes: 4 ranks share each node's 32
+        (32, 64, None, 64, 8, 8),
     ],
 )
-def test_rank_cpus(affinity, container, quota, ranks, expected):
-    """rank_cpus: divide a shared affinity set by the ranks, never a bound one; the quota always."""
-    assert loader.rank_cpus(system.CpuSet(affinity, container, quota), ranks) == expected
+def test_rank_cpus(affinity, container, quota, launcher, ranks, expected):
+    """rank_cpus: divide a shared affinity set by the ranks, a bound one only by the ranks that must share it; the quota always."""
+    cpus = system.CpuSet(affinity, container, quota, launcher)
+    assert loader.rank_cpus(cpus, ranks) == expected
 
 
 @pytest.mark.parametrize(
@@ -220,6 +249,38 @@ def test_real_taskset_binding_is_seen_as_this_ranks_share():
     assert affinity == half and bound and container >= n
     assert cpus == half  # bound to this rank: its whole share, not half of it
     assert workers == max(1, half - 1)
+
+
+@pytest.mark.timeout(60)
+def test_real_taskset_around_the_launcher_is_shared_by_its_ranks():
+    """A real `taskset` around a launcher: its rank inherits the launcher's mask and sees it as shared (not bound)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = len(os.sched_getaffinity(0))
+    if n < 2:
+        pytest.skip("needs at least 2 CPUs")
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2"}
+    for var in LOADER_ENV[4:]:
+        env.pop(var, None)
+    probe = (
+        "import json; from shmstage import system; c = system.cpu_set(); "
+        "print(json.dumps([c.affinity, c.launcher, c.bound]))"
+    )
+    launcher = (
+        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}], check=True)"
+    )
+
+    def run(*argv: str) -> list:
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=True)
+        return json.loads(out.stdout)
+
+    # the rank bound by its launcher (what torchrun --numa-binding does): bound
+    assert run("taskset", "-c", "0", sys.executable, "-c", probe) == [1, n, True]
+    # the launcher bound (taskset/numactl around torchrun): the rank's mask is the launcher's
+    assert run("taskset", "-c", "0", sys.executable, "-c", launcher) == [1, 1, False]
 
 
 def test_bad_local_world_size_is_a_clear_error(monkeypatch):
@@ -831,6 +892,59 @@ def test_background_refuses_to_run_a_prefetcher_in_its_thread():
     assert [float(t) for t in got] == [1.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda p: __import__("itertools").islice(p, 2),
+        iter,
+        lambda p: (b for b in p),
+        lambda p: (b for b in (lambda: (yield from p))()),  # iter() in the producer thread
+    ],
+    ids=["islice", "iter", "genexpr", "generator"],
+)
+def test_a_wrapped_prefetcher_is_refused_in_the_background_thread(wrap):
+    """BackgroundLoader(islice(CudaPrefetcher(...))) and the like: the prefetcher refuses to copy in the producer thread."""
+    threads: list[str] = []
+
+    def source():
+        for i in range(3):
+            threads.append(threading.current_thread().name)
+            yield torch.ones(1) * i
+
+    class Source:
+        def __iter__(self):
+            return source()
+
+    with pytest.raises(ShmstageError) as e:
+        list(BackgroundLoader(wrap(CudaPrefetcher(Source(), device="meta"))))
+    assert "CudaPrefetcher(BackgroundLoader(loader))" in str(e.value)
+    assert threads == []  # refused before reading a batch there
+
+
+def test_a_prefetcher_iterated_in_another_thread_than_iter_is_refused():
+    """iter() in one thread, next() in another: refused; the whole loop in one thread (any) is fine."""
+    p = CudaPrefetcher([torch.ones(1)], device="meta")
+    it = iter(p)
+    errors: list[BaseException] = []
+    got: list = []
+
+    def consume(iterable):
+        try:
+            got.extend(iterable)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=consume, args=(it,))
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ShmstageError)
+    assert "thread that called iter()" in str(errors[0])
+    t = threading.Thread(target=consume, args=(p,))
+    t.start()
+    t.join()
+    assert len(errors) == 1 and [x.device.type for x in got] == ["meta"]
+
+
 def test_background_over_a_real_loader():
     """BackgroundLoader composes with make_loader and CudaPrefetcher."""
     dl = make_loader(TensorDataset(torch.arange(8)), 2, num_workers=0)
@@ -980,3 +1094,168 @@ def test_prefetcher_resolves_the_cuda_device_at_first_use(monkeypatch):
     p = CudaPrefetcher([], device="cuda:1")
     current["index"] = 0
     assert p.device == torch.device("cuda", 1)  # an explicit index is kept
+
+
+def test_prefetcher_moves_a_packed_sequence_by_its_own_to():
+    """A PackedSequence (a namedtuple with its own .to()) keeps batch_sizes on the CPU through the prefetcher."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    seqs = [torch.ones(n, 4) for n in (5, 3, 2, 4)]
+    dl = torch.utils.data.DataLoader(
+        seqs, batch_size=2, collate_fn=lambda b: pack_sequence(b, enforce_sorted=False)
+    )
+    got = list(CudaPrefetcher(dl, device="meta"))
+    assert len(got) == 2
+    for packed in got:
+        assert type(packed).__name__ == "PackedSequence"
+        assert packed.data.device.type == "meta" and packed.sorted_indices.device.type == "meta"
+        assert packed.batch_sizes.device.type == "cpu"
+    # record_stream's list reaches its tensors, each once
+    found = list(loader.batch_tensors(got[0]))
+    assert len(found) == len({id(t) for t in found}) == 4
+
+
+class Store(collections.abc.MutableMapping):
+    """A MutableMapping keeping its items in an attribute (copy.copy would share it)."""
+
+    def __init__(self, data) -> None:
+        self._data = data
+
+    def __getitem__(self, k):
+        return self._data[k]
+
+    def __setitem__(self, k, v):
+        self._data[k] = v
+
+    def __delitem__(self, k):
+        del self._data[k]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclasses.dataclass
+class Scaled:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float]
+
+    def __post_init__(self, scale: float) -> None:
+        self.x = self.x * scale
+
+
+@dataclasses.dataclass
+class Offset:
+    x: torch.Tensor
+    tag: str = "t"
+
+    def __post_init__(self) -> None:
+        self.x = self.x - 1  # a normalisation done once, at construction
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenSlots:
+    x: torch.Tensor
+
+
+def test_move_batch_copies_containers_without_sharing_or_rebuilding():
+    """move_batch leaves the caller's MutableMapping alone, handles InitVar, and never runs __post_init__ again."""
+    store = Store({"x": torch.ones(2)})
+    scaled = Scaled(torch.ones(2), 3.0)
+    offset = Offset(torch.full((2,), 5.0), "keep")
+    frozen = FrozenSlots(torch.ones(1))
+    out = loader.move_batch([store, scaled, offset, frozen], double)
+    assert type(out[0]) is Store and torch.equal(out[0]["x"], torch.full((2,), 2.0))
+    assert torch.equal(store["x"], torch.ones(2))  # the input batch is unchanged
+    assert type(out[1]) is Scaled and torch.equal(out[1].x, torch.full((2,), 6.0))
+    assert type(out[2]) is Offset and out[2].tag == "keep"
+    assert torch.equal(out[2].x, torch.full((2,), 8.0))  # (5 - 1) * 2: __post_init__ ran once
+    assert torch.equal(offset.x, torch.full((2,), 4.0))
+    assert type(out[3]) is FrozenSlots and torch.equal(out[3].x, torch.full((1,), 2.0))
+    (got,) = list(CudaPrefetcher([{"s": store, "d": scaled}], device="meta"))
+    assert got["s"]["x"].device.type == "meta" and got["d"].x.device.type == "meta"
+    assert store["x"].device.type == "cpu"
+
+
+class SlottedGraph:
+    """Moves itself and keeps its tensors in __slots__ (a private one too), as attrs @define does."""
+
+    __slots__ = ("x", "__y")
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x = x
+        self.__y = y
+
+    def to(self, device, non_blocking: bool = False) -> SlottedGraph:
+        return SlottedGraph(self.x.to(device), self.__y.to(device))
+
+
+class SlottedChild(SlottedGraph):
+    __slots__ = ("z", "parent")
+
+
+class Opaque:
+    """Moves itself, keeping its tensor where nothing can see it (a closure)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.get = lambda: x
+
+    def to(self, device) -> Opaque:
+        return Opaque(self.get().to(device))
+
+
+def test_batch_tensors_finds_tensors_in_slots_and_flags_hidden_ones():
+    """record_stream's list reaches tensors in __slots__ (inherited, name-mangled); an object whose tensors stay hidden is flagged."""
+    attrs = pytest.importorskip("attrs")
+
+    @attrs.define
+    class Batch:
+        images: torch.Tensor
+        labels: torch.Tensor
+
+        def to(self, device, non_blocking: bool = False) -> Batch:
+            return Batch(self.images.to(device), self.labels.to(device))
+
+    child = SlottedChild(torch.ones(1), torch.ones(2))
+    child.z = torch.ones(3)
+    child.parent = child  # a cycle is walked once
+    found = list(loader.batch_tensors([Batch(torch.ones(4), torch.ones(5)), child]))
+    assert sorted(t.numel() for t in found) == [1, 2, 3, 4, 5]
+    moved = next(iter(CudaPrefetcher([Batch(torch.ones(2, 3), torch.zeros(2))], "meta")))
+    assert [t.device.type for t in loader.batch_tensors(moved)] == ["meta", "meta"]
+    assert not loader.hides_tensors(child) and not loader.hides_tensors(moved)
+    assert loader.hides_tensors(Opaque(torch.ones(1)))
+    assert not loader.hides_tensors(torch.ones(1)) and not loader.hides_tensors({"a": 1})
+
+
+def test_prefetcher_copies_an_object_hiding_its_tensors_on_the_consumer_stream(monkeypatch):
+    """Unit (streams faked): an object whose tensors record_stream cannot see is copied on the
+    consumer stream; tensors and objects with visible tensors on the side stream."""
+    active = ["consumer"]
+    seen: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def stream(s):
+        active.append(s)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    def recording(cls, name):
+        def to(self, device, non_blocking=False):
+            seen[name] = active[-1]
+            return self
+
+        return type(name, (cls,), {"to": to})
+
+    monkeypatch.setattr(loader.torch.cuda, "stream", stream)
+    monkeypatch.setattr(loader.torch.cuda, "current_stream", lambda device=None: "consumer")
+    p = CudaPrefetcher([], device="meta")
+    p._device, p._stream = torch.device("meta"), "side"
+    opaque = recording(Opaque, "opaque")(torch.ones(1))
+    slotted = recording(Graph, "visible")(torch.ones(1))
+    p._copy([opaque, slotted])
+    assert seen == {"opaque": "consumer", "visible": "side"}

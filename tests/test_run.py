@@ -259,6 +259,79 @@ def test_job_killed_by_signal_dies_of_it_after_cleanup(shmstage_bin, tmp_path, s
     assert not (dest / "src").exists()
 
 
+@pytest.mark.timeout(60)
+def test_second_signal_while_terminating_leftovers_kills_them_and_dies_of_the_first(
+    shmstage_bin, tmp_path, procs
+):
+    """A second ^C during the leftovers' SIGTERM grace: the leftover that ignores SIGTERM is
+    SIGKILLed (not orphaned to init), and shmstage dies of the job's SIGINT."""
+    marker = tmp_path / "leftover-marker"
+    job = f'(trap "" TERM; exec -a {marker} sleep 1000 2>/dev/null) & sleep 0.2; kill -INT $$'
+    p = procs.start(
+        [*shmstage_bin, "run", "--", "bash", "-c", job, "bash"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        err = ""
+        while "terminating 1 process(es)" not in err:
+            line = p.stderr.readline()
+            assert line, f"shmstage ended before terminating the leftover: {err}"
+            err += line
+        p.send_signal(signal.SIGINT)  # the impatient user's second ^C, within the grace
+        err += p.stderr.read()
+        assert p.wait(timeout=30) == -signal.SIGINT, err
+        left = [
+            q.pid
+            for q in psutil.process_iter(["cmdline"])
+            if str(marker) in " ".join(q.info["cmdline"] or ())
+        ]
+        assert left == [], "the leftover outlived shmstage"
+        assert "Interrupted" not in err
+    finally:
+        kill_leftover_jobs(tmp_path)
+
+
+EVICT_INTERRUPTED = """
+import os, signal, sys
+from shmstage import stage
+from shmstage.cli import main
+
+real = stage.evict
+
+
+def evict(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # the user's ^C, just as the cleanup starts
+    return real(*args, **kwargs)
+
+
+stage.evict = evict
+sys.argv = ["shmstage", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_signal_during_cleanup_waits_for_it_then_dies_of_it(tmp_path, procs):
+    """^C while --cleanup evicts: the evict finishes (nothing left, no trash), then shmstage
+    says it was interrupted and dies of SIGINT."""
+    src = make_dataset(tmp_path / "src", files=50)
+    dest = tmp_path / "dest"
+    script = tmp_path / "evict_interrupted.py"
+    script.write_text(EVICT_INTERRUPTED)
+    p = procs.start(
+        [sys.executable, str(script), "run", "--stage", str(src), "--dest", str(dest),
+         "--cleanup", "--", "true"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGINT, err
+    assert "evicted: src" in err and "Interrupted." in err
+    assert not (dest / "src").exists()
+    trash = dest / ".shmstage" / "trash"
+    assert not trash.exists() or not any(trash.iterdir())
+    assert "Traceback" not in err
+
+
 LOOP_JOB = """
 import pathlib, sys, time
 pathlib.Path(sys.argv[1]).write_text("started")
