@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -429,3 +430,47 @@ def test_root_without_dac_override_stages_another_users_directory(world, shmstag
     assert gone.returncode == 0, gone.stderr
     assert not (dest / "data").exists()
     assert os.listdir(dest / ".shmstage" / "trash") == []
+
+
+# Root (without CAP_DAC_OVERRIDE) removes ALICE's tree; the first time it must chmod a
+# directory of it, ALICE swaps TOP/x for a symlink to FARM, where FARM/c -> VICTIM: the worst
+# moment for a removal that acts by path after making room (issue 20, store finding 1).
+SWAP_AT_FIRST_CHMOD = r"""
+import os, subprocess, sys
+from shmstage.stage import store
+top, farm, uid = sys.argv[1:]
+real, swapped = os.fchmod, []
+def fchmod(fd, mode):
+    real(fd, mode)
+    if not swapped:
+        swapped.append(1)
+        subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c",
+                        'mv "$1/x" "$1/s" && ln -s "$2" "$1/x"', "sh", top, farm], check=True, cwd="/")
+os.fchmod = fchmod
+store._rmtree(top)
+print("swapped" if swapped else "not swapped")
+"""
+
+
+def test_removal_never_follows_a_link_planted_where_a_directory_was(world, shmstage_bin):
+    """The tree's owner swaps one of its directories for a symlink mid-removal: root's removal
+    never acts on what is outside the tree (VICTIM/f is root's, outside), and the tree goes."""
+    top, farm, victim = world / "store" / "data", world / "farm", world / "victim"
+    (top / "x" / "c").mkdir(parents=True)
+    (top / "x" / "c" / "f").write_text("alice's\n")
+    farm.mkdir()
+    (farm / "c").symlink_to(victim)
+    own(world / "store", ALICE)
+    own(farm, ALICE)
+    os.chown(world / "store", 0, 0)  # DEST: root's
+    victim.mkdir()
+    (victim / "f").write_text("root's, outside the store\n")
+    done = subprocess.run(
+        [*NO_DAC, sys.executable, "-c", SWAP_AT_FIRST_CHMOD, str(top), str(farm), str(ALICE)],
+        capture_output=True, text=True, cwd="/",
+    )  # fmt: skip
+    assert (victim / "f").read_text() == "root's, outside the store\n", done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "swapped"  # the premise: the owner swapped mid-removal
+    assert os.listdir(world / "store") == []
+    assert (farm / "c").is_symlink()
