@@ -474,3 +474,34 @@ def test_removal_never_follows_a_link_planted_where_a_directory_was(world, shmst
     assert done.stdout.strip() == "swapped"  # the premise: the owner swapped mid-removal
     assert os.listdir(world / "store") == []
     assert (farm / "c").is_symlink()
+
+
+NO_DAC_READ = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+def test_evicting_a_dataset_its_owner_locked_leaves_dest_as_it_was(world, open_tmpfs, shmstage_bin):
+    """Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH stages alice's directory (the copy is
+    hers); she chmods it 000; root's evict removes it and changes nothing else: neither a DEST
+    directory nor a DEST that is the tmpfs root itself (mode 1777) becomes 0700."""
+    src = world / "alice" / "data"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a").write_text("alice's\n")
+    own(world / "alice", ALICE)
+    for dest in (world / "store", open_tmpfs("16M", name="shm2")):
+        stage = [*NO_DAC_READ, *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+        done = subprocess.run(stage, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        mode = dest.stat().st_mode & 0o7777
+        done = subprocess.run([*as_user(ALICE), "chmod", "000", str(dest / "data")])
+        assert done.returncode == 0
+        gone = subprocess.run(
+            [*NO_DAC_READ, *shmstage_bin, "evict", "data", "--dest", str(dest)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert dest.stat().st_mode & 0o7777 == mode
+        assert gone.returncode == 0, gone.stderr
+        assert not (dest / "data").exists()
