@@ -505,3 +505,30 @@ def test_evicting_a_dataset_its_owner_locked_leaves_dest_as_it_was(world, open_t
         assert dest.stat().st_mode & 0o7777 == mode
         assert gone.returncode == 0, gone.stderr
         assert not (dest / "data").exists()
+
+
+def test_restage_repairs_the_root_a_stager_killed_inside_publish_left(world, shmstage_bin):
+    """Root without CAP_DAC_OVERRIDE stages alice's 0555 directory; a stager killed between the
+    publish rename and putting the root's owner and mode back (Store.publish) leaves the root
+    root's and 0755; an unchanged restage puts back alice's ownership and the 0555 mode."""
+    src = world / "alice" / "data"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("alice's\n")
+    own(world / "alice", ALICE)
+    src.chmod(0o555)
+    dest = world / "dest"
+    stage = [*NO_DAC, *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    done = subprocess.run(stage, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    root = dest / "data"
+    assert (root.stat().st_uid, root.stat().st_mode & 0o7777) == (ALICE, 0o555)
+    os.chown(root, 0, 0)  # what the kill leaves: _movable made it ours and writable
+    root.chmod(0o755)
+    again = subprocess.run(stage, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "up to date" in again.stderr
+    assert (root.stat().st_uid, root.stat().st_gid, root.stat().st_mode & 0o7777) == (
+        ALICE,
+        ALICE,
+        0o555,
+    )
