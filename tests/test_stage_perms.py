@@ -532,3 +532,25 @@ def test_restage_repairs_the_root_a_stager_killed_inside_publish_left(world, shm
         ALICE,
         0o555,
     )
+
+
+def test_hand_out_of_a_source_with_a_part_the_user_may_not_read_is_refused(world, shmstage_bin):
+    """Root staged a source with a 0700 directory in it; nobody's `stage` and `run --stage` of
+    it are refused in one line (exit 2) naming that directory, not failed (exit 1)."""
+    src = world / "src"
+    (src / "pub").mkdir(parents=True)
+    (src / "priv").mkdir()
+    (src / "pub" / "a").write_text("a\n")
+    (src / "priv" / "s").write_text("secret\n")
+    (src / "priv").chmod(0o700)
+    dest = world / "store"
+    done = subprocess.run([*shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"])
+    assert done.returncode == 0
+    for how in (["stage", str(src)], ["run", "--stage", str(src)]):
+        argv = [*as_user(NOBODY), *shmstage_bin, *how, "--dest", str(dest)]
+        done = subprocess.run([*argv, *(["--", "true"] if how[0] == "run" else [])],
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        line = one_error_line(done)
+        assert f"cannot read source directory {src / 'priv'}: Permission denied" in line
+        assert "not handed out to you" in line

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage import errors
-from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
 from shmstage.stage import access, build, leases, sources
@@ -231,12 +231,20 @@ def _hand_out(
     elif force:
         why = f"--force restages {name}"
     else:
-        src = sources.open_source(kind, source, strip_components, None)
-        stamp = src.stamp()
-        if stamp is not None:
-            current = all(manifest.get(k) == v for k, v in stamp.items())
-        else:
-            current = build.current(manifest, src.listing())
+        try:
+            src = sources.open_source(kind, source, strip_components, None)
+            stamp = src.stamp()
+            if stamp is not None:
+                current = all(manifest.get(k) == v for k, v in stamp.items())
+            else:
+                current = build.current(manifest, src.listing())
+        except PermissionDenied as e:
+            # Only what the user could read at its source is handed out (a 0700 directory
+            # in it shuts them out of the copy too): refused, not failed.
+            raise RefusedError(
+                f"{name} in {store.dest} is not handed out to you: {e} (you get a staged copy "
+                "only where you may read all of its source); ask the source's owner for read access"
+            ) from None
         if current:
             return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)
         why = f"{name} in {store.dest} is out of date with {source}"
