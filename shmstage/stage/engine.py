@@ -189,22 +189,43 @@ def stage(
     store.open()
     # The claim is this stager's share of DEST's free space (reserve.py).
     with _signals_raise(), store.lock(name, on_wait=waiting), Claim(store.book, name) as claim:
-        return _stage_locked(
-            store,
-            source,
-            kind,
-            name,
-            workers,
-            verify,
-            reserve,
-            force,
-            report,
-            t0,
-            claim,
-            strip_components,
-            peers,
-            admit,
-        )
+        try:
+            return _stage_locked(
+                store,
+                source,
+                kind,
+                name,
+                workers,
+                verify,
+                reserve,
+                force,
+                report,
+                t0,
+                claim,
+                strip_components,
+                peers,
+                admit,
+            )
+        except BaseException:
+            _drop_unused_lock(store, name)
+            raise
+
+
+def _drop_unused_lock(store: Store, name: str) -> None:
+    """A failed first stage (a full tmpfs, a refusal) leaves nothing of ``name``: not even its
+    lock file.  Unlinked while we hold it, as evict does (waiters then lock a new file)."""
+    left = (
+        store.path(name),
+        store.partial(name),
+        os.path.join(store.partial_dir, f".{name}.source"),
+        store.meta_path(name),
+        store.next_path(name),
+        store.manifest_path(name),
+        store.new_manifest_path(name),
+    )
+    with suppress(OSError):
+        if not any(os.path.lexists(p) for p in left):
+            store.drop_lock(name)
 
 
 def _hand_out(
