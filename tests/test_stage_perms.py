@@ -554,3 +554,29 @@ def test_hand_out_of_a_source_with_a_part_the_user_may_not_read_is_refused(world
         line = one_error_line(done)
         assert f"cannot read source directory {src / 'priv'}: Permission denied" in line
         assert "not handed out to you" in line
+
+
+def test_evict_of_a_tree_holding_what_the_user_may_not_remove_fails_in_one_line(
+    world, shmstage_bin
+):
+    """nobody's own store; root put a directory of its own into nobody's dataset: nobody's
+    evict fails in one line (exit 1) saying what it could not remove, no traceback."""
+    src = world / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_text("f\n")
+    own(src, NOBODY)
+    dest = world / "mine"
+    stage = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    assert subprocess.run(stage).returncode == 0
+    (dest / "src" / "d" / "roots").mkdir()
+    (dest / "src" / "d" / "roots" / "r").write_text("root's\n")
+    done = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "evict", "src", "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    line = one_error_line(done)
+    trash = dest / ".shmstage" / "trash"
+    assert line.startswith(f"Error: cannot remove {trash}/src."), line  # where it is left
+    assert "Operation not permitted; it holds files you may not remove" in line
+    assert [p.name for p in trash.glob("*/d/roots/r")] == ["r"]

@@ -34,6 +34,7 @@ from shmstage.stage.store import (
     Store,
     _rmtree,
     alive,
+    cannot_remove,
     check_name,
     managed_by,
     name_for,
@@ -880,8 +881,11 @@ def evict_report(
                             raise leases.InUse(n, holders)
                         forced.append(Leased(n, holders))
                     store.check_published(n)
-                    store.discard(store.path(n))
-                    store.discard(store.partial(n))
+                    try:
+                        store.discard(store.path(n))
+                        store.discard(store.partial(n))
+                    except OSError as e:
+                        raise cannot_remove(e, e.filename or store.path(n)) from None
                     _remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
                     store.forget(n)
                     leases.unlink_locked(store, n)

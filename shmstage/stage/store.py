@@ -509,7 +509,7 @@ class Store:
         try:
             _rmtree(old)
         except OSError as e:
-            raise ShmstageError(f"cannot remove {old}: {e.strerror}; run this again") from None
+            raise OSError(e.errno, e.strerror, old) from None  # where what is left now is
 
     def clear_trash(self) -> None:
         try:
@@ -716,6 +716,16 @@ def _os_error(e: OSError, what: str) -> ShmstageError:
     return ShmstageError(f"{what}: {e.strerror}")
 
 
+def cannot_remove(e: OSError, path: str) -> ShmstageError:
+    """The one line for a tree ``evict`` or ``gc`` could not remove (_rmtree's OSError)."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(
+            f"cannot remove {path}: {e.strerror}; it holds files you may not remove: have their "
+            "owner or root remove it"
+        )
+    return ShmstageError(f"cannot remove {path}: {e.strerror}; run this again")
+
+
 def _check_owner(path: str, st: os.stat_result) -> None:
     uid = os.geteuid()
     if st.st_uid not in (0, uid):
@@ -900,10 +910,13 @@ def _open_dir(pfd: int, name: str, inside: bool) -> int:
         # An O_PATH fd cannot be fchmod'ed; its /proc link is that very inode (what glibc's
         # fchmodat(AT_SYMLINK_NOFOLLOW) does), not a name the tree's owner could swap.
         via = f"/proc/self/fd/{path_fd}"
-        if os.fstat(path_fd).st_uid != os.geteuid():
-            os.chown(via, os.geteuid(), os.getegid())
-        os.chmod(via, 0o700)
-        return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if os.fstat(path_fd).st_uid != os.geteuid():
+                os.chown(via, os.geteuid(), os.getegid())
+            os.chmod(via, 0o700)
+            return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:  # no /proc: not "gone", which would skip it silently
+            raise OSError(errno.EACCES, "cannot take it back without /proc", name) from None
     finally:
         os.close(path_fd)
 
