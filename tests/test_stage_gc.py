@@ -281,6 +281,8 @@ def test_a_full_tmpfs_hands_out_a_current_dataset_and_refuses_a_new_one_in_one_l
     assert f"{dest}" in lines[0] and ("no space left" in lines[0] or "does not fit" in lines[0])
     assert [list((dest / ".shmstage" / d).iterdir()) for d in ("partial", "trash")] == [[], []]
     assert not (dest / "new").exists()
+    assert not (dest / ".shmstage" / "locks" / "new.lock").exists()  # not even its lock file
+    assert gc(dest).removed == ()
 
 
 def in_new_pid_namespace(

@@ -279,3 +279,23 @@ def test_reader_who_cannot_write_dest_can_lease(shmstage_bin):
         assert cli(shmstage_bin, "evict", "ds", "--dest", str(dest)).returncode == 0
     finally:
         shutil.rmtree(base)
+
+
+def test_evict_writes_a_holders_escape_sequences_escaped(shmstage_bin, tmp_path):
+    """A lease holder names itself (its script's name: clear the line, move up, write the
+    clipboard); evict's refusal shows those bytes escaped, never raw on the terminal."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    ds = stage(src, dest=dest)
+    evil = "\x1b[2K\x1b[1A\x1b]52;c;cm0gLXJmIH4K\x1b\\job.py"
+    (tmp_path / evil).write_text(HOLDER)
+    holder = subprocess.Popen(
+        [sys.executable, str(tmp_path / evil), ds.path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == ds.path
+        r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
+        assert r.returncode == 2
+        assert "\x1b" not in r.stderr
+        assert f"in use by pid {holder.pid} (\\x1b[2K\\x1b[1A\\x1b]52;c;" in r.stderr
+    finally:
+        kill(holder)

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -429,3 +430,153 @@ def test_root_without_dac_override_stages_another_users_directory(world, shmstag
     assert gone.returncode == 0, gone.stderr
     assert not (dest / "data").exists()
     assert os.listdir(dest / ".shmstage" / "trash") == []
+
+
+# Root (without CAP_DAC_OVERRIDE) removes ALICE's tree; the first time it must chmod a
+# directory of it, ALICE swaps TOP/x for a symlink to FARM, where FARM/c -> VICTIM: the worst
+# moment for a removal that acts by path after making room (issue 20, store finding 1).
+SWAP_AT_FIRST_CHMOD = r"""
+import os, subprocess, sys
+from shmstage.stage import store
+top, farm, uid = sys.argv[1:]
+real, swapped = os.fchmod, []
+def fchmod(fd, mode):
+    real(fd, mode)
+    if not swapped:
+        swapped.append(1)
+        subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c",
+                        'mv "$1/x" "$1/s" && ln -s "$2" "$1/x"', "sh", top, farm], check=True, cwd="/")
+os.fchmod = fchmod
+store._rmtree(top)
+print("swapped" if swapped else "not swapped")
+"""
+
+
+def test_removal_never_follows_a_link_planted_where_a_directory_was(world, shmstage_bin):
+    """The tree's owner swaps one of its directories for a symlink mid-removal: root's removal
+    never acts on what is outside the tree (VICTIM/f is root's, outside), and the tree goes."""
+    top, farm, victim = world / "store" / "data", world / "farm", world / "victim"
+    (top / "x" / "c").mkdir(parents=True)
+    (top / "x" / "c" / "f").write_text("alice's\n")
+    farm.mkdir()
+    (farm / "c").symlink_to(victim)
+    own(world / "store", ALICE)
+    own(farm, ALICE)
+    os.chown(world / "store", 0, 0)  # DEST: root's
+    victim.mkdir()
+    (victim / "f").write_text("root's, outside the store\n")
+    done = subprocess.run(
+        [*NO_DAC, sys.executable, "-c", SWAP_AT_FIRST_CHMOD, str(top), str(farm), str(ALICE)],
+        capture_output=True, text=True, cwd="/",
+    )  # fmt: skip
+    assert (victim / "f").read_text() == "root's, outside the store\n", done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "swapped"  # the premise: the owner swapped mid-removal
+    assert os.listdir(world / "store") == []
+    assert (farm / "c").is_symlink()
+
+
+NO_DAC_READ = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+def test_evicting_a_dataset_its_owner_locked_leaves_dest_as_it_was(world, open_tmpfs, shmstage_bin):
+    """Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH stages alice's directory (the copy is
+    hers); she chmods it 000; root's evict removes it and changes nothing else: neither a DEST
+    directory nor a DEST that is the tmpfs root itself (mode 1777) becomes 0700."""
+    src = world / "alice" / "data"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a").write_text("alice's\n")
+    own(world / "alice", ALICE)
+    for dest in (world / "store", open_tmpfs("16M", name="shm2")):
+        stage = [*NO_DAC_READ, *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+        done = subprocess.run(stage, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        mode = dest.stat().st_mode & 0o7777
+        done = subprocess.run([*as_user(ALICE), "chmod", "000", str(dest / "data")])
+        assert done.returncode == 0
+        gone = subprocess.run(
+            [*NO_DAC_READ, *shmstage_bin, "evict", "data", "--dest", str(dest)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert dest.stat().st_mode & 0o7777 == mode
+        assert gone.returncode == 0, gone.stderr
+        assert not (dest / "data").exists()
+
+
+def test_restage_repairs_the_root_a_stager_killed_inside_publish_left(world, shmstage_bin):
+    """Root without CAP_DAC_OVERRIDE stages alice's 0555 directory; a stager killed between the
+    publish rename and putting the root's owner and mode back (Store.publish) leaves the root
+    root's and 0755; an unchanged restage puts back alice's ownership and the 0555 mode."""
+    src = world / "alice" / "data"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_text("alice's\n")
+    own(world / "alice", ALICE)
+    src.chmod(0o555)
+    dest = world / "dest"
+    stage = [*NO_DAC, *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    done = subprocess.run(stage, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    root = dest / "data"
+    assert (root.stat().st_uid, root.stat().st_mode & 0o7777) == (ALICE, 0o555)
+    os.chown(root, 0, 0)  # what the kill leaves: _movable made it ours and writable
+    root.chmod(0o755)
+    again = subprocess.run(stage, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "up to date" in again.stderr
+    assert (root.stat().st_uid, root.stat().st_gid, root.stat().st_mode & 0o7777) == (
+        ALICE,
+        ALICE,
+        0o555,
+    )
+
+
+def test_hand_out_of_a_source_with_a_part_the_user_may_not_read_is_refused(world, shmstage_bin):
+    """Root staged a source with a 0700 directory in it; nobody's `stage` and `run --stage` of
+    it are refused in one line (exit 2) naming that directory, not failed (exit 1)."""
+    src = world / "src"
+    (src / "pub").mkdir(parents=True)
+    (src / "priv").mkdir()
+    (src / "pub" / "a").write_text("a\n")
+    (src / "priv" / "s").write_text("secret\n")
+    (src / "priv").chmod(0o700)
+    dest = world / "store"
+    done = subprocess.run([*shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"])
+    assert done.returncode == 0
+    for how in (["stage", str(src)], ["run", "--stage", str(src)]):
+        argv = [*as_user(NOBODY), *shmstage_bin, *how, "--dest", str(dest)]
+        done = subprocess.run([*argv, *(["--", "true"] if how[0] == "run" else [])],
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        line = one_error_line(done)
+        assert f"cannot read source directory {src / 'priv'}: Permission denied" in line
+        assert "not handed out to you" in line
+
+
+def test_evict_of_a_tree_holding_what_the_user_may_not_remove_fails_in_one_line(
+    world, shmstage_bin
+):
+    """nobody's own store; root put a directory of its own into nobody's dataset: nobody's
+    evict fails in one line (exit 1) saying what it could not remove, no traceback."""
+    src = world / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_text("f\n")
+    own(src, NOBODY)
+    dest = world / "mine"
+    stage = [*as_user(NOBODY), *shmstage_bin, "stage", str(src), "--dest", str(dest), "--quiet"]
+    assert subprocess.run(stage).returncode == 0
+    (dest / "src" / "d" / "roots").mkdir()
+    (dest / "src" / "d" / "roots" / "r").write_text("root's\n")
+    done = subprocess.run(
+        [*as_user(NOBODY), *shmstage_bin, "evict", "src", "--dest", str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    line = one_error_line(done)
+    trash = dest / ".shmstage" / "trash"
+    assert line.startswith(f"Error: cannot remove {trash}/src."), line  # where it is left
+    assert "Operation not permitted; it holds files you may not remove" in line
+    assert [p.name for p in trash.glob("*/d/roots/r")] == ["r"]

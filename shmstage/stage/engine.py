@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage import errors
-from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
 from shmstage.stage import access, build, leases, sources
@@ -34,6 +34,7 @@ from shmstage.stage.store import (
     Store,
     _rmtree,
     alive,
+    cannot_remove,
     check_name,
     managed_by,
     name_for,
@@ -189,22 +190,43 @@ def stage(
     store.open()
     # The claim is this stager's share of DEST's free space (reserve.py).
     with _signals_raise(), store.lock(name, on_wait=waiting), Claim(store.book, name) as claim:
-        return _stage_locked(
-            store,
-            source,
-            kind,
-            name,
-            workers,
-            verify,
-            reserve,
-            force,
-            report,
-            t0,
-            claim,
-            strip_components,
-            peers,
-            admit,
-        )
+        try:
+            return _stage_locked(
+                store,
+                source,
+                kind,
+                name,
+                workers,
+                verify,
+                reserve,
+                force,
+                report,
+                t0,
+                claim,
+                strip_components,
+                peers,
+                admit,
+            )
+        except BaseException:
+            _drop_unused_lock(store, name)
+            raise
+
+
+def _drop_unused_lock(store: Store, name: str) -> None:
+    """A failed first stage (a full tmpfs, a refusal) leaves nothing of ``name``: not even its
+    lock file.  Unlinked while we hold it, as evict does (waiters then lock a new file)."""
+    left = (
+        store.path(name),
+        store.partial(name),
+        os.path.join(store.partial_dir, f".{name}.source"),
+        store.meta_path(name),
+        store.next_path(name),
+        store.manifest_path(name),
+        store.new_manifest_path(name),
+    )
+    with suppress(OSError):
+        if not any(os.path.lexists(p) for p in left):
+            store.drop_lock(name)
 
 
 def _hand_out(
@@ -231,12 +253,20 @@ def _hand_out(
     elif force:
         why = f"--force restages {name}"
     else:
-        src = sources.open_source(kind, source, strip_components, None)
-        stamp = src.stamp()
-        if stamp is not None:
-            current = all(manifest.get(k) == v for k, v in stamp.items())
-        else:
-            current = build.current(manifest, src.listing())
+        try:
+            src = sources.open_source(kind, source, strip_components, None)
+            stamp = src.stamp()
+            if stamp is not None:
+                current = all(manifest.get(k) == v for k, v in stamp.items())
+            else:
+                current = build.current(manifest, src.listing())
+        except PermissionDenied as e:
+            # Only what the user could read at its source is handed out (a 0700 directory
+            # in it shuts them out of the copy too): refused, not failed.
+            raise RefusedError(
+                f"{name} in {store.dest} is not handed out to you: {e} (you get a staged copy "
+                "only where you may read all of its source); ask the source's owner for read access"
+            ) from None
         if current:
             return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)
         why = f"{name} in {store.dest} is out of date with {source}"
@@ -851,8 +881,11 @@ def evict_report(
                             raise leases.InUse(n, holders)
                         forced.append(Leased(n, holders))
                     store.check_published(n)
-                    store.discard(store.path(n))
-                    store.discard(store.partial(n))
+                    try:
+                        store.discard(store.path(n))
+                        store.discard(store.partial(n))
+                    except OSError as e:
+                        raise cannot_remove(e, e.filename or store.path(n)) from None
                     _remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
                     store.forget(n)
                     leases.unlink_locked(store, n)

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from shmstage.errors import RefusedError
 from shmstage.stage import leases
 from shmstage.stage.engine import _listdir, _tree_size
-from shmstage.stage.store import Busy, Store, _rmtree, alive, check_name, trash_owner
+from shmstage.stage.store import (
+    Busy,
+    Store,
+    _rmtree,
+    alive,
+    cannot_remove,
+    check_name,
+    trash_owner,
+)
 
 
 @dataclass(frozen=True)
@@ -183,7 +191,10 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
 
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        _rmtree(path)
+        try:
+            _rmtree(path)
+        except OSError as e:
+            raise cannot_remove(e, path) from None
     else:
         with suppress(FileNotFoundError):
             os.unlink(path)

@@ -277,13 +277,22 @@ def command_of(pid: int) -> str:
             raw = f.read()
     except OSError:
         return ""
-    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    argv = [printable(a.decode(errors="replace")) for a in raw.split(b"\0") if a]
     if len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1][:1] != "-":
         argv = argv[1:]  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
     if argv:
         argv[0] = os.path.basename(argv[0])
     text = " ".join(argv)
     return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 4].rstrip() + " ..."
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character written as its Python escape (\\x1b, \\n,
+    \\u202e): a lease holder names itself, and its argv goes into another user's terminal
+    (root's evict), where raw escape sequences could rewrite the screen or the clipboard."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def unlink_locked(store: Store, name: str) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.stage.beneath import SourceTree, ident
 
@@ -141,7 +141,7 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
             raise _replaced_dir(abs_dir) from None
-        raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
+        raise _unreadable(e, f"cannot read source directory {abs_dir}") from None
     try:
         if ident(os.fstat(fd)) != expect:
             raise _replaced_dir(abs_dir)
@@ -149,7 +149,7 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
             with os.scandir(fd) as it:
                 items = sorted(it, key=lambda e: e.name)
         except OSError as e:
-            raise ShmstageError(f"cannot read source directory {abs_dir}: {e.strerror}") from None
+            raise _unreadable(e, f"cannot read source directory {abs_dir}") from None
         out: Scanned = []
         for item in items:
             path = os.path.join(abs_dir, item.name)
@@ -161,11 +161,18 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
                     f"source file vanished while scanning: {path}; re-run when the source is stable"
                 ) from None
             except OSError as e:
-                raise ShmstageError(f"cannot stat source file {path}: {e.strerror}") from None
+                raise _unreadable(e, f"cannot stat source file {path}") from None
             out.append((item.name, st, target))
         return out
     finally:
         os.close(fd)
+
+
+def _unreadable(e: OSError, what: str) -> ShmstageError:
+    """PermissionDenied when we may not read it (a hand-out refuses that in one line)."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"{what}: {e.strerror}")
+    return ShmstageError(f"{what}: {e.strerror}")
 
 
 def _replaced_dir(path: str) -> ShmstageError:

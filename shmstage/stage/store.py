@@ -16,14 +16,12 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import stat
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from shmstage._libc import load_libc
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
@@ -39,6 +37,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+T = TypeVar("T")
 
 
 def resolve_dest(dest: str | os.PathLike[str] | None) -> str:
@@ -506,8 +505,11 @@ class Store:
         try:
             os.rename(path, old)
         except OSError:
-            old = path
-        _rmtree(old)
+            old = path  # e.g. root without CAP_DAC_OVERRIDE: the tree's root is someone else's
+        try:
+            _rmtree(old)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, old) from None  # where what is left now is
 
     def clear_trash(self) -> None:
         try:
@@ -714,6 +716,16 @@ def _os_error(e: OSError, what: str) -> ShmstageError:
     return ShmstageError(f"{what}: {e.strerror}")
 
 
+def cannot_remove(e: OSError, path: str) -> ShmstageError:
+    """The one line for a tree ``evict`` or ``gc`` could not remove (_rmtree's OSError)."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(
+            f"cannot remove {path}: {e.strerror}; it holds files you may not remove: have their "
+            "owner or root remove it"
+        )
+    return ShmstageError(f"cannot remove {path}: {e.strerror}; run this again")
+
+
 def _check_owner(path: str, st: os.stat_result) -> None:
     uid = os.geteuid()
     if st.st_uid not in (0, uid):
@@ -860,61 +872,130 @@ def _movable(path: str, *, restore: bool) -> Iterator[None]:
         os.close(fd)
 
 
-def _take(top: str, path: str) -> None:
-    """Make the directory ``path`` (``top``, inside it, or ``top``'s parent) ours and 0700, so
-    its entries can be removed: a tree root without CAP_DAC_OVERRIDE copied keeps its
-    source's owners.  Opened one component at a time below ``top`` without following a
-    symlink: the tree's owner may swap a directory of it for a link while we work."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    rel = os.path.relpath(path, top)
-    if rel == os.pardir:
-        fd = os.open(path, flags)  # the bookkeeping directory holding the tree: ours
-    else:
-        fd = os.open(top, flags)
-        for part in rel.split(os.sep):
-            if part in ("", os.curdir):
-                continue
-            try:
-                step = os.open(part, flags, dir_fd=fd)
-            finally:
-                os.close(fd)
-            fd = step
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SWAPS = 3  # how often an entry may change kind under us, or a directory refill, before we give up
+
+
+def _take(fd: int) -> None:
+    """Make the open directory ``fd`` (inside a tree being removed) ours and 0700, so its
+    entries can be removed: a tree root without CAP_DAC_OVERRIDE copied keeps its source's
+    owners and modes.  Through the fd: the inode we hold, whatever its name points to now."""
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.fchown(fd, os.geteuid(), os.getegid())
+    os.fchmod(fd, 0o700)
+
+
+def _in(fd: int, inside: bool, op: Callable[[], T]) -> T:
+    """Run ``op`` (an ``*at`` call in the directory ``fd``); on a permission error take ``fd``
+    and retry, but only when ``fd`` is part of the tree: the directory holding the tree
+    (DEST, trash, the tmpfs root) is never chowned or chmodded."""
     try:
-        if os.fstat(fd).st_uid != os.geteuid():
-            os.fchown(fd, os.geteuid(), os.getegid())
-        os.fchmod(fd, 0o700)
+        return op()
+    except PermissionError:
+        if not inside:
+            raise
+        _take(fd)
+        return op()
+
+
+def _open_dir(pfd: int, name: str, inside: bool) -> int:
+    """Open the directory ``name`` in ``pfd`` for listing, without following a link; take it
+    first when we may not read it (a 0000 directory, someone else's)."""
+    try:
+        return _in(pfd, inside, lambda: os.open(name, _DIR_OPEN, dir_fd=pfd))
+    except PermissionError:
+        pass
+    path_fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    try:
+        # An O_PATH fd cannot be fchmod'ed; its /proc link is that very inode (what glibc's
+        # fchmodat(AT_SYMLINK_NOFOLLOW) does), not a name the tree's owner could swap.
+        via = f"/proc/self/fd/{path_fd}"
+        try:
+            if os.fstat(path_fd).st_uid != os.geteuid():
+                os.chown(via, os.geteuid(), os.getegid())
+            os.chmod(via, 0o700)
+            return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:  # no /proc: not "gone", which would skip it silently
+            raise OSError(errno.EACCES, "cannot take it back without /proc", name) from None
     finally:
-        os.close(fd)
+        os.close(path_fd)
+
+
+def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None, swaps: int = 0) -> None:
+    """Remove the entry ``name`` of the open directory ``pfd`` and, for a directory, all
+    below it; every call relative to an open directory fd (see _rmtree)."""
+    if swaps > _SWAPS:
+        raise OSError(errno.EBUSY, "it keeps changing while being removed", name)
+    try:
+        if is_dir is None:
+            st = _in(pfd, inside, lambda: os.stat(name, dir_fd=pfd, follow_symlinks=False))
+            is_dir = stat.S_ISDIR(st.st_mode)
+        if not is_dir:
+            try:
+                _in(pfd, inside, lambda: os.unlink(name, dir_fd=pfd))
+            except IsADirectoryError:  # made a directory since we looked
+                _remove_at(pfd, name, inside, True, swaps + 1)
+            return
+        try:
+            fd = _open_dir(pfd, name, inside)
+        except OSError as e:
+            if e.errno in (errno.ENOTDIR, errno.ELOOP):
+                # swapped for a file or a symlink since we looked: remove that, not its target
+                _remove_at(pfd, name, inside, False, swaps + 1)
+                return
+            raise
+        try:
+            for _ in range(_SWAPS):
+                _empty(fd)
+                try:
+                    _in(pfd, inside, lambda: os.rmdir(name, dir_fd=pfd))
+                    return
+                except OSError as e:
+                    if e.errno == errno.ENOTDIR:  # the name now holds a link: our fd does not
+                        _remove_at(pfd, name, inside, False, swaps + 1)
+                        return
+                    if e.errno != errno.ENOTEMPTY:
+                        raise
+            raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), name)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return
+
+
+def _empty(fd: int) -> None:
+    with os.scandir(fd) as it:
+        entries = []
+        for entry in it:
+            try:
+                is_dir: bool | None = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                is_dir = None  # no d_type here and no search permission yet: stat it later
+            entries.append((entry.name, is_dir))
+    for name, is_dir in entries:
+        _remove_at(fd, name, True, is_dir)
 
 
 def _rmtree(path: str) -> None:
-    """Remove a tree we own, including read-only directories (staged trees keep source modes)."""
+    """Remove a tree, including read-only directories (staged trees keep source modes) and,
+    for root without CAP_DAC_OVERRIDE, directories its source's owners own.
 
-    def onerror(func: Any, p: str, exc_info: Any) -> None:
-        err = exc_info[1]
-        if isinstance(err, FileNotFoundError):
-            return
-        if isinstance(err, PermissionError):
-            parent = os.path.dirname(p)
-            try:
-                _take(path, parent)
-                if os.path.isdir(p) and not os.path.islink(p):
-                    _take(path, p)
-                func(p)
-                return
-            except OSError:
-                pass
-        raise err
-
-    if not os.path.lexists(path):
+    Every step is relative to an open directory fd, never a path: the owner of a staged tree
+    may still reach it (when it could not be renamed into trash first) and swap a directory
+    of it for a symlink while we work; by path, root would follow that link out of the tree.
+    Only what is inside the tree is ever chowned or chmodded: never the directory holding it,
+    which may be DEST or the tmpfs root itself."""
+    parent, name = os.path.split(os.path.normpath(path))
+    if name in ("", os.curdir, os.pardir):
+        raise ValueError(f"refusing to remove {path!r}")
+    try:
+        pfd = os.open(parent or os.curdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
         return
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.unlink(path)
-        return
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=lambda f, p, e: onerror(f, p, (type(e), e, None)))
-    else:
-        shutil.rmtree(path, onerror=onerror)
+    try:
+        _remove_at(pfd, name, False, None)
+    finally:
+        os.close(pfd)
 
 
 _libc: Any = None
