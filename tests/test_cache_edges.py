@@ -171,6 +171,29 @@ def test_make_room_counts_the_ram_evicting_frees_under_a_memory_cgroup(
     assert names_in(tier) == ["b", "c"]
 
 
+def test_make_room_in_a_job_cgroup_does_not_count_ram_charged_elsewhere(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """Datasets staged outside a job's memory cgroup (root's prepare) hold pages charged
+    there: evicting them gives the job's cgroup nothing back.  make-room in the job refuses
+    up front, dry run and real run alike, and evicts nothing (it used to evict every
+    dataset, one by one, then refuse)."""
+    cg = memory_cgroup
+    tier = tmpfs("512M", name="ram") / "shmstage"
+    args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
+    for n in ("a", "b"):  # staged outside the job's cgroup
+        r = sh(shmstage_bin, "stage", str(make_ds(tmp_path / n, 60)), *args, "-q")
+        assert r.returncode == 0, r.stderr
+    (cg / "memory.limit_in_bytes").write_text(str(60 * MIB))
+    c = make_ds(tmp_path / "c", 60)
+    for extra in (["--dry-run"], []):
+        r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room", *extra])
+        assert r.returncode == 2, (extra, r.stdout, r.stderr)
+        assert "is usable (the memory cgroup limit)" in r.stderr, r.stderr
+        assert "would evict" not in r.stdout
+        assert names_in(tier) == ["a", "b"]
+
+
 def rewrite(src: Path, files: int) -> None:
     """New bytes (and a new mtime) in the first ``files`` files of a make_ds tree."""
     for i in range(files):
