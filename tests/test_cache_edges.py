@@ -346,3 +346,30 @@ def test_a_non_root_jobs_use_counts_for_lru_on_a_root_managed_tier(open_tmpfs, s
     assert r.returncode == 0, r.stderr
     assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["other"]
     assert names_in(tier) == ["new", "used"]
+
+
+def test_two_stagers_of_one_dataset_under_max_size_neither_refuse_nor_evict(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """The `run --stage` recipe: two jobs stage the same dataset into a tier with a max_size
+    at once.  The second does not count the first's claim for that very dataset on top of
+    its own size: it is neither refused nor evicts the other dataset (6 + 12 MiB fit in
+    26 MiB); it waits, then finds the dataset up to date."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    env = capped(tmp_path, tier, "26M")
+    ds, other = make_ds(tmp_path / "ds", 12, files=12), make_ds(tmp_path / "other", 6)
+    args = ["--reserve", "1M", "--workers", "1"]
+    r = sh(shmstage_bin, "stage", str(other), *args, "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    pa = procs.start(
+        [*shmstage_bin, "stage", str(ds), *args],
+        env={**os.environ, **env, copier.SLOW_ENV: "0.2"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "ds copying", pa)
+    rb = sh(shmstage_bin, "stage", str(ds), *args, env=env)
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{tier}/ds\n", err_a
+    assert rb.returncode == 0 and rb.stdout == f"{tier}/ds\n", rb.stderr
+    assert "evicted" not in rb.stderr and "ds is up to date" in rb.stderr, rb.stderr
+    assert names_in(tier) == ["ds", "other"]

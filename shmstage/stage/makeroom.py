@@ -167,7 +167,7 @@ def plan(
             reason=f"{name} ({format_size(need.total)}) is larger than the cache's "
             f"max_size ({format_size(cap)})",
         )  # fmt: skip
-    flying = in_flight(store) if cap is not None else 0
+    flying = in_flight(store, exclude=name) if cap is not None else 0
     cached = cached_bytes(store, exclude=name) + flying if cap is not None else 0
     pool = candidates(store, keep=name) if evict else []
     freed = 0
@@ -252,15 +252,17 @@ def capping(store: Store) -> Iterator[None]:
         os.close(fd)
 
 
-def in_flight(store: Store) -> int:
+def in_flight(store: Store, exclude: str | None = None) -> int:
     """Bytes the live stages of the tier will add once published (their claims); a dead
-    stager's claim counts nothing."""
-    return _claims(store)
+    stager's claim counts nothing.  ``exclude``: the dataset being planned, whose whole new
+    version the plan counts already (another stager of the same dataset adds nothing more:
+    one of them copies it, the other then finds it up to date)."""
+    return _claims(store, exclude=exclude)
 
 
-def _claims(store: Store, *, reap: bool = False) -> int:
-    """Sum the live claims; ``reap``: remove the dead ones (held under :func:`capping`,
-    where no claim is between its creation and its flock)."""
+def _claims(store: Store, *, reap: bool = False, exclude: str | None = None) -> int:
+    """Sum the live claims (but ``exclude``'s); ``reap``: remove the dead ones (held under
+    :func:`capping`, where no claim is between its creation and its flock)."""
     where = _in_flight_dir(store)
     try:
         entries = os.listdir(where)
@@ -269,6 +271,8 @@ def _claims(store: Store, *, reap: bool = False) -> int:
     total = 0
     for entry in entries:
         path = os.path.join(where, entry)
+        if exclude is not None and entry.rpartition(".")[0] == exclude:
+            continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
