@@ -373,3 +373,27 @@ def test_two_stagers_of_one_dataset_under_max_size_neither_refuse_nor_evict(
     assert rb.returncode == 0 and rb.stdout == f"{tier}/ds\n", rb.stderr
     assert "evicted" not in rb.stderr and "ds is up to date" in rb.stderr, rb.stderr
     assert names_in(tier) == ["ds", "other"]
+
+
+@pytest.mark.parametrize("alias", ["symlink", "bind"])
+def test_one_tier_named_through_two_paths_is_one_tier(tmpfs, tmp_path, shmstage_bin, alias):
+    """`--dest RAM,NVME,ALIAS-of-NVME` (a symlinked parent, or a bind mount such as
+    /scratch over /local/nvme) names the NVME tier twice: it is one tier, locked once (the
+    stager used to block on its own placing lock forever)."""
+    ram, nvme = tmpfs("16M", name="ram"), tmpfs("16M", name="nvme")
+    other = tmp_path / "other"
+    if alias == "symlink":
+        other.symlink_to(nvme)
+    else:
+        other.mkdir()
+        subprocess.run(["mount", "--bind", str(nvme), str(other)], check=True, timeout=60)
+        tmpfs.mounted.append(other)
+    src = make_ds(tmp_path / "ds", 1)
+    dest = f"{ram}/s,{nvme}/s,{other}/s"
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", dest, "--reserve", "1M"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{ram}/s/ds\n", r.stderr
+    r = sh(shmstage_bin, "list", "--dest", dest, "--json")
+    assert [x["name"] for x in json.loads(r.stdout)] == ["ds"], r.stderr

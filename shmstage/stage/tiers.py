@@ -43,7 +43,30 @@ def split(dest: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
             f"invalid destination {raw!r}: an empty tier; list tiers fastest first, "
             "separated by commas, e.g. /dev/shm/shmstage,/local/nvme/shmstage"
         )
-    return tuple(dict.fromkeys(resolve_dest(p) for p in parts))
+    # One tier named twice (a symlinked parent, a bind mount: /run/shm and /dev/shm) is
+    # one tier: its placing lock would otherwise be taken twice, by one stager from itself.
+    unique: dict[tuple[int, int, str], str] = {}
+    for p in parts:
+        unique.setdefault(identity(resolve_dest(p)), resolve_dest(p))
+    return tuple(unique.values())
+
+
+def identity(path: str) -> tuple[int, int, str]:
+    """What ``path`` is whatever it is called: (st_dev, st_ino) of its nearest existing
+    directory and the rest of the path below it.  Two aliases of one tier get the same."""
+    rest: list[str] = []
+    here = path
+    while True:
+        try:
+            st = os.stat(here)
+        except OSError:
+            parent = os.path.dirname(here)
+            if parent == here:
+                return (0, 0, path)
+            rest.append(os.path.basename(here))
+            here = parent
+            continue
+        return (st.st_dev, st.st_ino, "/".join(reversed(rest)))
 
 
 def joined(tiers: tuple[str, ...]) -> str:
@@ -318,29 +341,30 @@ def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -
 def _placing_all(
     tiers: tuple[str, ...], name: str, on_wait: Callable[[int | None], None] | None = None
 ) -> Iterator[None]:
-    """Hold ``name``'s placing lock in every tier, taken in one order (sorted paths) whatever
-    order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B`` and
-    ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier."""
+    """Hold ``name``'s placing lock in every tier, taken in one order (by the tier's
+    identity, not its name: two aliases of one tier sort alike, and are locked once)
+    whatever order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B``
+    and ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier."""
     with ExitStack() as stack:
         first: ShmstageError | None = None
-        held = 0
-        for tier in sorted(tiers):
+        stores: dict[tuple[int, int, str], Store] = {}
+        for tier in tiers:
             try:
-                stack.enter_context(_placing(tier, name, on_wait))
-                held += 1
+                store = Store(tier).open()
             except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
                 first = first or e  # it cannot take the dataset either; the others still lock
+                continue
+            # Opened, so the identity is the tier directory's own (stable from now on).
+            stores.setdefault(identity(store.dest), store)
+        held = 0
+        for key in sorted(stores):
+            try:
+                stack.enter_context(stores[key].placing(name, on_wait))
+                held += 1
+            except ShmstageError as e:
+                first = first or e
         if not held and first is not None:
             raise first
-        yield
-
-
-@contextmanager
-def _placing(
-    first: str, name: str, on_wait: Callable[[int | None], None] | None = None
-) -> Iterator[None]:
-    """Serialise choosing ``name``'s tier, so two stagers cannot put it in two tiers."""
-    with Store(first).open().placing(name, on_wait):
         yield
 
 
