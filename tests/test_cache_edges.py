@@ -397,3 +397,44 @@ def test_one_tier_named_through_two_paths_is_one_tier(tmpfs, tmp_path, shmstage_
     assert r.returncode == 0 and r.stdout == f"{ram}/s/ds\n", r.stderr
     r = sh(shmstage_bin, "list", "--dest", dest, "--json")
     assert [x["name"] for x in json.loads(r.stdout)] == ["ds"], r.stderr
+
+
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+HOLD = """import fcntl, os, sys, time
+held = 0
+for path in sys.argv[1:]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held += 1
+    except OSError:
+        pass
+print(held, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_another_user_cannot_stop_stages_into_a_capped_tier(open_tmpfs, shmstage_bin, procs):
+    """The max_size lock and the claims of root's tier are root's alone: nobody cannot open
+    them, so cannot flock them and freeze every stage into the tier (they used to flock
+    inflight/ itself, 0755: root's next stage blocked forever, silently)."""
+    base = open_tmpfs("64M", name="ram")
+    tier = base / "shmstage"
+    env = capped(base.parent, tier, "20M")
+    a, b = make_ds(base.parent / "src" / "a", 1), make_ds(base.parent / "src" / "b", 1)
+    r = sh(shmstage_bin, "stage", str(a), "--reserve", "1M", "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    flying = tier / ".shmstage" / "inflight"
+    holder = procs.start(
+        [*NOBODY, sys.executable, "-c", HOLD, str(flying), str(flying / ".capping")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    held = holder.stdout.readline()
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(b), "--reserve", "1M", "-q"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert names_in(tier) == ["a", "b"]
+    assert held == "0\n" and stat.S_IMODE(flying.stat().st_mode) == 0o700

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from shmstage.stage.store import Store
 
 POLICIES = ("lru",)
 IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<pid>: what a live stage adds (max_size)
+CAPPING = ".capping"  # inflight/.capping: the tier's max_size lock (see capping)
 
 # NOTE [races]: make-room against stagers and jobs.
 #
@@ -43,7 +45,7 @@ IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<pid>: what a live stag
 #
 # NOTE [max_size]: concurrent stagers against a tier's cache.max_size.
 #
-#   capping (flock of inflight/) { plan: cached + in flight + this one <= max_size
+#   capping (flock of inflight/.capping) { plan: cached + in flight + this one <= max_size
 #                                  -> evict -> InFlight(what this stage adds) }
 #   -> engine.stage ... publish -> InFlight closed
 #
@@ -229,21 +231,35 @@ def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list
 # --- stages in flight against max_size (see NOTE [max_size]) -----------------------------
 
 
-def _in_flight_dir(store: Store) -> str:
-    return os.path.join(store.book, IN_FLIGHT)
+def _in_flight_dir(store: Store, *, create: bool = False) -> str:
+    """DEST/.shmstage/inflight/, 0700: a lock file in it can be opened, so flocked, by its
+    owner only (a user who could flock the tier's capping lock or a claim could stop every
+    stage into the tier, or keep a dead stager's claim counting forever)."""
+    where = os.path.join(store.book, IN_FLIGHT)
+    if not create:
+        return where
+    try:
+        with suppress(FileExistsError):
+            os.mkdir(where, 0o700)
+        st = os.lstat(where)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ShmstageError(f"cannot lock {where}: not a directory")
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(where, 0o700)  # made 0755 by an earlier version
+    except OSError as e:
+        raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
+    return where
 
 
 @contextmanager
 def capping(store: Store) -> Iterator[None]:
-    """Hold the tier's max_size lock (a flock of inflight/ itself: no file to leave behind)
-    while planning against max_size and claiming what this stage adds."""
-    where = _in_flight_dir(store)
+    """Hold the tier's max_size lock (inflight/.capping, in the owner-only directory) while
+    planning against max_size and claiming what this stage adds."""
+    path = os.path.join(_in_flight_dir(store, create=True), CAPPING)
     try:
-        with suppress(FileExistsError):
-            os.mkdir(where, 0o755)
-        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
+        raise ShmstageError(f"cannot lock {path}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _claims(store, reap=True)  # only here: a claim is made under this lock
@@ -271,6 +287,8 @@ def _claims(store: Store, *, reap: bool = False, exclude: str | None = None) -> 
     total = 0
     for entry in entries:
         path = os.path.join(where, entry)
+        if entry.startswith("."):
+            continue  # the capping lock
         if exclude is not None and entry.rpartition(".")[0] == exclude:
             continue
         try:
