@@ -438,3 +438,40 @@ def test_another_user_cannot_stop_stages_into_a_capped_tier(open_tmpfs, shmstage
     assert r.returncode == 0, r.stderr
     assert names_in(tier) == ["a", "b"]
     assert held == "0\n" and stat.S_IMODE(flying.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_killed_stagers_claim_is_reaped_and_nobody_can_keep_it(
+    open_tmpfs, shmstage_bin, procs
+):
+    """A stager of a capped tier is SIGKILLed mid-copy: its claim stays behind.  nobody cannot
+    open it to hold it (it used to be 0644 in a 0755 directory: held, it counted as a live
+    stage forever); gc removes it, and a dataset that fits max_size alone is staged."""
+    base = open_tmpfs("64M", name="ram")
+    tier = base / "shmstage"
+    env = capped(base.parent, tier, "20M")
+    a = make_ds(base.parent / "src" / "a", 12, files=12)
+    b = make_ds(base.parent / "src" / "b", 12, files=12)
+    args = ["--reserve", "1M", "--workers", "1"]
+    pa = procs.start(
+        [*shmstage_bin, "stage", str(a), *args, "-q"],
+        env={**os.environ, **env, copier.SLOW_ENV: "0.2"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "a" / "0.bin").exists(), "a copying", pa)
+    pa.kill()
+    pa.wait(timeout=60)
+    flying = tier / ".shmstage" / "inflight"
+    claims = [p for p in flying.iterdir() if not p.name.startswith(".")]
+    assert len(claims) == 1
+    mode = stat.S_IMODE(claims[0].stat().st_mode)
+    holder = procs.start(
+        [*NOBODY, sys.executable, "-c", HOLD, str(claims[0])], stdout=subprocess.PIPE, text=True
+    )
+    held = holder.stdout.readline()
+    r = sh(shmstage_bin, "gc", "--dest", str(tier), "--json")
+    assert r.returncode == 0, r.stderr
+    assert not claims[0].exists()
+    r = sh(shmstage_bin, "stage", str(b), *args, env=env)
+    assert r.returncode == 0, r.stderr
+    assert names_in(tier) == ["b"] and (held, mode) == ("0\n", 0o600)

@@ -273,18 +273,46 @@ def in_flight(store: Store, exclude: str | None = None) -> int:
     stager's claim counts nothing.  ``exclude``: the dataset being planned, whose whole new
     version the plan counts already (another stager of the same dataset adds nothing more:
     one of them copies it, the other then finds it up to date)."""
-    return _claims(store, exclude=exclude)
+    return _claims(store, exclude=exclude)[0]
 
 
-def _claims(store: Store, *, reap: bool = False, exclude: str | None = None) -> int:
-    """Sum the live claims (but ``exclude``'s); ``reap``: remove the dead ones (held under
-    :func:`capping`, where no claim is between its creation and its flock)."""
+def reap_claims(store: Store, *, dry_run: bool = False) -> tuple[list[str], bool]:
+    """gc: remove the claims of dead stagers (``dry_run``: only list them).  Returns (their
+    paths, False when a stager holds the tier's max_size lock now: nothing was looked at)."""
+    where = _in_flight_dir(store)
+    if not os.path.isdir(where):
+        return [], True
+    try:
+        fd = os.open(os.path.join(where, CAPPING), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1  # no stager has capped here since: none can be making a claim
+    except OSError:
+        return [], True  # not ours to clean (another user's tier)
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return [], False
+        return _claims(store, reap=not dry_run)[1], True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _claims(
+    store: Store, *, reap: bool = False, exclude: str | None = None
+) -> tuple[int, list[str]]:
+    """Sum the live claims (but ``exclude``'s), and list the dead ones; ``reap``: remove
+    those (held under :func:`capping`, where no claim is between its creation and its
+    flock)."""
     where = _in_flight_dir(store)
     try:
         entries = os.listdir(where)
     except OSError:
-        return 0
+        return 0, []
     total = 0
+    dead: list[str] = []
     for entry in entries:
         path = os.path.join(where, entry)
         if entry.startswith("."):
@@ -302,12 +330,13 @@ def _claims(store: Store, *, reap: bool = False, exclude: str | None = None) -> 
                 with suppress(ValueError, OSError):
                     total += max(0, int(os.pread(fd, 32, 0).decode().strip() or 0))
                 continue
+            dead.append(path)  # nobody holds it: its stager died
             if reap:
                 with suppress(OSError):
-                    os.unlink(path)  # nobody holds it: its stager died
+                    os.unlink(path)
         finally:
             os.close(fd)
-    return total
+    return total, dead
 
 
 class InFlight:
@@ -319,7 +348,7 @@ class InFlight:
         try:
             self.fd = os.open(
                 self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
+                0o600,  # only its stager may hold it: held is what keeps it counting
             )  # fmt: skip
         except OSError as e:
             raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
