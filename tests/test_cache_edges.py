@@ -475,3 +475,33 @@ def test_a_killed_stagers_claim_is_reaped_and_nobody_can_keep_it(
     r = sh(shmstage_bin, "stage", str(b), *args, env=env)
     assert r.returncode == 0, r.stderr
     assert names_in(tier) == ["b"] and (held, mode) == ("0\n", 0o600)
+
+
+def test_stagers_in_two_pid_namespaces_make_two_claims(tmpfs, tmp_path, shmstage_bin, procs):
+    """Two containers (each shmstage is pid 1 of its pid namespace) stage one dataset into a
+    capped tier: each makes its own claim; the second no longer opens (and empties) the
+    first's claim and waits on it while holding the tier's max_size lock."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    env = {**os.environ, **capped(tmp_path, tier, "40M"), copier.SLOW_ENV: "0.3"}
+    ds = make_ds(tmp_path / "ds", 12, files=12)
+    argv = ["unshare", "--pid", "--fork", *shmstage_bin, "stage", str(ds), "--reserve", "1M",
+            "--workers", "1", "-q"]  # fmt: skip
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    p1 = procs.start(argv, env=env, **out)
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "copying", p1)
+    p2 = procs.start(argv, env=env, **out)
+    flying = tier / ".shmstage" / "inflight"
+
+    def claims() -> list[str] | None:
+        try:
+            got = sorted(p.read_text() for p in flying.iterdir() if not p.name.startswith("."))
+        except FileNotFoundError:  # one finished meanwhile
+            return None
+        return got if len(got) == 2 and all(got) else None
+
+    got = wait_for(claims, "two claims", p2)
+    assert got == [f"{12 * MIB}\n"] * 2
+    for p in (p1, p2):
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and o == f"{tier}/ds\n", e
+    assert names_in(tier) == ["ds"]

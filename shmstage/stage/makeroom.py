@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -28,7 +29,7 @@ from shmstage.stage.reserve import pending
 from shmstage.stage.store import Store
 
 POLICIES = ("lru",)
-IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<pid>: what a live stage adds (max_size)
+IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<random>: what a live stage adds (max_size)
 CAPPING = ".capping"  # inflight/.capping: the tier's max_size lock (see capping)
 
 # NOTE [races]: make-room against stagers and jobs.
@@ -344,15 +345,24 @@ class InFlight:
     published and this is closed (take it under :func:`capping`)."""
 
     def __init__(self, store: Store, name: str, nbytes: int) -> None:
-        self.path = os.path.join(_in_flight_dir(store), f"{name}.{os.getpid()}")
-        try:
-            self.fd = os.open(
-                self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,  # only its stager may hold it: held is what keeps it counting
-            )  # fmt: skip
-        except OSError as e:
-            raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        # A name no other stager can have (a pid is not: containers share the store, each
+        # with its own pid 1), made with O_EXCL: a claim is never another's, so flocking it
+        # cannot wait on another stager while the tier's max_size lock is held.
+        where = _in_flight_dir(store, create=True)
+        while True:
+            self.path = os.path.join(where, f"{name}.{secrets.token_hex(8)}")
+            try:
+                self.fd = os.open(
+                    self.path,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,  # only its stager may hold it: held is what keeps it counting
+                )
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # new: only a scan's instant LOCK_SH can delay it
         try:
             os.pwrite(self.fd, f"{max(0, nbytes)}\n".encode(), 0)
         except OSError as e:
