@@ -505,3 +505,29 @@ def test_stagers_in_two_pid_namespaces_make_two_claims(tmpfs, tmp_path, shmstage
         o, e = p.communicate(timeout=120)
         assert p.returncode == 0 and o == f"{tier}/ds\n", e
     assert names_in(tier) == ["ds"]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_staging_into_the_first_tier_makes_no_other_tiers_store(open_tmpfs, shmstage_bin):
+    """A dataset that goes to the first tier creates nothing in the later ones: nobody's
+    `--dest SHM/shmstage-nobody,SHM/shmstage` no longer makes the node's shared store (owned
+    by nobody, refusing root), nor root's `--dest RAM,/mnt/nvme/shmstage` a .shmstage tree
+    under a mount point whose disk is not mounted."""
+    shm = open_tmpfs("64M", name="shm")
+    src = make_ds(shm.parent / "src" / "a", 1)
+    own, shared = shm / "shmstage-nobody", shm / "shmstage"
+    r = subprocess.run(
+        [*NOBODY, *shmstage_bin, "stage", str(src), "--dest", f"{own},{shared}",
+         "--reserve", "1M", "-q"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{own}/a\n", r.stderr
+    made_shared = shared.exists()
+    r = sh(shmstage_bin, "stage", str(src), "--dest", str(shared), "--reserve", "1M", "-q")
+    assert r.returncode == 0, r.stderr
+    nvme = shm.parent / "mnt" / "nvme"
+    nvme.mkdir(parents=True)
+    r = sh(shmstage_bin, "stage", str(src), "--name", "b", "--reserve", "1M", "-q",
+           "--dest", f"{shm / 'ram'},{nvme / 'shmstage'}")  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{shm / 'ram'}/b\n", r.stderr
+    assert (made_shared, list(nvme.iterdir())) == (False, [])

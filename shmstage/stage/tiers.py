@@ -344,25 +344,43 @@ def _placing_all(
     """Hold ``name``'s placing lock in every tier, taken in one order (by the tier's
     identity, not its name: two aliases of one tier sort alike, and are locked once)
     whatever order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B``
-    and ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier."""
+    and ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier.
+
+    A tier's store is made here only when no earlier tier has one (the tier it goes to
+    first, as with one DEST); a later tier is locked only when its store exists (locking never creates a store: a user's fallback tier would become
+    theirs, an unmounted disk's mount point would get a .shmstage tree).  A store that
+    another stager makes meanwhile is seen after locking: then all is locked again, in order."""
     with ExitStack() as stack:
-        first: ShmstageError | None = None
-        stores: dict[tuple[int, int, str], Store] = {}
-        for tier in tiers:
-            try:
-                store = Store(tier).open()
-            except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
-                first = first or e  # it cannot take the dataset either; the others still lock
-                continue
-            # Opened, so the identity is the tier directory's own (stable from now on).
-            stores.setdefault(identity(store.dest), store)
-        held = 0
-        for key in sorted(stores):
-            try:
-                stack.enter_context(stores[key].placing(name, on_wait))
-                held += 1
-            except ShmstageError as e:
-                first = first or e
+        while True:
+            first: ShmstageError | None = None
+            stores: dict[tuple[int, int, str], Store] = {}
+            seen: set[tuple[int, int, str]] = set()
+            made = False
+            for tier in tiers:
+                store = Store(tier)
+                exists = os.path.isdir(store.book)
+                if not exists and made:
+                    continue
+                try:
+                    store.open(create=not exists)
+                except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
+                    first = first or e  # it cannot take the dataset either; the others lock
+                    seen.add(identity(tier))
+                    continue
+                made = True
+                # Opened, so the identity is the tier directory's own (stable from now on).
+                seen.add(identity(store.dest))
+                stores.setdefault(identity(store.dest), store)
+            held = 0
+            for key in sorted(stores):
+                try:
+                    stack.enter_context(stores[key].placing(name, on_wait))
+                    held += 1
+                except ShmstageError as e:
+                    first = first or e
+            if all(identity(t) in seen for t in tiers if os.path.isdir(Store(t).book)):
+                break
+            stack.close()  # a store was made meanwhile: lock it too, in the one order
         if not held and first is not None:
             raise first
         yield
