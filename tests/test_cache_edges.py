@@ -531,3 +531,24 @@ def test_staging_into_the_first_tier_makes_no_other_tiers_store(open_tmpfs, shms
            "--dest", f"{shm / 'ram'},{nvme / 'shmstage'}")  # fmt: skip
     assert r.returncode == 0 and r.stdout == f"{shm / 'ram'}/b\n", r.stderr
     assert (made_shared, list(nvme.iterdir())) == (False, [])
+
+
+def test_dry_run_honours_force(tmpfs, tmp_path, shmstage_bin):
+    """stage --dry-run --force decides as the real run: replacing a dataset of another
+    source is not refused with "pass --force", and a forced restage of an unchanged 20 MiB
+    source that has no room for a second full copy is refused, as the real run is."""
+    tier = tmpfs("32M", name="ram") / "shmstage"
+    one, two, big = make_ds(tmp_path / "one", 4), make_ds(tmp_path / "two", 4), make_ds(
+        tmp_path / "big", 20
+    )
+    args = ["--dest", str(tier), "--reserve", "1M"]
+    for src, name in ((two, "ds"), (big, "big")):
+        r = sh(shmstage_bin, "stage", str(src), "--name", name, *args, "-q")
+        assert r.returncode == 0, r.stderr
+    r = sh(shmstage_bin, "stage", str(one), "--name", "ds", *args, "--force", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"would restage in place (4.0 MiB to copy) into tier 1: {tier}/ds\n"
+    dry = sh(shmstage_bin, "stage", str(big), "--name", "big", *args, "--force", "--dry-run")
+    real = sh(shmstage_bin, "stage", str(big), "--name", "big", *args, "--force", "-q")
+    assert real.returncode == 2, real.stderr
+    assert (dry.returncode, dry.stderr) == (2, real.stderr), dry.stdout

@@ -280,14 +280,19 @@ def plan(
     reserve: int | str | None = None,
     make_room: bool = False,
     policies: Mapping[str, CachePolicy] | None = None,
+    force: bool = False,
+    strip_components: int = 0,
 ) -> Plan:
-    """Read-only: where ``stage`` would put ``src`` and what it would evict first."""
+    """Read-only: where ``stage`` would put ``src`` and what it would evict first (``force``
+    and ``strip_components`` as the real run's: a forced restage recopies everything)."""
     tiers, policies, name = _request(src, name, dest, policies)
     source = sources.location_of(os.fspath(src))
     home = holding(name, joined(tiers))
     if home is not None:  # restaged where it is; the engine copies only what changed
         policy = policies.get(home)
-        need = engine.restage_need(src, name=name, dest=home)
+        need = engine.restage_need(
+            src, name=name, dest=home, force=force, strip_components=strip_components
+        )
         if need is None or need == Need(0, 0, 0, 0):  # current: a no-op, nothing to fit
             return Plan(name, source, home, tiers.index(home), True, 0)
         # The real run's decision: the engine's fit on what changed, and room made for it.
