@@ -552,3 +552,23 @@ def test_dry_run_honours_force(tmpfs, tmp_path, shmstage_bin):
     real = sh(shmstage_bin, "stage", str(big), "--name", "big", *args, "--force", "-q")
     assert real.returncode == 2, real.stderr
     assert (dry.returncode, dry.stderr) == (2, real.stderr), dry.stdout
+
+
+def test_prepare_keeps_the_tier_under_its_max_size(tmpfs, tmp_path, shmstage_bin):
+    """prepare stages into a tier whose node config sets cache.max_size as stage does: the
+    LRU unleased dataset goes to make room (it used to be ignored: 22 MiB in a 20 MiB cache)."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    old, a = make_ds(tmp_path / "old", 10), make_ds(tmp_path / "a", 12)
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(
+        f"version: 1\ndest:\n  - path: {tier}\n    cache: {{max_size: 20M, policy: lru}}\n"
+        f"reserve: 1M\ndatasets:\n  - {a}\n"
+    )
+    env = {"SHMSTAGE_CONFIG": str(cfg), "SHMSTAGE_PREPARE_LOCK": str(tmp_path / "prepare.lock")}
+    r = sh(shmstage_bin, "stage", str(old), "--reserve", "1M", "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    r = sh(shmstage_bin, "prepare", "--config", str(cfg), "--json", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = next(s for s in json.loads(r.stdout)["steps"] if s["step"] == "stage a")
+    assert step["status"] == "changed" and "evicted old" in step["detail"], step
+    assert names_in(tier) == ["a"]
