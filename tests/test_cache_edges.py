@@ -194,6 +194,32 @@ def test_make_room_in_a_job_cgroup_does_not_count_ram_charged_elsewhere(
         assert names_in(tier) == ["a", "b"]
 
 
+def test_make_room_evicts_no_more_once_the_engine_refused_after_evicting(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """The job's cgroup holds 150 MiB of other tmpfs pages, so make-room takes the RAM of a
+    dataset staged outside it for given back: it evicts "a", and the engine refuses (the
+    cgroup got nothing back).  It then stops: "b" stays (it used to evict "b" too, and
+    refuse: the tier emptied one victim at a time)."""
+    cg = memory_cgroup
+    tier = tmpfs("512M", name="ram") / "shmstage"
+    junk = tmpfs("256M", name="junk")
+    args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
+    for n in ("a", "b"):  # staged outside the job's cgroup
+        r = sh(shmstage_bin, "stage", str(make_ds(tmp_path / n, 60)), *args, "-q")
+        assert r.returncode == 0, r.stderr
+    (cg / "memory.limit_in_bytes").write_text(str(1 << 30))
+    r = in_cgroup(cg, ["sh", "-c", f"head -c {150 * MIB} /dev/zero > {junk}/x"])
+    assert r.returncode == 0, r.stderr
+    usable = int(in_cgroup(cg, [sys.executable, "-c", PROBE]).stdout)
+    (cg / "memory.limit_in_bytes").write_text(str((1 << 30) - usable + 20 * MIB))
+    c = make_ds(tmp_path / "c", 60)
+    r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room"])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "after evicting a; not evicting more for it" in r.stderr, r.stderr
+    assert names_in(tier) == ["b"]
+
+
 def rewrite(src: Path, files: int) -> None:
     """New bytes (and a new mtime) in the first ``files`` files of a make_ds tree."""
     for i in range(files):

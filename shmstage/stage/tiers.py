@@ -169,6 +169,10 @@ def stage(
             evicted: list[Victim] = []
             notes: list[str] = []
             last = "other stagers kept taking the room made"
+            # The engine refused after this stage evicted: the room made was not what the
+            # plan counted (or another stager took it); evict nothing more for it, so a
+            # miscount cannot empty the tier one victim at a time.
+            refused: list[str] = []
             for _attempt in range(3):  # a lease or another stager may win a race: plan again
                 # held: this stage's claim against max_size, until it is published
                 with ExitStack() as held:
@@ -176,7 +180,9 @@ def stage(
                     if roomy and tier == home:
                         # A restage in place: the engine says what it still writes (only
                         # what changed), and room is made for that, under its lock.
-                        admit = _admitter(name, tier, reserve, policy, held, evicted, notes)
+                        admit = _admitter(
+                            name, tier, reserve, policy, held, evicted, notes, refused
+                        )
                     elif roomy:
                         est = _sized(sized, src, tier)
                         store = Store(tier).open() if capped else Store(tier)
@@ -184,6 +190,9 @@ def stage(
                             room = makeroom.plan(est, name, tier, reserve, policy)
                             if not room.fits:
                                 skipped.append(Skipped(tier, room.reason or "does not fit"))
+                                break
+                            if room.victims and refused:
+                                skipped.append(Skipped(tier, refused[0]))
                                 break
                             if not _evict(room, tier, evicted, notes):
                                 continue  # a victim was leased or busy meanwhile
@@ -201,6 +210,8 @@ def stage(
                             raise  # one tier: the engine's own words
                         if roomy:
                             last = _reason(e)
+                            if evicted:
+                                refused[:] = [_after_evicting(last, evicted)]
                             continue  # another stager took the room first
                         skipped.append(Skipped(tier, _reason(e)))
                         break
@@ -243,6 +254,7 @@ def _admitter(
     held: ExitStack,
     evicted: list[Victim],
     notes: list[str],
+    refused: list[str],
 ) -> Callable[[Need], None]:
     """The engine's ``admit`` for a restage in place: make room for what it still writes
     (the changed files, next to the old version it replaces), and claim against max_size
@@ -256,6 +268,8 @@ def _admitter(
                 room = makeroom.plan(need, name, tier, reserve, policy)
                 if not room.fits:
                     raise makeroom.NoRoom(f"dataset does not fit: {room.reason}")
+                if room.victims and refused:  # see stage(): evict nothing more
+                    raise makeroom.NoRoom(f"dataset does not fit: {refused[0]}")
                 if not _evict(room, tier, evicted, notes):
                     continue  # a victim was leased or busy meanwhile: plan again
                 if capped:
@@ -265,6 +279,11 @@ def _admitter(
         raise CapacityError("dataset does not fit: other stagers kept taking the room made")
 
     return admit
+
+
+def _after_evicting(reason: str, evicted: list[Victim]) -> str:
+    names = ", ".join(v.name for v in evicted)
+    return f"{reason} (after evicting {names}; not evicting more for it)"
 
 
 def _reason(e: CapacityError) -> str:
