@@ -283,10 +283,13 @@ def reap_claims(store: Store, *, dry_run: bool = False) -> tuple[list[str], bool
     where = _in_flight_dir(store)
     if not os.path.isdir(where):
         return [], True
+    # Created when missing (not by a dry run, which removes nothing): a stager that made
+    # it meanwhile could otherwise make a claim under it that looks dead here before its flock.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if dry_run else os.O_CREAT)
     try:
-        fd = os.open(os.path.join(where, CAPPING), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(where, CAPPING), flags, 0o600)
     except FileNotFoundError:
-        fd = -1  # no stager has capped here since: none can be making a claim
+        fd = -1  # a dry run: it only lists
     except OSError:
         return [], True  # not ours to clean (another user's tier)
     try:
