@@ -317,7 +317,9 @@ def _stage(
 
     # The tier's cache max_size holds for prepare too (a claim while copying, LRU eviction
     # of unleased datasets), as for `shmstage stage` with this config.
-    policies = {t.path: CachePolicy(t.max_size, t.policy) for t in config.tiers if t.max_size is not None}
+    policies = {
+        t.path: CachePolicy(t.max_size, t.policy) for t in config.tiers if t.max_size is not None
+    }
     result = stage(
         ds.source,
         name=ds.name,
