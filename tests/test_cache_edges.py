@@ -467,9 +467,7 @@ def test_another_user_cannot_stop_stages_into_a_capped_tier(open_tmpfs, shmstage
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-def test_a_killed_stagers_claim_is_reaped_and_nobody_can_keep_it(
-    open_tmpfs, shmstage_bin, procs
-):
+def test_a_killed_stagers_claim_is_reaped_and_nobody_can_keep_it(open_tmpfs, shmstage_bin, procs):
     """A stager of a capped tier is SIGKILLed mid-copy: its claim stays behind.  nobody cannot
     open it to hold it (it used to be 0644 in a 0755 directory: held, it counted as a live
     stage forever); gc removes it, and a dataset that fits max_size alone is staged."""
@@ -564,8 +562,10 @@ def test_dry_run_honours_force(tmpfs, tmp_path, shmstage_bin):
     source is not refused with "pass --force", and a forced restage of an unchanged 20 MiB
     source that has no room for a second full copy is refused, as the real run is."""
     tier = tmpfs("32M", name="ram") / "shmstage"
-    one, two, big = make_ds(tmp_path / "one", 4), make_ds(tmp_path / "two", 4), make_ds(
-        tmp_path / "big", 20
+    one, two, big = (
+        make_ds(tmp_path / "one", 4),
+        make_ds(tmp_path / "two", 4),
+        make_ds(tmp_path / "big", 20),
     )
     args = ["--dest", str(tier), "--reserve", "1M"]
     for src, name in ((two, "ds"), (big, "big")):

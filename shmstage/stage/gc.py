@@ -116,7 +116,9 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
     removed += [Leftover(path, "max_size claim", 0) for path in dead]
     if not looked:
         path = os.path.join(store.book, makeroom.IN_FLIGHT)
-        skipped.append(Leftover(path, "max_size claims", 0, "a stager is planning against max_size"))
+        skipped.append(
+            Leftover(path, "max_size claims", 0, "a stager is planning against max_size")
+        )
     return GcReport(store.dest, dry_run, tuple(removed), tuple(skipped))
 
 
