@@ -316,6 +316,13 @@ def _stage(
             f"{os.path.join(config.dest, ds.name)} is in use by {describe(leased)}; "
             "not refreshed: run prepare again when the job has finished"
         )
+    from shmstage.stage.makeroom import CachePolicy
+
+    # The tier's cache max_size holds for prepare too (a claim while copying, LRU eviction
+    # of unleased datasets), as for `shmstage stage` with this config.
+    policies = {
+        t.path: CachePolicy(t.max_size, t.policy) for t in config.tiers if t.max_size is not None
+    }
     result = stage(
         ds.source,
         name=ds.name,
@@ -323,11 +330,14 @@ def _stage(
         verify=ds.verify,
         reserve=config.reserve,
         peers=peers,
+        policies=policies,
     )
     if result.changed:
+        evicted = ", ".join(v.name for v in result.evicted)
         return CHANGED, (
             f"copied {format_size(result.copied_bytes)} to {result.path} "
             f"in {result.seconds:.1f}s (verify={ds.verify})"
+            + (f"; evicted {evicted} to stay under the cache's max_size" if evicted else "")
         )
     files = f"{result.files} file{'' if result.files == 1 else 's'}"
     return OK, f"{result.path} up to date ({files}, {format_size(result.bytes)})"

@@ -54,6 +54,10 @@ class CgroupMemory:
     # (v2 memory.stat; v1 total_inactive_file, hierarchical).  tmpfs/shmem pages sit on the
     # anon LRU, never here (measured on 6.18: a tmpfs write raises shmem and inactive_anon).
     reclaimable: int = 0
+    # tmpfs/shmem pages charged to this cgroup (v2 shmem, v1 total_shmem): the most that
+    # removing tmpfs files can give back to it; pages charged to another cgroup (a dataset
+    # staged by root's prepare, outside a job's cgroup) free nothing under this limit.
+    shmem: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,17 @@ class Memory:
         working_set = max(0, (self.cgroup.usage or 0) - self.cgroup.reclaimable)
         headroom = max(0, self.cgroup.limit - working_set)
         return min(self.available, headroom)
+
+    def usable_after_freeing(self, freed: int) -> int:
+        """``usable`` once ``freed`` bytes of tmpfs pages are removed: the node gets them all
+        back, but under a cgroup limit only the shmem charged to this cgroup counts."""
+        if freed <= 0:
+            return self.usable
+        if self.cgroup.limit is None:
+            return self.available + freed
+        working_set = max(0, (self.cgroup.usage or 0) - self.cgroup.reclaimable)
+        headroom = max(0, self.cgroup.limit - working_set)
+        return min(self.available + freed, headroom + min(freed, self.cgroup.shmem))
 
     @property
     def ceiling(self) -> int:
@@ -217,12 +232,14 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
     if _is_v2(root) and "" in paths:
         dirs = _ancestors(root, paths[""])
         limits = [v for d in dirs if (v := _read_int(d / "memory.max")) is not None]
+        stat2 = _read(dirs[0] / "memory.stat")
         return CgroupMemory(
             2,
             paths[""],
             min(limits) if limits else None,
             _read_int(dirs[0] / "memory.current"),
-            _stat_value(_read(dirs[0] / "memory.stat"), "inactive_file"),
+            _stat_value(stat2, "inactive_file"),
+            _stat_value(stat2, "shmem"),
         )
     if "memory" in paths and (root / "memory").is_dir():
         dirs = _ancestors(root / "memory", paths["memory"])
@@ -238,6 +255,7 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
             min(limits) if limits else None,
             _read_int(dirs[0] / "memory.usage_in_bytes"),
             _stat_value(stat, "total_inactive_file"),
+            _stat_value(stat, "total_shmem"),
         )
     return CgroupMemory(None, None, None, None)
 

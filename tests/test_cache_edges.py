@@ -171,6 +171,55 @@ def test_make_room_counts_the_ram_evicting_frees_under_a_memory_cgroup(
     assert names_in(tier) == ["b", "c"]
 
 
+def test_make_room_in_a_job_cgroup_does_not_count_ram_charged_elsewhere(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """Datasets staged outside a job's memory cgroup (root's prepare) hold pages charged
+    there: evicting them gives the job's cgroup nothing back.  make-room in the job refuses
+    up front, dry run and real run alike, and evicts nothing (it used to evict every
+    dataset, one by one, then refuse)."""
+    cg = memory_cgroup
+    tier = tmpfs("512M", name="ram") / "shmstage"
+    args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
+    for n in ("a", "b"):  # staged outside the job's cgroup
+        r = sh(shmstage_bin, "stage", str(make_ds(tmp_path / n, 60)), *args, "-q")
+        assert r.returncode == 0, r.stderr
+    (cg / "memory.limit_in_bytes").write_text(str(60 * MIB))
+    c = make_ds(tmp_path / "c", 60)
+    for extra in (["--dry-run"], []):
+        r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room", *extra])
+        assert r.returncode == 2, (extra, r.stdout, r.stderr)
+        assert "is usable (the memory cgroup limit)" in r.stderr, r.stderr
+        assert "would evict" not in r.stdout
+        assert names_in(tier) == ["a", "b"]
+
+
+def test_make_room_evicts_no_more_once_the_engine_refused_after_evicting(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """The job's cgroup holds 150 MiB of other tmpfs pages, so make-room takes the RAM of a
+    dataset staged outside it for given back: it evicts "a", and the engine refuses (the
+    cgroup got nothing back).  It then stops: "b" stays (it used to evict "b" too, and
+    refuse: the tier emptied one victim at a time)."""
+    cg = memory_cgroup
+    tier = tmpfs("512M", name="ram") / "shmstage"
+    junk = tmpfs("256M", name="junk")
+    args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
+    for n in ("a", "b"):  # staged outside the job's cgroup
+        r = sh(shmstage_bin, "stage", str(make_ds(tmp_path / n, 60)), *args, "-q")
+        assert r.returncode == 0, r.stderr
+    (cg / "memory.limit_in_bytes").write_text(str(1 << 30))
+    r = in_cgroup(cg, ["sh", "-c", f"head -c {150 * MIB} /dev/zero > {junk}/x"])
+    assert r.returncode == 0, r.stderr
+    usable = int(in_cgroup(cg, [sys.executable, "-c", PROBE]).stdout)
+    (cg / "memory.limit_in_bytes").write_text(str((1 << 30) - usable + 20 * MIB))
+    c = make_ds(tmp_path / "c", 60)
+    r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room"])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "after evicting a; not evicting more for it" in r.stderr, r.stderr
+    assert names_in(tier) == ["b"]
+
+
 def rewrite(src: Path, files: int) -> None:
     """New bytes (and a new mtime) in the first ``files`` files of a make_ds tree."""
     for i in range(files):
@@ -323,3 +372,229 @@ def test_a_non_root_jobs_use_counts_for_lru_on_a_root_managed_tier(open_tmpfs, s
     assert r.returncode == 0, r.stderr
     assert [v["name"] for v in json.loads(r.stdout)["evicted"]] == ["other"]
     assert names_in(tier) == ["new", "used"]
+
+
+def test_two_stagers_of_one_dataset_under_max_size_neither_refuse_nor_evict(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """The `run --stage` recipe: two jobs stage the same dataset into a tier with a max_size
+    at once.  The second does not count the first's claim for that very dataset on top of
+    its own size: it is neither refused nor evicts the other dataset (6 + 12 MiB fit in
+    26 MiB); it waits, then finds the dataset up to date."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    env = capped(tmp_path, tier, "26M")
+    ds, other = make_ds(tmp_path / "ds", 12, files=12), make_ds(tmp_path / "other", 6)
+    args = ["--reserve", "1M", "--workers", "1"]
+    r = sh(shmstage_bin, "stage", str(other), *args, "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    pa = procs.start(
+        [*shmstage_bin, "stage", str(ds), *args],
+        env={**os.environ, **env, copier.SLOW_ENV: "0.2"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "ds copying", pa)
+    rb = sh(shmstage_bin, "stage", str(ds), *args, env=env)
+    out_a, err_a = pa.communicate(timeout=120)
+    assert pa.returncode == 0 and out_a == f"{tier}/ds\n", err_a
+    assert rb.returncode == 0 and rb.stdout == f"{tier}/ds\n", rb.stderr
+    assert "evicted" not in rb.stderr and "ds is up to date" in rb.stderr, rb.stderr
+    assert names_in(tier) == ["ds", "other"]
+
+
+@pytest.mark.parametrize("alias", ["symlink", "bind"])
+def test_one_tier_named_through_two_paths_is_one_tier(tmpfs, tmp_path, shmstage_bin, alias):
+    """`--dest RAM,NVME,ALIAS-of-NVME` (a symlinked parent, or a bind mount such as
+    /scratch over /local/nvme) names the NVME tier twice: it is one tier, locked once (the
+    stager used to block on its own placing lock forever)."""
+    ram, nvme = tmpfs("16M", name="ram"), tmpfs("16M", name="nvme")
+    other = tmp_path / "other"
+    if alias == "symlink":
+        other.symlink_to(nvme)
+    else:
+        other.mkdir()
+        subprocess.run(["mount", "--bind", str(nvme), str(other)], check=True, timeout=60)
+        tmpfs.mounted.append(other)
+    src = make_ds(tmp_path / "ds", 1)
+    dest = f"{ram}/s,{nvme}/s,{other}/s"
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", dest, "--reserve", "1M"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{ram}/s/ds\n", r.stderr
+    r = sh(shmstage_bin, "list", "--dest", dest, "--json")
+    assert [x["name"] for x in json.loads(r.stdout)] == ["ds"], r.stderr
+
+
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+HOLD = """import fcntl, os, sys, time
+held = 0
+for path in sys.argv[1:]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held += 1
+    except OSError:
+        pass
+print(held, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_another_user_cannot_stop_stages_into_a_capped_tier(open_tmpfs, shmstage_bin, procs):
+    """The max_size lock and the claims of root's tier are root's alone: nobody cannot open
+    them, so cannot flock them and freeze every stage into the tier (they used to flock
+    inflight/ itself, 0755: root's next stage blocked forever, silently)."""
+    base = open_tmpfs("64M", name="ram")
+    tier = base / "shmstage"
+    env = capped(base.parent, tier, "20M")
+    a, b = make_ds(base.parent / "src" / "a", 1), make_ds(base.parent / "src" / "b", 1)
+    r = sh(shmstage_bin, "stage", str(a), "--reserve", "1M", "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    flying = tier / ".shmstage" / "inflight"
+    holder = procs.start(
+        [*NOBODY, sys.executable, "-c", HOLD, str(flying), str(flying / ".capping")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    held = holder.stdout.readline()
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(b), "--reserve", "1M", "-q"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert names_in(tier) == ["a", "b"]
+    assert held == "0\n" and stat.S_IMODE(flying.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_killed_stagers_claim_is_reaped_and_nobody_can_keep_it(open_tmpfs, shmstage_bin, procs):
+    """A stager of a capped tier is SIGKILLed mid-copy: its claim stays behind.  nobody cannot
+    open it to hold it (it used to be 0644 in a 0755 directory: held, it counted as a live
+    stage forever); gc removes it, and a dataset that fits max_size alone is staged."""
+    base = open_tmpfs("64M", name="ram")
+    tier = base / "shmstage"
+    env = capped(base.parent, tier, "20M")
+    a = make_ds(base.parent / "src" / "a", 12, files=12)
+    b = make_ds(base.parent / "src" / "b", 12, files=12)
+    args = ["--reserve", "1M", "--workers", "1"]
+    pa = procs.start(
+        [*shmstage_bin, "stage", str(a), *args, "-q"],
+        env={**os.environ, **env, copier.SLOW_ENV: "0.2"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "a" / "0.bin").exists(), "a copying", pa)
+    pa.kill()
+    pa.wait(timeout=60)
+    flying = tier / ".shmstage" / "inflight"
+    claims = [p for p in flying.iterdir() if not p.name.startswith(".")]
+    assert len(claims) == 1
+    mode = stat.S_IMODE(claims[0].stat().st_mode)
+    holder = procs.start(
+        [*NOBODY, sys.executable, "-c", HOLD, str(claims[0])], stdout=subprocess.PIPE, text=True
+    )
+    held = holder.stdout.readline()
+    r = sh(shmstage_bin, "gc", "--dest", str(tier), "--json")
+    assert r.returncode == 0, r.stderr
+    assert not claims[0].exists()
+    r = sh(shmstage_bin, "stage", str(b), *args, env=env)
+    assert r.returncode == 0, r.stderr
+    assert names_in(tier) == ["b"] and (held, mode) == ("0\n", 0o600)
+
+
+def test_stagers_in_two_pid_namespaces_make_two_claims(tmpfs, tmp_path, shmstage_bin, procs):
+    """Two containers (each shmstage is pid 1 of its pid namespace) stage one dataset into a
+    capped tier: each makes its own claim; the second no longer opens (and empties) the
+    first's claim and waits on it while holding the tier's max_size lock."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    env = {**os.environ, **capped(tmp_path, tier, "40M"), copier.SLOW_ENV: "0.3"}
+    ds = make_ds(tmp_path / "ds", 12, files=12)
+    argv = ["unshare", "--pid", "--fork", *shmstage_bin, "stage", str(ds), "--reserve", "1M",
+            "--workers", "1", "-q"]  # fmt: skip
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    p1 = procs.start(argv, env=env, **out)
+    wait_for(lambda: (tier / ".shmstage" / "partial" / "ds" / "0.bin").exists(), "copying", p1)
+    p2 = procs.start(argv, env=env, **out)
+    flying = tier / ".shmstage" / "inflight"
+
+    def claims() -> list[str] | None:
+        try:
+            got = sorted(p.read_text() for p in flying.iterdir() if not p.name.startswith("."))
+        except FileNotFoundError:  # one finished meanwhile
+            return None
+        return got if len(got) == 2 and all(got) else None
+
+    got = wait_for(claims, "two claims", p2)
+    assert got == [f"{12 * MIB}\n"] * 2
+    for p in (p1, p2):
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0 and o == f"{tier}/ds\n", e
+    assert names_in(tier) == ["ds"]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_staging_into_the_first_tier_makes_no_other_tiers_store(open_tmpfs, shmstage_bin):
+    """A dataset that goes to the first tier creates nothing in the later ones: nobody's
+    `--dest SHM/shmstage-nobody,SHM/shmstage` no longer makes the node's shared store (owned
+    by nobody, refusing root), nor root's `--dest RAM,/mnt/nvme/shmstage` a .shmstage tree
+    under a mount point whose disk is not mounted."""
+    shm = open_tmpfs("64M", name="shm")
+    src = make_ds(shm.parent / "src" / "a", 1)
+    own, shared = shm / "shmstage-nobody", shm / "shmstage"
+    r = subprocess.run(
+        [*NOBODY, *shmstage_bin, "stage", str(src), "--dest", f"{own},{shared}",
+         "--reserve", "1M", "-q"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{own}/a\n", r.stderr
+    made_shared = shared.exists()
+    r = sh(shmstage_bin, "stage", str(src), "--dest", str(shared), "--reserve", "1M", "-q")
+    assert r.returncode == 0, r.stderr
+    nvme = shm.parent / "mnt" / "nvme"
+    nvme.mkdir(parents=True)
+    r = sh(shmstage_bin, "stage", str(src), "--name", "b", "--reserve", "1M", "-q",
+           "--dest", f"{shm / 'ram'},{nvme / 'shmstage'}")  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{shm / 'ram'}/b\n", r.stderr
+    assert (made_shared, list(nvme.iterdir())) == (False, [])
+
+
+def test_dry_run_honours_force(tmpfs, tmp_path, shmstage_bin):
+    """stage --dry-run --force decides as the real run: replacing a dataset of another
+    source is not refused with "pass --force", and a forced restage of an unchanged 20 MiB
+    source that has no room for a second full copy is refused, as the real run is."""
+    tier = tmpfs("32M", name="ram") / "shmstage"
+    one, two, big = (
+        make_ds(tmp_path / "one", 4),
+        make_ds(tmp_path / "two", 4),
+        make_ds(tmp_path / "big", 20),
+    )
+    args = ["--dest", str(tier), "--reserve", "1M"]
+    for src, name in ((two, "ds"), (big, "big")):
+        r = sh(shmstage_bin, "stage", str(src), "--name", name, *args, "-q")
+        assert r.returncode == 0, r.stderr
+    r = sh(shmstage_bin, "stage", str(one), "--name", "ds", *args, "--force", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"would restage in place (4.0 MiB to copy) into tier 1: {tier}/ds\n"
+    dry = sh(shmstage_bin, "stage", str(big), "--name", "big", *args, "--force", "--dry-run")
+    real = sh(shmstage_bin, "stage", str(big), "--name", "big", *args, "--force", "-q")
+    assert real.returncode == 2, real.stderr
+    assert (dry.returncode, dry.stderr) == (2, real.stderr), dry.stdout
+
+
+def test_prepare_keeps_the_tier_under_its_max_size(tmpfs, tmp_path, shmstage_bin):
+    """prepare stages into a tier whose node config sets cache.max_size as stage does: the
+    LRU unleased dataset goes to make room (it used to be ignored: 22 MiB in a 20 MiB cache)."""
+    tier = tmpfs("64M", name="ram") / "shmstage"
+    old, a = make_ds(tmp_path / "old", 10), make_ds(tmp_path / "a", 12)
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(
+        f"version: 1\ndest:\n  - path: {tier}\n    cache: {{max_size: 20M, policy: lru}}\n"
+        f"reserve: 1M\ndatasets:\n  - {a}\n"
+    )
+    env = {"SHMSTAGE_CONFIG": str(cfg), "SHMSTAGE_PREPARE_LOCK": str(tmp_path / "prepare.lock")}
+    r = sh(shmstage_bin, "stage", str(old), "--reserve", "1M", "-q", env=env)
+    assert r.returncode == 0, r.stderr
+    r = sh(shmstage_bin, "prepare", "--config", str(cfg), "--json", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = next(s for s in json.loads(r.stdout)["steps"] if s["step"] == "stage a")
+    assert step["status"] == "changed" and "evicted old" in step["detail"], step
+    assert names_in(tier) == ["a"]

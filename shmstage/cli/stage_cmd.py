@@ -172,7 +172,10 @@ def stage_cmd(
     if reserve is None:  # the option and its variable win over the node config
         reserve = node_reserve(config_path)
     if dry_run:
-        p = plan(src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies)
+        p = plan(
+            src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
+            force=force, strip_components=strip_components,
+        )  # fmt: skip
         click.echo(dumps(p) if as_json else _render_plan(p))
         if p.tier is None:
             raise refusal(p.name, p.skipped)  # what the real run would say

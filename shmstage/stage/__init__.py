@@ -17,7 +17,7 @@ Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
     DEST/.shmstage/reservations/<name>    bytes a live stager still has to write, flocked
                                           while it runs (see :mod:`shmstage.stage.reserve`)
     DEST/.shmstage/meta/.<name>.used      last used (its mtime; any job may set it to now)
-    DEST/.shmstage/inflight/<name>.<pid>  what a live stage adds to a tier with max_size
+    DEST/.shmstage/inflight/<name>.<id>   what a live stage adds to a tier with max_size
                                           (see :mod:`shmstage.stage.makeroom`)
 
 A dataset is published when DEST/<name> exists and its inode (on DEST's file system,

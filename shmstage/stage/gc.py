@@ -2,7 +2,7 @@
 
 Partial trees, source markers, ``.<name>.json.new`` manifests, half-written records, lock
 and lease files of datasets that are gone, space reservations of dead stagers, records whose tree is gone, old trees in
-trash, and ``placing/`` locks nobody holds.  Each dataset's leftovers are removed only while holding its lock (taken without
+trash, ``placing/`` locks nobody holds, and the max_size claims of dead stagers.  Each dataset's leftovers are removed only while holding its lock (taken without
 waiting: a dataset being staged is skipped), so gc is safe while others stage.
 """
 
@@ -13,7 +13,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage import leases
+from shmstage.stage import leases, makeroom
 from shmstage.stage.engine import _listdir, _tree_size
 from shmstage.stage.store import (
     Busy,
@@ -120,6 +120,13 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
             skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
         else:
             removed.append(Leftover(path, "placing lock", 0))
+    dead, looked = makeroom.reap_claims(store, dry_run=dry_run)
+    removed += [Leftover(path, "max_size claim", 0) for path in dead]
+    if not looked:
+        path = os.path.join(store.book, makeroom.IN_FLIGHT)
+        skipped.append(
+            Leftover(path, "max_size claims", 0, "a stager is planning against max_size")
+        )
     return GcReport(store.dest, dry_run, tuple(removed), tuple(skipped))
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -27,7 +29,8 @@ from shmstage.stage.reserve import pending
 from shmstage.stage.store import Store
 
 POLICIES = ("lru",)
-IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<pid>: what a live stage adds (max_size)
+IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<random>: what a live stage adds (max_size)
+CAPPING = ".capping"  # inflight/.capping: the tier's max_size lock (see capping)
 
 # NOTE [races]: make-room against stagers and jobs.
 #
@@ -43,7 +46,7 @@ IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<pid>: what a live stag
 #
 # NOTE [max_size]: concurrent stagers against a tier's cache.max_size.
 #
-#   capping (flock of inflight/) { plan: cached + in flight + this one <= max_size
+#   capping (flock of inflight/.capping) { plan: cached + in flight + this one <= max_size
 #                                  -> evict -> InFlight(what this stage adds) }
 #   -> engine.stage ... publish -> InFlight closed
 #
@@ -167,7 +170,7 @@ def plan(
             reason=f"{name} ({format_size(need.total)}) is larger than the cache's "
             f"max_size ({format_size(cap)})",
         )  # fmt: skip
-    flying = in_flight(store) if cap is not None else 0
+    flying = in_flight(store, exclude=name) if cap is not None else 0
     cached = cached_bytes(store, exclude=name) + flying if cap is not None else 0
     pool = candidates(store, keep=name) if evict else []
     freed = 0
@@ -229,21 +232,35 @@ def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list
 # --- stages in flight against max_size (see NOTE [max_size]) -----------------------------
 
 
-def _in_flight_dir(store: Store) -> str:
-    return os.path.join(store.book, IN_FLIGHT)
+def _in_flight_dir(store: Store, *, create: bool = False) -> str:
+    """DEST/.shmstage/inflight/, 0700: a lock file in it can be opened, so flocked, by its
+    owner only (a user who could flock the tier's capping lock or a claim could stop every
+    stage into the tier, or keep a dead stager's claim counting forever)."""
+    where = os.path.join(store.book, IN_FLIGHT)
+    if not create:
+        return where
+    try:
+        with suppress(FileExistsError):
+            os.mkdir(where, 0o700)
+        st = os.lstat(where)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ShmstageError(f"cannot lock {where}: not a directory")
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(where, 0o700)  # made 0755 by an earlier version
+    except OSError as e:
+        raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
+    return where
 
 
 @contextmanager
 def capping(store: Store) -> Iterator[None]:
-    """Hold the tier's max_size lock (a flock of inflight/ itself: no file to leave behind)
-    while planning against max_size and claiming what this stage adds."""
-    where = _in_flight_dir(store)
+    """Hold the tier's max_size lock (inflight/.capping, in the owner-only directory) while
+    planning against max_size and claiming what this stage adds."""
+    path = os.path.join(_in_flight_dir(store, create=True), CAPPING)
     try:
-        with suppress(FileExistsError):
-            os.mkdir(where, 0o755)
-        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
+        raise ShmstageError(f"cannot lock {path}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _claims(store, reap=True)  # only here: a claim is made under this lock
@@ -252,23 +269,60 @@ def capping(store: Store) -> Iterator[None]:
         os.close(fd)
 
 
-def in_flight(store: Store) -> int:
+def in_flight(store: Store, exclude: str | None = None) -> int:
     """Bytes the live stages of the tier will add once published (their claims); a dead
-    stager's claim counts nothing."""
-    return _claims(store)
+    stager's claim counts nothing.  ``exclude``: the dataset being planned, whose whole new
+    version the plan counts already (another stager of the same dataset adds nothing more:
+    one of them copies it, the other then finds it up to date)."""
+    return _claims(store, exclude=exclude)[0]
 
 
-def _claims(store: Store, *, reap: bool = False) -> int:
-    """Sum the live claims; ``reap``: remove the dead ones (held under :func:`capping`,
-    where no claim is between its creation and its flock)."""
+def reap_claims(store: Store, *, dry_run: bool = False) -> tuple[list[str], bool]:
+    """gc: remove the claims of dead stagers (``dry_run``: only list them).  Returns (their
+    paths, False when a stager holds the tier's max_size lock now: nothing was looked at)."""
+    where = _in_flight_dir(store)
+    if not os.path.isdir(where):
+        return [], True
+    # Created when missing (not by a dry run, which removes nothing): a stager that made
+    # it meanwhile could otherwise make a claim under it that looks dead here before its flock.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if dry_run else os.O_CREAT)
+    try:
+        fd = os.open(os.path.join(where, CAPPING), flags, 0o600)
+    except FileNotFoundError:
+        fd = -1  # a dry run: it only lists
+    except OSError:
+        return [], True  # not ours to clean (another user's tier)
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return [], False
+        return _claims(store, reap=not dry_run)[1], True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _claims(
+    store: Store, *, reap: bool = False, exclude: str | None = None
+) -> tuple[int, list[str]]:
+    """Sum the live claims (but ``exclude``'s), and list the dead ones; ``reap``: remove
+    those (held under :func:`capping`, where no claim is between its creation and its
+    flock)."""
     where = _in_flight_dir(store)
     try:
         entries = os.listdir(where)
     except OSError:
-        return 0
+        return 0, []
     total = 0
+    dead: list[str] = []
     for entry in entries:
         path = os.path.join(where, entry)
+        if entry.startswith("."):
+            continue  # the capping lock
+        if exclude is not None and entry.rpartition(".")[0] == exclude:
+            continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -280,12 +334,13 @@ def _claims(store: Store, *, reap: bool = False) -> int:
                 with suppress(ValueError, OSError):
                     total += max(0, int(os.pread(fd, 32, 0).decode().strip() or 0))
                 continue
+            dead.append(path)  # nobody holds it: its stager died
             if reap:
                 with suppress(OSError):
-                    os.unlink(path)  # nobody holds it: its stager died
+                    os.unlink(path)
         finally:
             os.close(fd)
-    return total
+    return total, dead
 
 
 class InFlight:
@@ -293,15 +348,24 @@ class InFlight:
     published and this is closed (take it under :func:`capping`)."""
 
     def __init__(self, store: Store, name: str, nbytes: int) -> None:
-        self.path = os.path.join(_in_flight_dir(store), f"{name}.{os.getpid()}")
-        try:
-            self.fd = os.open(
-                self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-            )  # fmt: skip
-        except OSError as e:
-            raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        # A name no other stager can have (a pid is not: containers share the store, each
+        # with its own pid 1), made with O_EXCL: a claim is never another's, so flocking it
+        # cannot wait on another stager while the tier's max_size lock is held.
+        where = _in_flight_dir(store, create=True)
+        while True:
+            self.path = os.path.join(where, f"{name}.{secrets.token_hex(8)}")
+            try:
+                self.fd = os.open(
+                    self.path,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,  # only its stager may hold it: held is what keeps it counting
+                )
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # new: only a scan's instant LOCK_SH can delay it
         try:
             os.pwrite(self.fd, f"{max(0, nbytes)}\n".encode(), 0)
         except OSError as e:

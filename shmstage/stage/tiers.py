@@ -43,7 +43,30 @@ def split(dest: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
             f"invalid destination {raw!r}: an empty tier; list tiers fastest first, "
             "separated by commas, e.g. /dev/shm/shmstage,/local/nvme/shmstage"
         )
-    return tuple(dict.fromkeys(resolve_dest(p) for p in parts))
+    # One tier named twice (a symlinked parent, a bind mount: /run/shm and /dev/shm) is
+    # one tier: its placing lock would otherwise be taken twice, by one stager from itself.
+    unique: dict[tuple[int, int, str], str] = {}
+    for p in parts:
+        unique.setdefault(identity(resolve_dest(p)), resolve_dest(p))
+    return tuple(unique.values())
+
+
+def identity(path: str) -> tuple[int, int, str]:
+    """What ``path`` is whatever it is called: (st_dev, st_ino) of its nearest existing
+    directory and the rest of the path below it.  Two aliases of one tier get the same."""
+    rest: list[str] = []
+    here = path
+    while True:
+        try:
+            st = os.stat(here)
+        except OSError:
+            parent = os.path.dirname(here)
+            if parent == here:
+                return (0, 0, path)
+            rest.append(os.path.basename(here))
+            here = parent
+            continue
+        return (st.st_dev, st.st_ino, "/".join(reversed(rest)))
 
 
 def joined(tiers: tuple[str, ...]) -> str:
@@ -146,6 +169,10 @@ def stage(
             evicted: list[Victim] = []
             notes: list[str] = []
             last = "other stagers kept taking the room made"
+            # The engine refused after this stage evicted: the room made was not what the
+            # plan counted (or another stager took it); evict nothing more for it, so a
+            # miscount cannot empty the tier one victim at a time.
+            refused: list[str] = []
             for _attempt in range(3):  # a lease or another stager may win a race: plan again
                 # held: this stage's claim against max_size, until it is published
                 with ExitStack() as held:
@@ -153,7 +180,9 @@ def stage(
                     if roomy and tier == home:
                         # A restage in place: the engine says what it still writes (only
                         # what changed), and room is made for that, under its lock.
-                        admit = _admitter(name, tier, reserve, policy, held, evicted, notes)
+                        admit = _admitter(
+                            name, tier, reserve, policy, held, evicted, notes, refused
+                        )
                     elif roomy:
                         est = _sized(sized, src, tier)
                         store = Store(tier).open() if capped else Store(tier)
@@ -161,6 +190,9 @@ def stage(
                             room = makeroom.plan(est, name, tier, reserve, policy)
                             if not room.fits:
                                 skipped.append(Skipped(tier, room.reason or "does not fit"))
+                                break
+                            if room.victims and refused:
+                                skipped.append(Skipped(tier, refused[0]))
                                 break
                             if not _evict(room, tier, evicted, notes):
                                 continue  # a victim was leased or busy meanwhile
@@ -178,6 +210,8 @@ def stage(
                             raise  # one tier: the engine's own words
                         if roomy:
                             last = _reason(e)
+                            if evicted:
+                                refused[:] = [_after_evicting(last, evicted)]
                             continue  # another stager took the room first
                         skipped.append(Skipped(tier, _reason(e)))
                         break
@@ -220,6 +254,7 @@ def _admitter(
     held: ExitStack,
     evicted: list[Victim],
     notes: list[str],
+    refused: list[str],
 ) -> Callable[[Need], None]:
     """The engine's ``admit`` for a restage in place: make room for what it still writes
     (the changed files, next to the old version it replaces), and claim against max_size
@@ -233,6 +268,8 @@ def _admitter(
                 room = makeroom.plan(need, name, tier, reserve, policy)
                 if not room.fits:
                     raise makeroom.NoRoom(f"dataset does not fit: {room.reason}")
+                if room.victims and refused:  # see stage(): evict nothing more
+                    raise makeroom.NoRoom(f"dataset does not fit: {refused[0]}")
                 if not _evict(room, tier, evicted, notes):
                     continue  # a victim was leased or busy meanwhile: plan again
                 if capped:
@@ -242,6 +279,11 @@ def _admitter(
         raise CapacityError("dataset does not fit: other stagers kept taking the room made")
 
     return admit
+
+
+def _after_evicting(reason: str, evicted: list[Victim]) -> str:
+    names = ", ".join(v.name for v in evicted)
+    return f"{reason} (after evicting {names}; not evicting more for it)"
 
 
 def _reason(e: CapacityError) -> str:
@@ -257,14 +299,19 @@ def plan(
     reserve: int | str | None = None,
     make_room: bool = False,
     policies: Mapping[str, CachePolicy] | None = None,
+    force: bool = False,
+    strip_components: int = 0,
 ) -> Plan:
-    """Read-only: where ``stage`` would put ``src`` and what it would evict first."""
+    """Read-only: where ``stage`` would put ``src`` and what it would evict first (``force``
+    and ``strip_components`` as the real run's: a forced restage recopies everything)."""
     tiers, policies, name = _request(src, name, dest, policies)
     source = sources.location_of(os.fspath(src))
     home = holding(name, joined(tiers))
     if home is not None:  # restaged where it is; the engine copies only what changed
         policy = policies.get(home)
-        need = engine.restage_need(src, name=name, dest=home)
+        need = engine.restage_need(
+            src, name=name, dest=home, force=force, strip_components=strip_components
+        )
         if need is None or need == Need(0, 0, 0, 0):  # current: a no-op, nothing to fit
             return Plan(name, source, home, tiers.index(home), True, 0)
         # The real run's decision: the engine's fit on what changed, and room made for it.
@@ -318,29 +365,48 @@ def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -
 def _placing_all(
     tiers: tuple[str, ...], name: str, on_wait: Callable[[int | None], None] | None = None
 ) -> Iterator[None]:
-    """Hold ``name``'s placing lock in every tier, taken in one order (sorted paths) whatever
-    order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B`` and
-    ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier."""
+    """Hold ``name``'s placing lock in every tier, taken in one order (by the tier's
+    identity, not its name: two aliases of one tier sort alike, and are locked once)
+    whatever order the caller lists them in: ``--dest A,B`` and ``--dest B,A`` (or ``A,B``
+    and ``B,C``) then exclude each other without deadlock, so the dataset lands in one tier.
+
+    A tier's store is made here only when no earlier tier has one (the tier it goes to
+    first, as with one DEST); a later tier is locked only when its store exists (locking never creates a store: a user's fallback tier would become
+    theirs, an unmounted disk's mount point would get a .shmstage tree).  A store that
+    another stager makes meanwhile is seen after locking: then all is locked again, in order."""
     with ExitStack() as stack:
-        first: ShmstageError | None = None
-        held = 0
-        for tier in sorted(tiers):
-            try:
-                stack.enter_context(_placing(tier, name, on_wait))
-                held += 1
-            except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
-                first = first or e  # it cannot take the dataset either; the others still lock
+        while True:
+            first: ShmstageError | None = None
+            stores: dict[tuple[int, int, str], Store] = {}
+            seen: set[tuple[int, int, str]] = set()
+            made = False
+            for tier in tiers:
+                store = Store(tier)
+                exists = os.path.isdir(store.book)
+                if not exists and made:
+                    continue
+                try:
+                    store.open(create=not exists)
+                except ShmstageError as e:  # a tier we cannot write (not mounted, not ours):
+                    first = first or e  # it cannot take the dataset either; the others lock
+                    seen.add(identity(tier))
+                    continue
+                made = True
+                # Opened, so the identity is the tier directory's own (stable from now on).
+                seen.add(identity(store.dest))
+                stores.setdefault(identity(store.dest), store)
+            held = 0
+            for key in sorted(stores):
+                try:
+                    stack.enter_context(stores[key].placing(name, on_wait))
+                    held += 1
+                except ShmstageError as e:
+                    first = first or e
+            if all(identity(t) in seen for t in tiers if os.path.isdir(Store(t).book)):
+                break
+            stack.close()  # a store was made meanwhile: lock it too, in the one order
         if not held and first is not None:
             raise first
-        yield
-
-
-@contextmanager
-def _placing(
-    first: str, name: str, on_wait: Callable[[int | None], None] | None = None
-) -> Iterator[None]:
-    """Serialise choosing ``name``'s tier, so two stagers cannot put it in two tiers."""
-    with Store(first).open().placing(name, on_wait):
         yield
 
 
