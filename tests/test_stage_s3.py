@@ -343,6 +343,95 @@ def test_markers_are_directories_empty_objects_files(aws, shmstage_bin, tmp_path
     _refused(r, f"{z}/z/")
 
 
+class Counting:
+    """An HTTP proxy in front of moto that forwards every request as signed and records
+    ``(method, path?query)``: LISTs are the GETs with ``list-type=`` in the query."""
+
+    def __init__(self, upstream: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, str]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def forward(self) -> None:
+                outer.requests.append((self.command, self.path))
+                conn = http.client.HTTPConnection("127.0.0.1", upstream)
+                conn.request(self.command, self.path, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", r.getheader("Content-Length") or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_HEAD = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def count(self, method: str, has: str = "") -> int:
+        return sum(1 for m, p in self.requests if m == method and has in p)
+
+    @property
+    def lists(self) -> int:
+        return self.count("GET", "list-type=")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def counting(aws, monkeypatch):
+    """A ``Counting`` proxy in front of ``aws``, in the AWS_* environment of this test."""
+    proxy = Counting(aws.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def test_empty_objects_cost_no_list_per_directory(aws, counting, tmp_path):
+    """Spark-style output (a 0-byte _SUCCESS in each of 40 directories), a lone marker `x/`,
+    a marker `m/` over `m/n` and an empty object `e`: staging them is ONE LIST (one page),
+    and so is the no-op re-stage; empty objects cost a HEAD each, nothing per directory."""
+    p = prefix()
+    want = {}
+    for i in range(40):
+        want[f"part{i}/data"] = b"d%d" % i
+        want[f"part{i}/_SUCCESS"] = b""
+    want["m/n"] = b"n"
+    want["e"] = b""
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    aws.put(f"{p}/x/", b"")
+    aws.put(f"{p}/m/", b"")
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    root = Path(ds.path)
+    assert tree(root) == want and (root / "x").is_dir() and not os.listdir(root / "x")
+    assert counting.lists == 1, [r for r in counting.requests if "list-type=" in r[1]]
+    assert counting.count("HEAD") <= 40 + 3  # one per empty object at most
+    counting.requests.clear()
+    assert not stage(f"s3://{BUCKET}/{p}", dest=dest).changed
+    assert counting.lists == 1 and counting.count("GET") == 1
+
+
 def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin, tmp_path):
     """At a bucket's root, `/lead` (listed as `lead` by obstore, which cannot read it) is
     refused by name, not reported as deleted (exit 17); `/x` beside `x` is refused naming

@@ -33,6 +33,7 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -343,12 +344,19 @@ class S3Source(Source):
             while i > 0 and rel[:i] not in dirs:  # its parents are in already
                 dirs.add(rel[:i])
                 i = rel.rfind("/", 0, i)
+        # A delimited LIST only where a refusal is certain and only its message is in doubt
+        # (one path listed twice, a non-empty object that is also a directory): rare.  An
+        # empty object is the commonest doubt (Spark's _SUCCESS, empty labels, markers): one
+        # HEAD each, in parallel, tells the key `a` from a marker `a/` whatever the
+        # directory holds (a LIST of it would cost a page per 1,000 keys, in sequence).
         doubtful: dict[str, list[str]] = {}
+        empty: list[str] = []
         for rel, got in seen.items():
-            if len(got) > 1 or got[0][0] == 0 or rel in dirs:
+            if len(got) > 1 or (got[0][0] and rel in dirs):
                 doubtful.setdefault(rel.rpartition("/")[0], []).append(rel)
+            elif got[0][0] == 0:
+                empty.append(rel)
         files = {rel: got[0] for rel, got in seen.items()}
-        markers: set[str] = set()
         for d in sorted(doubtful):
             plain, under = self.level(d)
             for rel in sorted(doubtful[d]):
@@ -361,13 +369,45 @@ class S3Source(Source):
                         f"both stage to the path {rel!r} (obstore drops a key's leading and "
                         "trailing '/'); rename or delete one of them"
                     )
-                if real:
-                    continue  # a plain object (an empty file; _tree refuses it if also a directory)
-                del files[rel]
-                if got[0][0]:
+                if not real:
                     raise self.slashed(rel, under)
-                markers.add(rel)  # an empty `rel/` "folder" marker: only the directory
+                # else a plain object that is also a directory: _tree refuses it by name
+        markers: set[str] = set()
+        exact = self.exact(empty)
+        for rel in sorted(set(empty) - exact):
+            del files[rel]
+            markers.add(rel)  # an empty `rel/` "folder" marker: only the directory
         return files, markers
+
+    def exact(self, rels: Sequence[str]) -> set[str]:
+        """Which of ``rels`` (listed as empty objects) are exactly the key prefix + rel (a
+        HEAD each, WORKERS at once); the others are `rel/` markers (or, at a bucket's root,
+        keys that begin with "/")."""
+        if not rels:
+            return set()
+
+        def head(rel: str) -> bool:
+            key = self.where.prefix + rel
+            try:
+                self.obs.head(self.store, key)
+            except Exception as e:
+                if type(e).__name__ in ("NotFoundError", "FileNotFoundError"):
+                    return False
+                raise self.error(e, key) from None
+            return True
+
+        pool = ThreadPoolExecutor(min(WORKERS, len(rels)), thread_name_prefix="shmstage-head")
+        try:
+            return {rel for rel, real in zip(rels, pool.map(head, rels)) if real}
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def marker(self, rel: str) -> bool:
+        """The key prefix + rel + "/" exists (a delimited LIST of that directory lists it as
+        the object ``rel``)."""
+        path = self.where.prefix + rel
+        res = self.obs.list_with_delimiter(self.store, path)
+        return any(o["path"] == path for o in res["objects"])
 
     def level(self, d: str) -> tuple[set[str], set[str]]:
         """One delimited LIST of the directory ``d`` (relative to the prefix): the paths of
