@@ -432,6 +432,26 @@ def test_empty_objects_cost_no_list_per_directory(aws, counting, tmp_path):
     assert counting.lists == 1 and counting.count("GET") == 1
 
 
+def test_folder_marker_added_or_deleted_is_a_change(aws, tmp_path):
+    """A folder marker `new/` made after a stage makes the re-stage add the directory `new`;
+    deleting the marker `old/` removes its directory: neither is "up to date"."""
+    p = prefix()
+    aws.put(f"{p}/a", b"A")
+    aws.put(f"{p}/old/", b"")
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert (Path(ds.path) / "old").is_dir()
+    aws.put(f"{p}/new/", b"")
+    again = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert again.changed and (Path(again.path) / "new").is_dir()
+    aws.s3.delete_object(Bucket=BUCKET, Key=f"{p}/old/")
+    last = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert last.changed and not (Path(last.path) / "old").exists()
+    assert sorted(os.listdir(last.path)) == ["a", "new"]
+    assert verify(last.name, dest).ok
+    assert not stage(f"s3://{BUCKET}/{p}", dest=dest).changed
+
+
 def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin, tmp_path):
     """At a bucket's root, `/lead` (listed as `lead` by obstore, which cannot read it) is
     refused by name, not reported as deleted (exit 17); `/x` beside `x` is refused naming
