@@ -538,6 +538,31 @@ def test_changed_between_list_and_get(aws, tmp_path, monkeypatch, rewrite_after_
     assert os.listdir(tmp_path / "dest/.shmstage/partial") == []
 
 
+def test_deleted_at_the_bucket_root_beside_a_slash_key_is_deleted(
+    aws, tmp_path, rewrite_after_listing
+):
+    """At a bucket's root that also holds a key beginning with '/' (an empty `/`, which is
+    only the root), an object deleted between the LIST and its GET is reported as deleted (exit 17),
+    not as an unreadable '/'-key (exit 2)."""
+    from shmstage.errors import SourceChanged
+
+    for n, deleted in ((1, "zz_last"), (2, "d/zz_last")):
+        bucket = f"gone{n}-{os.getpid()}"
+        aws.s3.create_bucket(Bucket=bucket)
+        aws.put("/", b"", bucket=bucket)
+        aws.put("ok", b"ok", bucket=bucket)
+        aws.put(deleted, b"data", bucket=bucket)
+        rewrite_after_listing(lambda b=bucket, k=deleted: aws.s3.delete_object(Bucket=b, Key=k))
+        with pytest.raises(SourceChanged) as e:
+            stage(f"s3://{bucket}", dest=tmp_path / "dest")
+        assert e.value.exit_code == 17, e.value
+        assert str(e.value) == (
+            f"s3://{bucket}/{deleted} was deleted while it was being staged; "
+            "re-run when the prefix is stable"
+        )
+        assert find(f"s3://{bucket}", tmp_path / "dest") is None
+
+
 def _stage_until_copying(m, procs, shmstage_bin, tmp_path):
     """400 objects under k/, a stager started on them (2 workers), returned once more than
     20 files are in its partial tree: (the process, DEST)."""

@@ -436,13 +436,21 @@ class S3Source(Source):
         non-empty ``a/``; see NOTE [keys obstore strips]), else None (it was deleted)."""
         try:
             plain, under = self.level(rel.rpartition("/")[0])
-            if not self.where.prefix and "/" in rel:  # `/d/a`: only the root tells
-                under |= self.level("")[1] & {""}
+            if rel in plain:
+                return None  # the key is there (again): the usual message
+            if rel in under:  # `rel/...` with nothing under rel listed: the key `rel/`
+                return self.slashed(rel, under)
+            if self.where.prefix or "" not in self.level("")[1]:
+                return None  # no key begins with "/": it was deleted
+            # Some key begins with "/" (a delimited LIST cannot list them apart): `/rel` is
+            # listed again as rel, a deleted key is not.  The whole bucket (`/d/a` is not under
+            # `d/`), as the stage's own LIST was: this is a failure's path only.
+            again = self.obs.list(self.store, None, chunk_size=1000)
+            if not any(m["path"] == rel for chunk in again for m in chunk):
+                return None
         except Exception:
             return None  # the usual message, then
-        if rel in plain or not (rel in under or "" in under):
-            return None
-        return self.slashed(rel, under)
+        return self.slashed(rel, set())
 
     def slashed(self, rel: str, under: set[str]) -> RefusedError:
         """A non-empty object listed as ``rel`` that is not the key ``rel``."""
