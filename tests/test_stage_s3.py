@@ -455,11 +455,15 @@ def test_folder_marker_added_or_deleted_is_a_change(aws, tmp_path):
 def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin, tmp_path):
     """At a bucket's root, `/lead` (listed as `lead` by obstore, which cannot read it) is
     refused by name, not reported as deleted (exit 17); `/x` beside `x` is refused naming
-    both, not one of them dropped."""
+    both, not one of them dropped; an empty `/lead` (or `/x` beside `x/y`) is refused too,
+    not staged as a directory or dropped."""
     for n, keys, names in (
         (1, {"/lead": b"L", "ok": b"1"}, ["/lead"]),
         (2, {"/x": b"slash", "x": b"plain", "ok": b"1"}, ["x", "/x"]),
         (3, {"/d/deep": b"D", "ok": b"1"}, ["/d/deep"]),
+        (4, {"/lead": b"", "ok": b"1"}, ["/lead"]),  # empty: not an empty directory `lead`
+        (5, {"/x": b"", "x/y": b"Y"}, ["/x"]),  # not dropped beside `x/y`
+        (6, {"/d/e": b"", "d/f": b"F", "m/": b""}, ["/d/e"]),
     ):
         bucket = f"lead{n}-{os.getpid()}"
         aws.s3.create_bucket(Bucket=bucket)
@@ -469,6 +473,14 @@ def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin
         r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(dest))
         _refused(r, *names)
         assert not (dest / bucket).exists()
+    # Beside a key beginning with '/' (the empty `/`: only the root), a marker `m/` is still
+    # the directory `m` and an empty `e` the empty file `e`.
+    bucket = f"lead0-{os.getpid()}"
+    aws.s3.create_bucket(Bucket=bucket)
+    for k, v in {"/": b"", "m/": b"", "e": b"", "ok": b"1"}.items():
+        aws.put(k, v, bucket=bucket)
+    ds = stage(f"s3://{bucket}", dest=tmp_path / "dest0")
+    assert tree(Path(ds.path)) == {"e": b"", "ok": b"1"} and (Path(ds.path) / "m").is_dir()
 
 
 def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):

@@ -374,8 +374,18 @@ class S3Source(Source):
                 # else a plain object that is also a directory: _tree refuses it by name
         markers: set[str] = set()
         exact = self.exact(empty)
+        leading: bool | None = None  # at the bucket's root: does any key begin with "/"?
         for rel in sorted(set(empty) - exact):
             del files[rel]
+            if not self.where.prefix:  # `rel/`, or `/rel` or `/rel/`, which obstore lists alike
+                if leading is None:
+                    leading = "" in self.level("")[1]
+                if leading and not self.marker(rel):
+                    raise RefusedError(
+                        f"cannot stage {self.location}: key {'/' + rel!r} (or {'/' + rel + '/'!r}) "
+                        "begins with '/' (obstore drops it, so the key is not a file path); "
+                        "rename it"
+                    )
             markers.add(rel)  # an empty `rel/` "folder" marker: only the directory
         return files, markers
 
