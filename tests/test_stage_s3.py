@@ -483,6 +483,32 @@ def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin
     assert tree(Path(ds.path)) == {"e": b"", "ok": b"1"} and (Path(ds.path) / "m").is_dir()
 
 
+def test_prefix_key_holding_data_refused(aws, shmstage_bin, tmp_path):
+    """A non-empty key equal to the prefix plus '/' (`p/`), or a non-empty `/` at a bucket's
+    root, is refused by name (exit 2), not dropped; an empty one is only the root."""
+    p = prefix()
+    aws.put(f"{p}/", b"IMPORTANT DATA")
+    aws.put(f"{p}/x", b"X")
+    r = run_cli(
+        shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(tmp_path / "d1")
+    )
+    _refused(r, f"{p}/")
+    assert "holds data" in r.stderr and not (tmp_path / "d1" / p).exists()
+    bucket = f"slash-{os.getpid()}"
+    aws.s3.create_bucket(Bucket=bucket)
+    aws.put("/", b"IMPORTANT DATA", bucket=bucket)
+    aws.put("ok", b"O", bucket=bucket)
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(tmp_path / "d2"))
+    _refused(r, "/")
+    assert "holds data" in r.stderr and not (tmp_path / "d2" / bucket).exists()
+    aws.put("/", b"", bucket=bucket)
+    q = prefix()
+    aws.put(f"{q}/", b"")
+    aws.put(f"{q}/x", b"X")
+    assert tree(Path(stage(f"s3://{bucket}", dest=tmp_path / "d3").path)) == {"ok": b"O"}
+    assert tree(Path(stage(f"s3://{BUCKET}/{q}", dest=tmp_path / "d3").path)) == {"x": b"X"}
+
+
 def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):
     """A key with a .. segment is refused by name (exit 2), nothing staged."""
     p = prefix()

@@ -309,6 +309,12 @@ class S3Source(Source):
                 self.started = True
                 for meta in chunk:
                     rel = meta["path"][len(prefix) :]
+                    if not rel and meta["size"]:  # `p/` (at a bucket's root `/`) with data
+                        raise RefusedError(
+                            f"cannot stage {self.location}: key {prefix or '/'!r} holds data but "
+                            "is not a file path (a key that ends with '/'; obstore cannot read "
+                            "it); rename it"
+                        )
                     if not rel:
                         continue  # the prefix's own "folder" marker: the tree's root
                     etag = (meta.get("e_tag") or "").strip('"')
