@@ -509,6 +509,24 @@ def test_prefix_key_holding_data_refused(aws, shmstage_bin, tmp_path):
     assert tree(Path(stage(f"s3://{BUCKET}/{q}", dest=tmp_path / "d3").path)) == {"x": b"X"}
 
 
+def test_keys_of_one_path_named_as_they_are(aws, shmstage_bin, tmp_path):
+    """Two keys that stage to one path are refused naming only keys that may exist: at a
+    bucket's root obstore lists `/x` and `/x/` alike, so such a key is named as one of them."""
+    for n, keys, names in (
+        (1, {"x": b"O", "/x/": b""}, "keys 'x' and one of '/x', '/x/' both"),
+        (2, {"x/": b"", "/x/": b"D"}, "keys 'x/' and one of '/x', '/x/' both"),
+        (3, {"x": b"O", "x/": b""}, "keys 'x' and 'x/' both"),
+    ):
+        bucket = f"named{n}-{os.getpid()}"
+        aws.s3.create_bucket(Bucket=bucket)
+        for k, v in keys.items():
+            aws.put(k, v, bucket=bucket)
+        dest = tmp_path / f"dest{n}"
+        r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(dest))
+        _refused(r)
+        assert names in r.stderr and "both stage to the path 'x'" in r.stderr, r.stderr
+
+
 def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):
     """A key with a .. segment is refused by name (exit 2), nothing staged."""
     p = prefix()

@@ -369,9 +369,9 @@ class S3Source(Source):
                 got = seen[rel]
                 real = rel in plain  # the key is exactly prefix + rel
                 if len(got) > 1:
-                    names = self._spellings(rel, real, len(got), under)
+                    names = self._spellings(rel, real, len(got), under, rel in dirs)
                     raise RefusedError(
-                        f"cannot stage {self.location}: keys {' and '.join(map(repr, names))} "
+                        f"cannot stage {self.location}: keys {' and '.join(names)} "
                         f"both stage to the path {rel!r} (obstore drops a key's leading and "
                         "trailing '/'); rename or delete one of them"
                     )
@@ -438,14 +438,29 @@ class S3Source(Source):
         }  # fmt: skip
         return plain, {p[cut:] for p in res["common_prefixes"]}
 
-    def _spellings(self, rel: str, real: bool, count: int, under: set[str]) -> list[str]:
-        """The keys that stage to ``rel``, as far as a listing can tell them apart."""
+    def _spellings(
+        self, rel: str, real: bool, count: int, under: set[str], children: bool
+    ) -> list[str]:
+        """The ``count`` keys that stage to ``rel``, quoted, naming no key that may not exist:
+        at a bucket's root `/a` and `/a/` list alike (and `a/` is sure only when nothing is
+        listed under ``rel``), so a key in doubt is named as "one of" its spellings."""
         key = self.where.prefix + rel
-        names = [key] if real else []
-        others = [key + "/"] if rel in under or self.where.prefix else []
-        if not self.where.prefix:  # the bucket's root: a key may also begin with "/"
-            others += [f"/{key}", f"/{key}/"]
-        return names + (others or [key + "/"])[: count - len(names)]
+        if self.where.prefix:  # only `a` and `a/` stage to rel: both are there
+            return [repr(key), repr(key + "/")]
+        sure = [key] if real else []
+        maybe = [f"/{key}", f"/{key}/"]
+        if rel in under and not children:  # a key `a/...`, none listed: the marker `a/`
+            sure.append(key + "/")
+        elif rel in under:  # `a/b` is listed: `a/` itself may or may not be there
+            maybe.insert(0, key + "/")
+        left = count - len(sure)
+        names = [repr(k) for k in sure]
+        if left <= 0:
+            return names
+        if left >= len(maybe):
+            return names + [repr(k) for k in maybe]
+        which = "one" if left == 1 else str(left)
+        return [*names, f"{which} of {', '.join(map(repr, maybe))}"]
 
     def missing(self, rel: str) -> RefusedError | None:
         """Why a listed object's GET found nothing: a key obstore cannot read (``/a``, or a
