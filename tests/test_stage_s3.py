@@ -409,7 +409,10 @@ def counting(aws, monkeypatch):
 def test_empty_objects_cost_no_list_per_directory(aws, counting, tmp_path):
     """Spark-style output (a 0-byte _SUCCESS in each of 40 directories), a lone marker `x/`,
     a marker `m/` over `m/n` and an empty object `e`: staging them is ONE LIST (one page),
-    and so is the no-op re-stage; empty objects cost a HEAD each, nothing per directory."""
+    and a HEAD each, nothing per directory; 30 empty labels in one directory cost one LIST
+    of it (fewer requests than 30 HEADs).  The no-op re-stage costs the same."""
+    from urllib.parse import unquote
+
     p = prefix()
     want = {}
     for i in range(40):
@@ -417,6 +420,7 @@ def test_empty_objects_cost_no_list_per_directory(aws, counting, tmp_path):
         want[f"part{i}/_SUCCESS"] = b""
     want["m/n"] = b"n"
     want["e"] = b""
+    want.update({f"labels/{i}.txt": b"" for i in range(30)})  # many empty objects: one LIST
     for k, v in want.items():
         aws.put(f"{p}/{k}", v)
     aws.put(f"{p}/x/", b"")
@@ -425,11 +429,19 @@ def test_empty_objects_cost_no_list_per_directory(aws, counting, tmp_path):
     ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
     root = Path(ds.path)
     assert tree(root) == want and (root / "x").is_dir() and not os.listdir(root / "x")
-    assert counting.lists == 1, [r for r in counting.requests if "list-type=" in r[1]]
-    assert counting.count("HEAD") <= 40 + 3  # one per empty object at most
+
+    def delimited() -> list[str]:
+        return sorted(
+            unquote(q.split("prefix=")[1]) for _, q in counting.requests if "delimiter=" in q
+        )
+
+    # One LIST of the prefix; per directory a LIST where it holds more empty objects than
+    # pages (labels/, the top with `x`, `m`, `e`), else a HEAD per empty object (_SUCCESS).
+    assert counting.lists == 3 and delimited() == [f"{p}/", f"{p}/labels/"], counting.requests
+    assert counting.count("HEAD") == 40
     counting.requests.clear()
     assert not stage(f"s3://{BUCKET}/{p}", dest=dest).changed
-    assert counting.lists == 1 and counting.count("GET") == 1
+    assert counting.lists == 3 and counting.count("GET") == 3 and counting.count("HEAD") == 40
 
 
 def test_folder_marker_added_or_deleted_is_a_change(aws, tmp_path):

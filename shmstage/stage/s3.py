@@ -352,9 +352,9 @@ class S3Source(Source):
                 i = rel.rfind("/", 0, i)
         # A delimited LIST only where a refusal is certain and only its message is in doubt
         # (one path listed twice, a non-empty object that is also a directory): rare.  An
-        # empty object is the commonest doubt (Spark's _SUCCESS, empty labels, markers): one
-        # HEAD each, in parallel, tells the key `a` from a marker `a/` whatever the
-        # directory holds (a LIST of it would cost a page per 1,000 keys, in sequence).
+        # empty object is the commonest doubt (Spark's _SUCCESS, empty labels, markers): a
+        # HEAD tells the key `a` from a marker `a/` whatever the directory holds (a LIST of
+        # it costs a page per 1,000 entries, in sequence), see exact().
         doubtful: dict[str, list[str]] = {}
         empty: list[str] = []
         for rel, got in seen.items():
@@ -379,7 +379,7 @@ class S3Source(Source):
                     raise self.slashed(rel, under)
                 # else a plain object that is also a directory: _tree refuses it by name
         markers: set[str] = set()
-        exact = self.exact(empty)
+        exact = self.exact(empty, [*seen, *dirs])
         leading: bool | None = None  # at the bucket's root: does any key begin with "/"?
         for rel in sorted(set(empty) - exact):
             del files[rel]
@@ -395,26 +395,45 @@ class S3Source(Source):
             markers.add(rel)  # an empty `rel/` "folder" marker: only the directory
         return files, markers
 
-    def exact(self, rels: Sequence[str]) -> set[str]:
-        """Which of ``rels`` (listed as empty objects) are exactly the key prefix + rel (a
-        HEAD each, WORKERS at once); the others are `rel/` markers (or, at a bucket's root,
-        keys that begin with "/")."""
+    def exact(self, rels: Sequence[str], listed: Collection[str]) -> set[str]:
+        """Which of ``rels`` (the empty objects of the ``listed`` paths and directories) are
+        exactly the key prefix + rel; the others are `rel/` markers (or, at a bucket's root,
+        keys that begin with "/").  Per directory, whichever takes fewer requests: a HEAD of
+        each, or one delimited LIST of the directory (a page per 1,000 entries in it: for a
+        directory of many empty objects, e.g. empty labels); WORKERS requests at once."""
         if not rels:
             return set()
+        entries: dict[str, int] = {}  # directory -> what a delimited LIST of it lists
+        for rel in listed:
+            d = rel.rpartition("/")[0]
+            entries[d] = entries.get(d, 0) + 1
+        by_dir: dict[str, list[str]] = {}
+        for rel in rels:
+            by_dir.setdefault(rel.rpartition("/")[0], []).append(rel)
+        # (d, its empty objects): a LIST of d; (None, [rel]): a HEAD of rel
+        tasks: list[tuple[str | None, list[str]]] = []
+        for d, mine in by_dir.items():
+            if len(mine) > -(-entries.get(d, 0) // 1000):
+                tasks.append((d, mine))
+            else:
+                tasks += [(None, [rel]) for rel in mine]
 
-        def head(rel: str) -> bool:
-            key = self.where.prefix + rel
+        def run(task: tuple[str | None, list[str]]) -> set[str]:
+            d, mine = task
+            if d is not None:
+                return self.level(d)[0] & set(mine)
+            key = self.where.prefix + mine[0]
             try:
                 self.obs.head(self.store, key)
             except Exception as e:
                 if type(e).__name__ in ("NotFoundError", "FileNotFoundError"):
-                    return False
+                    return set()
                 raise self.error(e, key) from None
-            return True
+            return set(mine)
 
-        pool = ThreadPoolExecutor(min(WORKERS, len(rels)), thread_name_prefix="shmstage-head")
+        pool = ThreadPoolExecutor(min(WORKERS, len(tasks)), thread_name_prefix="shmstage-empty")
         try:
-            return {rel for rel, real in zip(rels, pool.map(head, rels)) if real}
+            return set().union(*pool.map(run, tasks))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
