@@ -300,6 +300,31 @@ def test_tree_and_ranged_object_staged_exactly_then_no_op(store, tmp_path, monke
     assert find(src(store, p), dest).path == ds.path
 
 
+def test_markers_directories_empty_objects_files(store, tmp_path):
+    """A lone marker `x/` is an empty directory, `m/` over `m/n` the directory of `n`, an
+    empty object (`e`, `d/_SUCCESS`) an empty file (told apart by a HEAD, as on S3); the
+    re-stage is a no-op, and a marker added later is a change."""
+    p = prefix()
+    for k, v in {
+        "x/": b"",
+        "m/": b"",
+        "m/n": b"n",
+        "e": b"",
+        "d/_SUCCESS": b"",
+        "d/a": b"a",
+    }.items():
+        store.put(f"{p}/{k}", v)
+    dest = tmp_path / "dest"
+    ds = stage(src(store, p), dest=dest)
+    root = Path(ds.path)
+    assert tree(root) == {"m/n": b"n", "e": b"", "d/_SUCCESS": b"", "d/a": b"a"}
+    assert (root / "x").is_dir() and not os.listdir(root / "x") and ds.files == 4
+    assert not stage(src(store, p), dest=dest).changed
+    store.put(f"{p}/y/", b"")
+    again = stage(src(store, p), dest=dest)
+    assert again.changed and (Path(again.path) / "y").is_dir()
+
+
 def test_changed_refetched_deleted_removed(store, tmp_path):
     """A same-size rewrite is fetched again, a deleted object is removed, a new one added,
     an unchanged one kept as a hard link to the published copy."""

@@ -343,14 +343,139 @@ def test_markers_are_directories_empty_objects_files(aws, shmstage_bin, tmp_path
     _refused(r, f"{z}/z/")
 
 
+class Counting:
+    """An HTTP proxy in front of moto that forwards every request as signed and records
+    ``(method, path?query)``: LISTs are the GETs with ``list-type=`` in the query."""
+
+    def __init__(self, upstream: int) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, str]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def forward(self) -> None:
+                outer.requests.append((self.command, self.path))
+                conn = http.client.HTTPConnection("127.0.0.1", upstream)
+                conn.request(self.command, self.path, headers=dict(self.headers))
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", r.getheader("Content-Length") or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_HEAD = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def count(self, method: str, has: str = "") -> int:
+        return sum(1 for m, p in self.requests if m == method and has in p)
+
+    @property
+    def lists(self) -> int:
+        return self.count("GET", "list-type=")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def counting(aws, monkeypatch):
+    """A ``Counting`` proxy in front of ``aws``, in the AWS_* environment of this test."""
+    proxy = Counting(aws.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def test_empty_objects_cost_no_list_per_directory(aws, counting, tmp_path):
+    """Spark-style output (a 0-byte _SUCCESS in each of 40 directories), a lone marker `x/`,
+    a marker `m/` over `m/n` and an empty object `e`: staging them is ONE LIST (one page),
+    and a HEAD each, nothing per directory; 30 empty labels in one directory cost one LIST
+    of it (fewer requests than 30 HEADs).  The no-op re-stage costs the same."""
+    from urllib.parse import unquote
+
+    p = prefix()
+    want = {}
+    for i in range(40):
+        want[f"part{i}/data"] = b"d%d" % i
+        want[f"part{i}/_SUCCESS"] = b""
+    want["m/n"] = b"n"
+    want["e"] = b""
+    want.update({f"labels/{i}.txt": b"" for i in range(30)})  # many empty objects: one LIST
+    for k, v in want.items():
+        aws.put(f"{p}/{k}", v)
+    aws.put(f"{p}/x/", b"")
+    aws.put(f"{p}/m/", b"")
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    root = Path(ds.path)
+    assert tree(root) == want and (root / "x").is_dir() and not os.listdir(root / "x")
+
+    def delimited() -> list[str]:
+        return sorted(
+            unquote(q.split("prefix=")[1]) for _, q in counting.requests if "delimiter=" in q
+        )
+
+    # One LIST of the prefix; per directory a LIST where it holds more empty objects than
+    # pages (labels/, the top with `x`, `m`, `e`), else a HEAD per empty object (_SUCCESS).
+    assert counting.lists == 3 and delimited() == [f"{p}/", f"{p}/labels/"], counting.requests
+    assert counting.count("HEAD") == 40
+    counting.requests.clear()
+    assert not stage(f"s3://{BUCKET}/{p}", dest=dest).changed
+    assert counting.lists == 3 and counting.count("GET") == 3 and counting.count("HEAD") == 40
+
+
+def test_folder_marker_added_or_deleted_is_a_change(aws, tmp_path):
+    """A folder marker `new/` made after a stage makes the re-stage add the directory `new`;
+    deleting the marker `old/` removes its directory: neither is "up to date"."""
+    p = prefix()
+    aws.put(f"{p}/a", b"A")
+    aws.put(f"{p}/old/", b"")
+    dest = tmp_path / "dest"
+    ds = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert (Path(ds.path) / "old").is_dir()
+    aws.put(f"{p}/new/", b"")
+    again = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert again.changed and (Path(again.path) / "new").is_dir()
+    aws.s3.delete_object(Bucket=BUCKET, Key=f"{p}/old/")
+    last = stage(f"s3://{BUCKET}/{p}", dest=dest)
+    assert last.changed and not (Path(last.path) / "old").exists()
+    assert sorted(os.listdir(last.path)) == ["a", "new"]
+    assert verify(last.name, dest).ok
+    assert not stage(f"s3://{BUCKET}/{p}", dest=dest).changed
+
+
 def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin, tmp_path):
     """At a bucket's root, `/lead` (listed as `lead` by obstore, which cannot read it) is
     refused by name, not reported as deleted (exit 17); `/x` beside `x` is refused naming
-    both, not one of them dropped."""
+    both, not one of them dropped; an empty `/lead` (or `/x` beside `x/y`) is refused too,
+    not staged as a directory or dropped."""
     for n, keys, names in (
         (1, {"/lead": b"L", "ok": b"1"}, ["/lead"]),
         (2, {"/x": b"slash", "x": b"plain", "ok": b"1"}, ["x", "/x"]),
         (3, {"/d/deep": b"D", "ok": b"1"}, ["/d/deep"]),
+        (4, {"/lead": b"", "ok": b"1"}, ["/lead"]),  # empty: not an empty directory `lead`
+        (5, {"/x": b"", "x/y": b"Y"}, ["/x"]),  # not dropped beside `x/y`
+        (6, {"/d/e": b"", "d/f": b"F", "m/": b""}, ["/d/e"]),
     ):
         bucket = f"lead{n}-{os.getpid()}"
         aws.s3.create_bucket(Bucket=bucket)
@@ -360,6 +485,58 @@ def test_leading_slash_keys_at_the_bucket_root_refused_by_name(aws, shmstage_bin
         r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(dest))
         _refused(r, *names)
         assert not (dest / bucket).exists()
+    # Beside a key beginning with '/' (the empty `/`: only the root), a marker `m/` is still
+    # the directory `m` and an empty `e` the empty file `e`.
+    bucket = f"lead0-{os.getpid()}"
+    aws.s3.create_bucket(Bucket=bucket)
+    for k, v in {"/": b"", "m/": b"", "e": b"", "ok": b"1"}.items():
+        aws.put(k, v, bucket=bucket)
+    ds = stage(f"s3://{bucket}", dest=tmp_path / "dest0")
+    assert tree(Path(ds.path)) == {"e": b"", "ok": b"1"} and (Path(ds.path) / "m").is_dir()
+
+
+def test_prefix_key_holding_data_refused(aws, shmstage_bin, tmp_path):
+    """A non-empty key equal to the prefix plus '/' (`p/`), or a non-empty `/` at a bucket's
+    root, is refused by name (exit 2), not dropped; an empty one is only the root."""
+    p = prefix()
+    aws.put(f"{p}/", b"IMPORTANT DATA")
+    aws.put(f"{p}/x", b"X")
+    r = run_cli(
+        shmstage_bin, aws.env(), "stage", f"s3://{BUCKET}/{p}", "--dest", str(tmp_path / "d1")
+    )
+    _refused(r, f"{p}/")
+    assert "holds data" in r.stderr and not (tmp_path / "d1" / p).exists()
+    bucket = f"slash-{os.getpid()}"
+    aws.s3.create_bucket(Bucket=bucket)
+    aws.put("/", b"IMPORTANT DATA", bucket=bucket)
+    aws.put("ok", b"O", bucket=bucket)
+    r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(tmp_path / "d2"))
+    _refused(r, "/")
+    assert "holds data" in r.stderr and not (tmp_path / "d2" / bucket).exists()
+    aws.put("/", b"", bucket=bucket)
+    q = prefix()
+    aws.put(f"{q}/", b"")
+    aws.put(f"{q}/x", b"X")
+    assert tree(Path(stage(f"s3://{bucket}", dest=tmp_path / "d3").path)) == {"ok": b"O"}
+    assert tree(Path(stage(f"s3://{BUCKET}/{q}", dest=tmp_path / "d3").path)) == {"x": b"X"}
+
+
+def test_keys_of_one_path_named_as_they_are(aws, shmstage_bin, tmp_path):
+    """Two keys that stage to one path are refused naming only keys that may exist: at a
+    bucket's root obstore lists `/x` and `/x/` alike, so such a key is named as one of them."""
+    for n, keys, names in (
+        (1, {"x": b"O", "/x/": b""}, "keys 'x' and one of '/x', '/x/' both"),
+        (2, {"x/": b"", "/x/": b"D"}, "keys 'x/' and one of '/x', '/x/' both"),
+        (3, {"x": b"O", "x/": b""}, "keys 'x' and 'x/' both"),
+    ):
+        bucket = f"named{n}-{os.getpid()}"
+        aws.s3.create_bucket(Bucket=bucket)
+        for k, v in keys.items():
+            aws.put(k, v, bucket=bucket)
+        dest = tmp_path / f"dest{n}"
+        r = run_cli(shmstage_bin, aws.env(), "stage", f"s3://{bucket}", "--dest", str(dest))
+        _refused(r)
+        assert names in r.stderr and "both stage to the path 'x'" in r.stderr, r.stderr
 
 
 def test_dotdot_key_refused(aws, shmstage_bin, tmp_path):
@@ -427,6 +604,31 @@ def test_changed_between_list_and_get(aws, tmp_path, monkeypatch, rewrite_after_
     assert e.value.exit_code == 17 and "changed while it was being staged" in str(e.value)
     assert find(f"s3://{BUCKET}/{p}", tmp_path / "dest") is None
     assert os.listdir(tmp_path / "dest/.shmstage/partial") == []
+
+
+def test_deleted_at_the_bucket_root_beside_a_slash_key_is_deleted(
+    aws, tmp_path, rewrite_after_listing
+):
+    """At a bucket's root that also holds a key beginning with '/' (an empty `/`, which is
+    only the root), an object deleted between the LIST and its GET is reported as deleted (exit 17),
+    not as an unreadable '/'-key (exit 2)."""
+    from shmstage.errors import SourceChanged
+
+    for n, deleted in ((1, "zz_last"), (2, "d/zz_last")):
+        bucket = f"gone{n}-{os.getpid()}"
+        aws.s3.create_bucket(Bucket=bucket)
+        aws.put("/", b"", bucket=bucket)
+        aws.put("ok", b"ok", bucket=bucket)
+        aws.put(deleted, b"data", bucket=bucket)
+        rewrite_after_listing(lambda b=bucket, k=deleted: aws.s3.delete_object(Bucket=b, Key=k))
+        with pytest.raises(SourceChanged) as e:
+            stage(f"s3://{bucket}", dest=tmp_path / "dest")
+        assert e.value.exit_code == 17, e.value
+        assert str(e.value) == (
+            f"s3://{bucket}/{deleted} was deleted while it was being staged; "
+            "re-run when the prefix is stable"
+        )
+        assert find(f"s3://{bucket}", tmp_path / "dest") is None
 
 
 def _stage_until_copying(m, procs, shmstage_bin, tmp_path):

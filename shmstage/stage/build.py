@@ -76,7 +76,12 @@ def current(manifest: dict[str, Any] | None, listing: Listing) -> bool:
     if manifest is None:
         return False
     if listing.keys is not None:  # e.g. ETags: one LIST, no GET
-        return manifest.get("objects") == listing.keys
+        # The keys name the files only: the directories are compared too (an object store's
+        # folder marker is a directory with no key).
+        dirs = [e[0] for e in listing.entries if e[1] == "d"]
+        return manifest.get("objects") == listing.keys and dirs == [
+            e[0] for e in manifest.get("entries", []) if e[1] == "d"
+        ]
     return manifest.get("entries") == [list(e) for e in listing.entries]
 
 
