@@ -443,12 +443,12 @@ def test_persistent_workers_are_an_explicit_choice():
     assert {int(v) for batch in dl for v in batch} == {1}  # the documented trade-off
 
 
-
 def test_persistent_workers_without_workers_is_ignored_not_an_error():
     """The demo and bench ask for kept workers; a node whose count resolves to 0 still loads."""
     dl = make_loader(EpochProbe(), 2, num_workers=0, persistent_workers=True)
     assert dl.num_workers == 0 and not dl.persistent_workers
     assert len(list(dl)) > 0
+
 
 class SeedProbe(Dataset):
     """Per call in a worker: (worker id, worker seed, call number in this worker, random draw)."""

@@ -540,7 +540,11 @@ def test_sigkill_mid_copy_then_restage_resumes(tmpfs, tmp_path, shmstage_bin, pr
 @pytest.mark.parametrize(
     "sig,code,line",
     [
-        (signal.SIGTERM, -signal.SIGTERM, "Error: interrupted by SIGTERM; the partial copy was removed"),
+        (
+            signal.SIGTERM,
+            -signal.SIGTERM,
+            "Error: interrupted by SIGTERM; the partial copy was removed",
+        ),
         (signal.SIGINT, -signal.SIGINT, "Interrupted."),
     ],
 )
