@@ -394,3 +394,122 @@ def test_an_archive_link_that_climbs_out_through_another_link_is_refused(
     assert done.returncode == 2, done.stdout + done.stderr
     assert "'x'" in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not (dest / "M").exists()
+
+
+# --- the source's top swapped (hostile review findings 1 and 8) ------------------------
+
+
+def top_swap_world(world: Path, big: int = 0) -> tuple[Path, Path]:
+    """src/ (mallory's: a/ with 8 files, a_big of ``big`` bytes, secret: her decoy) and vault/
+    (the victim's, 0700) laid out alike: the same names, sizes and mtimes, the vault's secret
+    his."""
+    src, vault = world / "home" / "src", world / "vault"
+    for top in (src, vault):
+        (top / "a").mkdir(parents=True)
+    for i in range(8):
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+    if big:
+        (src / "a_big").write_bytes(os.urandom(big))
+    (src / "secret").write_bytes(DECOY)
+    subprocess.run(["cp", "-a", f"{src}/.", f"{vault}/"], check=True)
+    (vault / "secret").write_bytes(SECRET)
+    st = (src / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    own(src.parent, MALLORY)
+    own(vault, VICTIM)
+    vault.chmod(0o700)
+    (vault / "secret").chmod(0o600)
+    return src, vault
+
+
+def swap_top(src: Path, vault: Path) -> None:
+    """Mallory renames her source away and puts a symlink to the vault in its place."""
+    swap = f"mv {src} {src}.old && ln -s {vault} {src}"
+    subprocess.run([*as_user(MALLORY), "sh", "-c", swap], check=True)
+
+
+def owners_under(top: Path) -> set[int]:
+    return {os.lstat(p).st_uid for p in [top, *top.rglob("*")]}
+
+
+def test_top_swapped_mid_copy_lends_no_owner_of_the_other_tree(open_tmpfs, shmstage_bin, procs):
+    """Finding 8: the top itself becomes a symlink to the vault once the copy is under way:
+    the directories' owners still come from the tree the walk listed (not the victim's)."""
+    world = open_tmpfs("64M")
+    src, vault = top_swap_world(world)
+    dest = world / "dest"
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.5"}
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landing = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+    deadline = time.monotonic() + 60
+    while not landing.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        swap_top(src, vault)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    _out, raw = p.communicate(timeout=120)
+    err = raw.decode()
+    assert p.returncode in (0, 1), err
+    assert "Traceback" not in err, err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    if p.returncode == 0:
+        assert VICTIM not in owners_under(dest / "src"), err
+        assert (dest / "src" / "secret").read_bytes() == DECOY
+
+
+@pytest.mark.timeout(300)
+def test_cluster_top_swapped_mid_exchange_never_reads_the_other_tree(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 1: two nodes (root) stage mallory's src; mid-exchange she swaps the top for a
+    symlink to the victim's vault.  Every read and owner comes through the top the walk
+    listed: no node publishes the vault's bytes or owners."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    world = open_tmpfs("256M")
+    src, vault = top_swap_world(world, big=20 << 20)  # 10 pieces a node: secret comes last
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, copier.SLOW_ENV: "0.4"}
+    nodes = []
+    for rank in (0, 1):
+        argv = [
+            *shmstage_bin, "stage", str(src), "--name", "data", "--dest", str(world / f"shm{rank}"),
+            "--reserve", "0", "--quiet", "--nodes", "2", "--node-rank", str(rank),
+            "--rendezvous", f"127.0.0.1:{port}", "--inflight", "8M", "--timeout", "60",
+        ]  # fmt: skip
+        nodes.append(
+            procs.start(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+        )
+    partial = world / "shm0" / ".shmstage" / "partial" / "data"
+    deadline = time.monotonic() + 120
+    while not (partial / "a_big").exists() or (partial / "a_big").stat().st_blocks == 0:
+        assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for n in nodes:
+        os.killpg(n.pid, signal.SIGSTOP)
+    try:
+        swap_top(src, vault)
+    finally:
+        for n in nodes:
+            os.killpg(n.pid, signal.SIGCONT)
+    results = [(n.communicate(timeout=200), n.returncode) for n in nodes]
+    for rank, ((_out, err), rc) in enumerate(results):
+        assert rc in (0, 1), (rank, err)
+        assert b"Traceback" not in err, err
+        shm = world / f"shm{rank}"
+        assert b"TOP-SECRET" not in everything_under(shm), (rank, rc, err)
+        if rc == 0:
+            assert VICTIM not in owners_under(shm / "data")
+            assert (shm / "data" / "secret").read_bytes() == DECOY

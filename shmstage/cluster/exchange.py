@@ -43,6 +43,7 @@ from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
+from shmstage.stage.beneath import SourceTree, ident
 from shmstage.stage.copy import SLOW_ENV
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
@@ -68,6 +69,8 @@ class Target:
     left: int
     fd: int = -1
     crcs: dict[int, int] = field(default_factory=dict)  # offset -> crc (for --verify checksum)
+    rel: str = ""  # below the source's top
+    ident: int = 0  # the source file the walk found (beneath.ident; 0: not checked)
 
 
 class Damaged(ShmstageError):
@@ -79,8 +82,20 @@ class Ring:
     needed yet, so it overlaps the rendezvous), ``run`` exchanges over a gloo group and
     writes into ``targets``."""
 
-    def __init__(self, plan: Plan, rank: int, root: str, timeout: float, own: bool) -> None:
-        self.plan, self.rank, self.root = plan, rank, root.rstrip("/") + "/"
+    def __init__(self, plan: Plan, rank: int, tree: Any, timeout: float, own: bool) -> None:
+        """``tree``: the walked source (plan.Tree): its top and files' idents are what every
+        read is checked against."""
+        self.plan, self.rank, self.root = plan, rank, tree.root.rstrip("/") + "/"
+        idents = tree.idents or {}
+        self.idents = [idents.get(rel, 0) for rel, _ in plan.files]
+        # The top, opened once and checked against the walk's: each read goes below this
+        # directory, never through the path again (its owner could swap it between reads).
+        # The writer's own (it opens O_PATH while the readers open files).
+        try:
+            self.src = SourceTree(tree.root, tree.top)
+            self.src_meta = SourceTree(tree.root, tree.top)
+        except OSError as e:
+            raise unreadable(tree.root, e) from None
         self.timeout, self.own = timeout, own
         self.group: Any = None
         self.targets: dict[int, Target] = {}
@@ -115,6 +130,9 @@ class Ring:
         self.stop.set()
         if self.reader is not None:
             self.reader.join(5)
+        if self.reader is None or not self.reader.is_alive():  # never an fd a reader may use
+            self.src.close()
+        self.src_meta.close()
 
     # --- main thread -------------------------------------------------------------------
 
@@ -142,6 +160,10 @@ class Ring:
             reader.join(5)  # type: ignore[union-attr]
             writer.join(5)
             self._close_fds()
+            if not reader.is_alive():  # type: ignore[union-attr]
+                self.src.close()
+            if not writer.is_alive():
+                self.src_meta.close()
 
     def _ring(self) -> None:
         import torch
@@ -233,22 +255,17 @@ class Ring:
     def _read_segment(self, seg: Segment, view: memoryview) -> int:
         rel, size = self.plan.files[seg.file]
         path = self.root + rel
-        from shmstage.stage.beneath import SourceTree  # (imports inside, as in _finish)
-
         try:  # never through a directory swapped for a symlink since the walk (the copier's way)
-            with SourceTree(self.root) as tree:
-                try:
-                    fd = tree.open(rel, _RD)
-                except PermissionError:  # O_NOATIME: owner only
-                    fd = tree.open(rel, _RD & ~getattr(os, "O_NOATIME", 0))
+            try:
+                fd = self.src.open(rel, _RD)
+            except PermissionError:  # O_NOATIME: owner only
+                fd = self.src.open(rel, _RD & ~getattr(os, "O_NOATIME", 0))
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ShmstageError(
-                    f"source file {path} is not the file the scan found: a directory on its path "
-                    "was replaced (by a symlink) since; re-run when the source is stable"
-                ) from None
-            raise ShmstageError(f"cannot read source file {path}: {e.strerror}") from None
+            raise unreadable(path, e) from None
         try:
+            want = self.idents[seg.file]
+            if want and ident(os.fstat(fd)) != want:
+                raise unreadable(path, OSError(errno.EXDEV, "replaced"))
             # No readahead: past a segment's end lies the next owner's share (read twice).
             os.posix_fadvise(fd, 0, 0, _RANDOM)
             out = view[seg.at : seg.at + seg.length]
@@ -327,7 +344,11 @@ class Ring:
         from shmstage.stage import copy as copier
 
         if self.own:
-            copier.copy_owner(t.fd, os.stat(t.src))
+            try:  # the walked file's owner (never a path's: its top may have been swapped)
+                st = self.src_meta.stat(t.rel, t.ident)
+            except OSError as e:
+                raise unreadable(t.src, e) from None
+            copier.copy_owner(t.fd, st)
         os.fchmod(t.fd, t.mode)
         os.utime(t.fd, ns=(t.atime, t.mtime))
         os.close(t.fd)
@@ -338,6 +359,17 @@ class Ring:
             if t.fd >= 0:
                 os.close(t.fd)
                 t.fd = -1
+
+
+def unreadable(path: str, e: OSError) -> ShmstageError:
+    """A source file that cannot be read, or is not the one the walk found."""
+    if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        return ShmstageError(
+            f"source file {path} is not the file the scan found: it or a directory on its path "
+            "was replaced (by a symlink or another file) since; nothing was published: re-run "
+            "when the source is stable, and check who can change it"
+        )
+    return ShmstageError(f"cannot read source file {path}: {e.strerror}")
 
 
 class _Lost(Exception):

@@ -39,15 +39,30 @@ class DirSource(Source):
         # no group bits (the walk clears them)
         self.groups = None if self.own else copier.stager_groups()
         self.tree: Tree | None = None
-        self._below: SourceTree | None = None  # opened for owner(), kept till the end
+        # the top, opened once before the walk and kept till the end: owners, groups and the
+        # cluster's reads come through the very directory the walk listed, never by path again
+        self._below: SourceTree | None = None
 
     def __del__(self) -> None:
         if self._below is not None:
             self._below.close()
 
+    def top(self) -> SourceTree:
+        """The source's top as the walk opens it (once; kept for the whole stage)."""
+        if self._below is None:
+            try:
+                self._below = SourceTree(self.location)
+            except OSError as e:
+                raise ShmstageError(f"cannot read {self.location}: {e.strerror}") from None
+        return self._below
+
     def listing(self) -> Listing:
         tree = walk(
-            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+            self.location,
+            threads=scan_threads(self.location),
+            idents=True,
+            groups=self.groups,
+            top=self.top(),
         )
         self.tree = tree
         return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
@@ -65,10 +80,8 @@ class DirSource(Source):
 
     def _lstat(self, rel: str) -> os.stat_result:
         """The source entry's lstat, never through a directory swapped for a symlink since."""
-        if self._below is None:
-            self._below = SourceTree(self.location)
         try:
-            return self._below.lstat(rel)
+            return self.top().lstat(rel)
         except OSError as e:
             raise _replaced(self.prefix + rel, e) from None
 
@@ -167,7 +180,11 @@ class DirSource(Source):
         src_prefix, part_prefix = self.prefix, part + "/"
         nworkers = workers or copier.default_workers()
         walker = Walker(
-            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+            self.location,
+            threads=scan_threads(self.location),
+            idents=True,
+            groups=self.groups,
+            top=self.top(),
         )
         found = iter(walker)
         idents = walker.idents

@@ -41,6 +41,7 @@ class Tree:
     # each file's st_dev << 64 | st_ino as the walk saw it (copy.ident), where asked for:
     # the copier checks that what it opens is that file
     idents: dict[str, int] | None = None
+    top: int = 0  # the top directory's ident: a reader reopening the source checks it
 
 
 def _kind_name(mode: int) -> str:
@@ -194,15 +195,17 @@ class Walker:
         threads: int = 1,
         idents: bool = False,
         groups: frozenset[int] | None = None,
+        top: SourceTree | None = None,
     ) -> None:
         self.root = root
+        self.top = top  # the caller's open top (it keeps reading through it), else our own
         self.check_links = check_links
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
         self.real_root = os.path.realpath(root)
         self._readlink = _source_link(root, self.real_root)
         try:
-            st = os.lstat(root)
+            st = os.fstat(top.fd) if top is not None else os.lstat(root)
         except OSError as e:
             raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
         # A user's copy can only have one of the user's groups: where the source's group is
@@ -215,6 +218,7 @@ class Walker:
         self._seen: dict[tuple[int, int], str] = {}
         self.idents: dict[str, int] | None = {} if idents else None
         self._done = False
+        self._top = 0
 
     def _mode(self, st: os.stat_result) -> int:
         """The mode the copy gets: the source's, set-id bits off for files, group bits off
@@ -227,16 +231,23 @@ class Walker:
     def tree(self) -> Tree:
         if not self._done:
             raise RuntimeError("Walker.tree() before the walk ended")
-        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files, self.idents)
+        return Tree(
+            self.root, self.entries, self.atimes, self.bytes, self.files, self.idents, self._top
+        )
 
     def __iter__(self) -> Iterator[list[Entry]]:
         yield self.entries[:1]
+        if self.top is not None:
+            self._top = self.top.top
+            yield from self._walk(self.top, self._top)
+            return
         try:
             tree = SourceTree(self.root)
         except OSError as e:
             raise ShmstageError(f"cannot read {self.root}: {e.strerror}") from None
         with tree:
-            yield from self._walk(tree, ident(os.fstat(tree.fd)))
+            self._top = tree.top
+            yield from self._walk(tree, tree.top)
 
     def _walk(self, tree: SourceTree, top: int) -> Iterator[list[Entry]]:
         if self.threads == 1:  # a tmpfs or a warm tree: threads would only add GIL hand-offs
@@ -335,6 +346,7 @@ def walk(
     threads: int = 1,
     idents: bool = False,
     groups: frozenset[int] | None = None,
+    top: SourceTree | None = None,
 ) -> Tree:
     """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
     network file systems, where each lstat is a round trip."""
@@ -345,6 +357,7 @@ def walk(
         threads=threads,
         idents=idents,
         groups=groups,
+        top=top,
     )
     for _ in walker:
         pass
