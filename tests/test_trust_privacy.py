@@ -513,3 +513,28 @@ def test_cluster_top_swapped_mid_exchange_never_reads_the_other_tree(
         if rc == 0:
             assert VICTIM not in owners_under(shm / "data")
             assert (shm / "data" / "secret").read_bytes() == DECOY
+
+
+def test_a_link_flipped_after_another_link_was_checked_is_refused(tmp_path):
+    """Finding 3: t -> z/s/../(x9)/etc/passwd stays inside while z/s -> d1/.../d8; the tree's
+    owner flips z/s to '.' after t was judged and before z/ is listed.  Links are judged on
+    what the walk recorded, once it ended: the flipped tree is refused (the copy would hold
+    z/s -> . and a t leading to the real /etc/passwd)."""
+    from shmstage.errors import RefusedError
+    from shmstage.stage.plan import Walker
+
+    src = tmp_path / "src"
+    deep = src / "z" / "d1" / "d2" / "d3" / "d4" / "d5" / "d6" / "d7" / "d8"
+    deep.mkdir(parents=True)
+    (src / "z" / "s").symlink_to("d1/d2/d3/d4/d5/d6/d7/d8")
+    (src / "z" / ".s-dot").symlink_to(".")
+    (src / "t").symlink_to("z/s/" + "../" * 9 + "etc/passwd")
+    walker = Walker(str(src), threads=1)
+    found = iter(walker)
+    assert next(found)[0][0] == "."
+    top = next(found)  # the top's entries: t among them, z/ not listed yet
+    assert [e[0] for e in top] == ["t", "z"]
+    os.rename(src / "z" / ".s-dot", src / "z" / "s")
+    with pytest.raises(RefusedError, match="climbs out"):
+        for _ in found:
+            pass

@@ -105,25 +105,6 @@ def climbs_out(
     return False
 
 
-def _source_link(root: str, real_root: str) -> Callable[[str], str | None]:
-    """``readlink`` for :func:`climbs_out` over a source directory: its links as the copy will
-    store them (an absolute target inside the tree made relative to the tree's top)."""
-    top = root.rstrip("/") + "/"
-    tops = {top, real_root.rstrip("/") + "/"}
-
-    def readlink(rel: str) -> str | None:
-        try:
-            target = os.readlink(top + rel)
-        except OSError:
-            return None
-        for t in tops:
-            if target.startswith(t):  # in-tree absolute: the copy stores it relative
-                return "/".join([".."] * rel.count("/") + [target[len(t) :]])
-        return target
-
-    return readlink
-
-
 Scanned = list[tuple[str, os.stat_result, str | None]]  # name, lstat, a symlink's target
 
 
@@ -203,7 +184,10 @@ class Walker:
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
         self.real_root = os.path.realpath(root)
-        self._readlink = _source_link(root, self.real_root)
+        # each symlink's target as the copy will store it, as the walk read it: whether one
+        # climbs out is judged on these once the walk ended, never by a live lookup (which
+        # the tree's owner could race: a link flipped after the check, before its listing)
+        self._links: dict[str, str] = {}
         try:
             st = os.fstat(top.fd) if top is not None else os.lstat(root)
         except OSError as e:
@@ -257,6 +241,7 @@ class Walker:
                 new, subdirs = self._add(rel_dir, _scan_dir(tree, rel_dir, expect))
                 pending.extend(reversed(subdirs))
                 yield new
+            self._check_climbs()
             self._done = True
             return
         listings: dict[str, Future[Scanned]] = {}
@@ -282,7 +267,21 @@ class Walker:
                 for fut in list(listings.values()):
                     fut.cancel()
                 pool.shutdown(wait=True, cancel_futures=True)
+        self._check_climbs()
         self._done = True
+
+    def _check_climbs(self) -> None:
+        """Refuse a symlink that climbs out of the tree on the way to its target, following
+        the tree's other links as the walk recorded them (the copy creates exactly these)."""
+        links = self._links
+        for rel, stored in links.items():
+            if climbs_out(rel, stored, links.get):
+                raise RefusedError(
+                    f"source has a symlink that climbs out of it on the way to its "
+                    f"target: {os.path.join(self.root, rel)} -> {stored}; staged, it would lead "
+                    "outside the dataset (to the source or another dataset): make the link a "
+                    "path that stays inside the tree, or replace it with the data"
+                )
 
     def _add(self, rel_dir: str, listing: Scanned) -> tuple[list[Entry], list[tuple[str, int]]]:
         start = len(self.entries)
@@ -320,14 +319,7 @@ class Walker:
                             "shmstage copies only what is inside the tree: stage the target too, "
                             "or replace the link with the data"
                         )
-                    if climbs_out(rel, stored, self._readlink):
-                        raise RefusedError(
-                            f"source has a symlink that climbs out of it on the way to its "
-                            f"target: {path} -> {target}; staged, it would lead outside the "
-                            "dataset (to the source or another dataset): make the link a path "
-                            "that stays inside the tree, or replace it with the data"
-                        )
-                    target = stored
+                    self._links[rel] = target = stored
                 entries.append((rel, "l", 0, st.st_mtime_ns, 0o777, target))
             else:
                 raise RefusedError(
