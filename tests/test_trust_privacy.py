@@ -473,32 +473,8 @@ def test_cluster_top_swapped_mid_exchange_never_reads_the_other_tree(
     pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
     world = open_tmpfs("256M")
     src, vault = top_swap_world(world, big=20 << 20)  # 10 pieces a node: secret comes last
-    sock = __import__("socket").socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    env = {**os.environ, copier.SLOW_ENV: "0.4"}
-    nodes = []
-    for rank in (0, 1):
-        argv = [
-            *shmstage_bin, "stage", str(src), "--name", "data", "--dest", str(world / f"shm{rank}"),
-            "--reserve", "0", "--quiet", "--nodes", "2", "--node-rank", str(rank),
-            "--rendezvous", f"127.0.0.1:{port}", "--inflight", "8M", "--timeout", "60",
-        ]  # fmt: skip
-        nodes.append(
-            procs.start(
-                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True,
-            )  # fmt: skip
-        )
-    partial = world / "shm0" / ".shmstage" / "partial" / "data"
-    deadline = time.monotonic() + 120
-    while not (partial / "a_big").exists() or (partial / "a_big").stat().st_blocks == 0:
-        assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    for n in nodes:
-        os.killpg(n.pid, signal.SIGSTOP)
+    nodes = start_two_nodes(world, src, shmstage_bin, procs)
+    stop_when_exchanging(world, nodes)
     try:
         swap_top(src, vault)
     finally:
@@ -538,3 +514,99 @@ def test_a_link_flipped_after_another_link_was_checked_is_refused(tmp_path):
     with pytest.raises(RefusedError, match="climbs out"):
         for _ in found:
             pass
+
+
+# --- a file turned into a FIFO once the copy started (findings 6 and 4) ---------------
+
+
+def test_a_file_turned_into_a_fifo_mid_copy_fails_clearly_instead_of_hanging(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 6: a/f7 becomes a named pipe once a/ is landing: the worker's open never
+    blocks on it; exit 1 with one line saying it is not a regular file any more."""
+    world = open_tmpfs("64M")
+    src, _vault = top_swap_world(world)
+    dest = world / "dest"
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.3"}
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landing = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+    deadline = time.monotonic() + 60
+    while not landing.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:  # a/ is copied one file every 0.3 s: f7 comes last
+        (src / "a" / "f7").unlink()
+        os.mkfifo(src / "a" / "f7")
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    _out, raw = p.communicate(timeout=60)  # the old copier waited for a writer forever
+    err = raw.decode()
+    assert p.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "a/f7" in lines[0], err
+    assert "not a regular file any more" in lines[0], err
+    assert not (dest / "src").exists()
+
+
+@pytest.mark.timeout(300)
+def test_cluster_file_turned_into_a_fifo_mid_exchange_fails_instead_of_hanging(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 4: mid-exchange secret becomes a named pipe: the reader's open never blocks
+    on it; both nodes exit 1 (the reading node naming the file) and publish nothing."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    world = open_tmpfs("256M")
+    src, _vault = top_swap_world(world, big=20 << 20)
+    nodes = start_two_nodes(world, src, shmstage_bin, procs)
+    stop_when_exchanging(world, nodes)
+    try:
+        (src / "secret").unlink()
+        os.mkfifo(src / "secret")
+    finally:
+        for n in nodes:
+            os.killpg(n.pid, signal.SIGCONT)
+    results = [(n.communicate(timeout=120), n.returncode) for n in nodes]
+    errs = [err.decode() for (_out, err), _rc in results]
+    assert [rc for _, rc in results] == [1, 1], errs
+    assert any("secret is not a regular file any more" in e for e in errs), errs
+    for rank in (0, 1):
+        assert not (world / f"shm{rank}" / "data").exists()
+
+
+def start_two_nodes(world: Path, src: Path, shmstage_bin, procs) -> list[subprocess.Popen]:
+    """Two nodes (root) staging ``src`` as data into world/shm0 and world/shm1, slowly."""
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, copier.SLOW_ENV: "0.4"}
+    nodes = []
+    for rank in (0, 1):
+        argv = [
+            *shmstage_bin, "stage", str(src), "--name", "data", "--dest", str(world / f"shm{rank}"),
+            "--reserve", "0", "--quiet", "--nodes", "2", "--node-rank", str(rank),
+            "--rendezvous", f"127.0.0.1:{port}", "--inflight", "8M", "--timeout", "60",
+        ]  # fmt: skip
+        nodes.append(
+            procs.start(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+        )
+    return nodes
+
+
+def stop_when_exchanging(world: Path, nodes: list[subprocess.Popen]) -> None:
+    """SIGSTOP both nodes once node 0 wrote bytes of a_big (the secret is read last)."""
+    partial = world / "shm0" / ".shmstage" / "partial" / "data"
+    deadline = time.monotonic() + 120
+    while not (partial / "a_big").exists() or (partial / "a_big").stat().st_blocks == 0:
+        assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for n in nodes:
+        os.killpg(n.pid, signal.SIGSTOP)

@@ -43,7 +43,7 @@ from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.copy import SLOW_ENV
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
@@ -256,10 +256,10 @@ class Ring:
         rel, size = self.plan.files[seg.file]
         path = self.root + rel
         try:  # never through a directory swapped for a symlink since the walk (the copier's way)
-            try:
-                fd = self.src.open(rel, _RD)
+            try:  # never blocks: a FIFO put in the file's place is refused, not waited on
+                fd = self.src.open_file(rel, _RD)
             except PermissionError:  # O_NOATIME: owner only
-                fd = self.src.open(rel, _RD & ~getattr(os, "O_NOATIME", 0))
+                fd = self.src.open_file(rel, _RD & ~getattr(os, "O_NOATIME", 0))
         except OSError as e:
             raise unreadable(path, e) from None
         try:
@@ -363,6 +363,11 @@ class Ring:
 
 def unreadable(path: str, e: OSError) -> ShmstageError:
     """A source file that cannot be read, or is not the one the walk found."""
+    if isinstance(e, NotRegular):
+        return ShmstageError(
+            f"source file {path} is not a regular file any more (replaced since the scan, by "
+            "a named pipe or a device?); nothing was published: re-run when the source is stable"
+        )
     if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
         return ShmstageError(
             f"source file {path} is not the file the scan found: it or a directory on its path "

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import os
+import stat
 import sys
 from collections.abc import Callable
 
@@ -54,6 +56,11 @@ def _syscall() -> Callable[..., int]:
         use_errno=True,
     )
     return proto(("syscall", load_libc()))
+
+
+class NotRegular(OSError):
+    """What :meth:`SourceTree.open_file` opened is no regular file (a FIFO, a device, a
+    directory put in the file's place since the walk)."""
 
 
 class SourceTree:
@@ -107,6 +114,20 @@ class SourceTree:
             if fd >= 0:
                 return fd
         return self._open_slow(rel, flags)
+
+    def open_file(self, rel: str, flags: int) -> int:
+        """:meth:`open` for a regular file: O_NONBLOCK, so a FIFO or a device put in the file's
+        place since the walk never blocks the open (nor a reader waiting on it), then
+        NotRegular for anything but a regular file; the fd returned blocks as usual."""
+        fd = self.open(rel, flags | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegular(errno.EINVAL, "not a regular file any more", rel)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _open_slow(self, rel: str, flags: int) -> int:
         """openat2 failed (retry, raise, or learn it is missing) or is missing: per component."""

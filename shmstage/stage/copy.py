@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.estimate import rounded
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel[, ident]); ``ident`` is the file's
@@ -54,7 +54,9 @@ BUF = 1 << 20
 SMALL = 64 << 10  # read whole, write whole; above: sendfile (one copy, no user buffer)
 
 _OK, _ERR, _MISMATCH = 0, 1, 2
-(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL, _K_REPLACED) = range(7)
+(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL, _K_REPLACED, _K_NOTREG) = (
+    range(8)
+)
 _HEAD = struct.Struct("<iiqqii i")
 _PIPE_BUF = 4096
 
@@ -590,6 +592,7 @@ _KINDS = {
     _K_VANISHED: "vanished",
     _K_CHANGED: "changed",
     _K_REPLACED: "replaced",
+    _K_NOTREG: "not regular",
     _K_INTERNAL: "internal",
 }
 
@@ -605,6 +608,11 @@ def _failure(jobs: Sequence[Job], err: int, kind: int, text: str) -> CopyFailed:
             f"source file {text} is not the file the scan found: a directory on its path was "
             "replaced (by a symlink or another directory) since; nothing was published: "
             "re-run when the source is stable, and check who can change it"
+        )
+    elif f.kind == "not regular":
+        msg = (
+            f"source file {text} is not a regular file any more (replaced since the scan, by "
+            "a named pipe or a device?); nothing was published: re-run when the source is stable"
         )
     elif f.kind == "read":
         msg = f"cannot read source file {text}: {f.detail}"
@@ -717,7 +725,9 @@ def _open_src(job: Job, state: _State) -> int:  # pragma: no cover - child
     try:
         if tree is None:
             tree = state.trees[top] = SourceTree(top)
-        return tree.open(rel, _RD | state.noatime)
+        return tree.open_file(rel, _RD | state.noatime)
+    except NotRegular:
+        raise _Fail(_K_NOTREG, 0, path) from None
     except PermissionError:
         if not state.noatime:
             raise _Fail(_K_READ, errno.EACCES, path) from None
@@ -872,7 +882,7 @@ def _same_range(
     try:
         fa = _open_src(job, state)
     except _Fail as f:
-        if f.kind in (_K_VANISHED, _K_CHANGED, _K_REPLACED):
+        if f.kind in (_K_VANISHED, _K_CHANGED, _K_REPLACED, _K_NOTREG):
             return False
         raise
     try:
