@@ -593,7 +593,10 @@ def start_two_nodes(world: Path, src: Path, shmstage_bin, procs) -> list[subproc
         ]  # fmt: skip
         nodes.append(
             procs.start(
-                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 start_new_session=True,
             )  # fmt: skip
         )
@@ -610,3 +613,39 @@ def stop_when_exchanging(world: Path, nodes: list[subprocess.Popen]) -> None:
         time.sleep(0.02)
     for n in nodes:
         os.killpg(n.pid, signal.SIGSTOP)
+
+
+@pytest.mark.timeout(300)
+def test_a_user_in_the_source_group_keeps_it_on_every_node_of_a_cluster_stage(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 2: the cluster path gives copies the group by the single-node rule: a stager
+    in the data's group stages with --nodes 2; every node's copy keeps that group."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    world = open_tmpfs("64M")
+    src = group_world(world)
+    (src / "sub" / "empty").write_bytes(b"")  # written by the exchange's own path for empties
+    own(src, STAGER, PROJECT)
+    (src / "sub" / "empty").chmod(0o640)
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    nodes = []
+    for rank in (0, 1):
+        dest = world / f"shm{rank}"
+        argv = [
+            *as_user(STAGER, PRIMARY, str(PROJECT)), *shmstage_bin, "stage", str(src),
+            "--name", "data", "--dest", str(dest), "--reserve", "0", "--quiet",
+            "--nodes", "2", "--node-rank", str(rank), "--rendezvous", f"127.0.0.1:{port}",
+            "--timeout", "60",
+        ]  # fmt: skip
+        nodes.append(procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, n in enumerate(nodes):
+        _out, err = n.communicate(timeout=200)
+        assert n.returncode == 0, (rank, err)
+    for rank in (0, 1):
+        for rel, mode in (("f", 0o640), ("sub", 0o750), ("sub/g", 0o640), ("sub/empty", 0o640)):
+            st = (world / f"shm{rank}" / "data" / rel).lstat()
+            got = (st.st_uid, st.st_gid, st.st_mode & 0o777)
+            assert got == (STAGER, PROJECT, mode), (rank, rel, got)

@@ -43,6 +43,7 @@ from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
+from shmstage.stage import copy as copier
 from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.copy import SLOW_ENV
 
@@ -97,6 +98,8 @@ class Ring:
         except OSError as e:
             raise unreadable(tree.root, e) from None
         self.timeout, self.own = timeout, own
+        # a user's copies keep the source's group where it is one of the user's (copy.py)
+        self.groups = None if own else copier.stager_groups()
         self.group: Any = None
         self.targets: dict[int, Target] = {}
         self.tick: Callable[[int, int], None] = lambda b, f: None
@@ -341,14 +344,7 @@ class Ring:
 
     def _finish(self, t: Target) -> None:
         """Owner, mode, then mtime last: a resumed run keeps only files whose mtime matches."""
-        from shmstage.stage import copy as copier
-
-        if self.own:
-            try:  # the walked file's owner (never a path's: its top may have been swapped)
-                st = self.src_meta.stat(t.rel, t.ident)
-            except OSError as e:
-                raise unreadable(t.src, e) from None
-            copier.copy_owner(t.fd, st)
+        give_owner(t, t.fd, self.src_meta, self.own, self.groups)
         os.fchmod(t.fd, t.mode)
         os.utime(t.fd, ns=(t.atime, t.mtime))
         os.close(t.fd)
@@ -359,6 +355,24 @@ class Ring:
             if t.fd >= 0:
                 os.close(t.fd)
                 t.fd = -1
+
+
+def give_owner(
+    t: Target, fd: int, top: SourceTree, own: bool, groups: frozenset[int] | None
+) -> None:
+    """``t``'s copy (``fd``) gets its owner and group by the copier's rule, from the walked
+    file's own stat below ``top`` (never a path's: the top may have been swapped since)."""
+    if not own and groups is None:
+        return
+    try:
+        st = top.stat(t.rel, t.ident)
+    except OSError as e:
+        raise unreadable(t.src, e) from None
+    if not copier.give_owner(fd, st, t.mode, own, groups):
+        raise ShmstageError(
+            f"source file changed during the copy: {t.src} (its group is not the one the scan "
+            "found); re-run when the source is stable"
+        )
 
 
 def unreadable(path: str, e: OSError) -> ShmstageError:

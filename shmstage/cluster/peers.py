@@ -21,6 +21,7 @@ from shmstage.cluster.exchange import (
     Ring,
     Target,
     _Lost,
+    give_owner,
     unreadable,
     verify_written,
     wait_work,
@@ -29,6 +30,7 @@ from shmstage.cluster.kv import Mismatch
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.stage import copy as copier
 from shmstage.stage.beneath import SourceTree
 
 DEFAULT_TIMEOUT = (
@@ -138,11 +140,12 @@ class Peers:
                 who = job[7] if len(job) > 7 else 0
                 targets[j] = Target(dst, src, size, mtime, atime, mode, size, rel=job[6], ident=who)
         own = _root()
+        groups = None if own else copier.stager_groups()
         empty = [job for job in jobs if job[2] == 0]
         if empty:
             with _top(self.tree) as top:  # the walked top, never the path again
                 for job in empty:
-                    _empty_file(job, own, top)
+                    _empty_file(job, own, groups, top)
                     tick(0, 1)
         if plan.total == 0:
             return
@@ -241,18 +244,18 @@ def _top(tree: Any) -> SourceTree:
         raise unreadable(tree.root, e) from None
 
 
-def _empty_file(job: Any, own: bool, top: SourceTree) -> None:
-    from shmstage.stage import copy as copier
-
-    src, dst, _, mtime, atime, mode = job[:6]
+def _empty_file(job: Any, own: bool, groups: frozenset[int] | None, top: SourceTree) -> None:
+    src, dst, size, mtime, atime, mode = job[:6]
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        if own:
-            try:
-                st = top.stat(job[6], job[7] if len(job) > 7 else 0)
-            except OSError as e:
-                raise unreadable(src, e) from None
-            copier.copy_owner(fd, st)
+        who = job[7] if len(job) > 7 else 0
+        give_owner(
+            Target(dst, src, size, mtime, atime, mode, 0, rel=job[6], ident=who),
+            fd,
+            top,
+            own,
+            groups,
+        )
         os.fchmod(fd, mode)
         os.utime(fd, ns=(atime, mtime))
     finally:

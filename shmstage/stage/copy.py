@@ -109,6 +109,25 @@ def copy_group(path: str | int, gid: int) -> None:
         os.chown(path, -1, gid, follow_symlinks=False)
 
 
+def give_owner(
+    fd: int | str, st: os.stat_result, mode: int, own: bool, groups: frozenset[int] | None
+) -> bool:
+    """The one rule for a copied file's owner and group (every path: the copier, the
+    cluster exchange; ``fd`` or a path): root (``own``) gives it its source's owner and group (``st``); a
+    user's copy gets the source's group where it is one of ``groups`` (else it keeps the
+    stager's, and the walk cleared the group bits of ``mode``).  False: the source's group
+    is not one of ours any more though the walk saw one (``mode`` grants the group more
+    than others): the source changed since the walk."""
+    if own:
+        copy_owner(fd, st)
+    elif groups is not None and st.st_gid != os.getegid():
+        if st.st_gid in groups:
+            copy_group(fd, st.st_gid)
+        elif mode & 0o070 & ~((mode & 0o7) << 3):
+            return False
+    return True
+
+
 def default_workers() -> int:
     """Copying waits on storage more than on CPUs: more workers than CPUs keep more reads
     in flight (cold disk, NFS); measured on a 2-core VM, 8-16 beat 4 on a cold tree."""
@@ -684,7 +703,6 @@ class _State:
     def __init__(self) -> None:
         self.noatime = _NOATIME
         self.trees: dict[str, SourceTree] = {}  # per source root: opened once per worker
-        self.egid = os.getegid()  # what our new files get (partial/ is never setgid)
         self.chown = keeps_owner()
         self.groups = None if self.chown else stager_groups()
         self.sendfile = True
@@ -813,17 +831,9 @@ def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
                 raise _Fail(_K_REPLACED, 0, src)
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(_K_CHANGED, 0, src)
-            regroup = -1  # a user's copy: the source's group where it is one of ours
-            if state.groups is not None and st.st_gid != state.egid:
-                if st.st_gid in state.groups:
-                    regroup = st.st_gid
-                elif mode & 0o070 & ~((mode & 0o7) << 3):  # the walk saw one of ours: chgrp-ed
-                    raise _Fail(_K_CHANGED, 0, src)
             try:
-                if state.chown:
-                    copy_owner(fo, st)
-                elif regroup >= 0:
-                    copy_group(fo, regroup)
+                if not give_owner(fo, st, mode, state.chown, state.groups):
+                    raise _Fail(_K_CHANGED, 0, src)  # the walk saw one of our groups: chgrp-ed
                 os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
             except OSError as e:
                 raise _Fail(_K_WRITE, e.errno or 0, dst) from None

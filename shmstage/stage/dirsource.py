@@ -135,16 +135,11 @@ class DirSource(Source):
             st = self._lstat(job[6])
             if len(job) > 7 and job[7] and ident(st) != job[7]:
                 raise _replaced(job[0], None)
-            if self.own:
-                copier.copy_owner(job[1], st)
-            elif self.groups is not None:
-                if st.st_gid in self.groups:
-                    copier.copy_group(job[1], st.st_gid)
-                elif job[5] & 0o070 & ~((job[5] & 0o7) << 3):  # the walk saw one of ours
-                    raise ShmstageError(
-                        f"source file changed during the copy: {job[0]} (its group is not the "
-                        "one the scan found); re-run when the source is stable"
-                    )
+            if not copier.give_owner(job[1], st, job[5], self.own, self.groups):
+                raise ShmstageError(
+                    f"source file changed during the copy: {job[0]} (its group is not the "
+                    "one the scan found); re-run when the source is stable"
+                )
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
