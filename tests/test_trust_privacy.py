@@ -649,3 +649,29 @@ def test_a_user_in_the_source_group_keeps_it_on_every_node_of_a_cluster_stage(
             st = (world / f"shm{rank}" / "data" / rel).lstat()
             got = (st.st_uid, st.st_gid, st.st_mode & 0o777)
             assert got == (STAGER, PROJECT, mode), (rank, rel, got)
+
+
+def test_verify_checksum_refuses_a_swapped_top_instead_of_reading_through_it(
+    open_tmpfs, shmstage_bin
+):
+    """Finding 7: after the stage, mallory swaps her top for a symlink to the victim's vault
+    (whose secret equals her guess): verify --checksum refuses (exit 1, one line), never
+    answers OK or 'bytes differ' about the vault's files."""
+    world = open_tmpfs("64M")
+    src, vault = top_swap_world(world)
+    (vault / "secret").write_bytes(DECOY)  # the right guess: an oracle would answer OK
+    st = (src / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    dest = world / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    swap_top(src, vault)
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "src", "--dest", str(dest), "--checksum"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 1, check.stdout + check.stderr
+    lines = check.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not the directory that was staged" in lines[0], check.stderr

@@ -26,6 +26,20 @@ def ident(st: os.stat_result) -> int:
     return st.st_dev << 64 | st.st_ino
 
 
+# The manifest key of a directory source's top as the walk opened it ([st_dev, st_ino]):
+# verify --checksum reads the source through that directory only.
+SOURCE_TOP = "source_top"
+
+
+def split_ident(who: int) -> list[int]:
+    """An :func:`ident` as JSON keeps it: [st_dev, st_ino]."""
+    return [who >> 64, who & ((1 << 64) - 1)]
+
+
+def join_ident(pair: list[int]) -> int:
+    return int(pair[0]) << 64 | int(pair[1])
+
+
 # openat2(2), Linux 5.6+, the same number on every architecture.  O_NOFOLLOW covers the
 # last component only: a directory of the source that its owner swaps for a symlink after
 # the walk would lead a root stager's open of "d/secret" into a directory she cannot read.

@@ -54,9 +54,8 @@ BUF = 1 << 20
 SMALL = 64 << 10  # read whole, write whole; above: sendfile (one copy, no user buffer)
 
 _OK, _ERR, _MISMATCH = 0, 1, 2
-(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL, _K_REPLACED, _K_NOTREG) = (
-    range(8)
-)
+(_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL, _K_REPLACED) = range(7)
+_K_NOTREG = 7  # a FIFO or a device in a walked file's place
 _HEAD = struct.Struct("<iiqqii i")
 _PIPE_BUF = 4096
 
@@ -213,11 +212,14 @@ def _deal(groups: list[list[Task]]) -> list[Task]:
     return [g[k] for k in range(rounds) for g in groups if k < len(g)]
 
 
-def compare(jobs: Sequence[Job], workers: int) -> list[str]:
+Tops = dict[str, SourceTree]  # a source's top (the jobs' ``src[:-len(rel)]``), opened once
+
+
+def compare(jobs: Sequence[Job], workers: int, tops: Tops | None = None) -> list[str]:
     """The paths (``job[6]``) whose bytes differ between source and copy, sorted, each once
     (a chunked file is compared by several workers)."""
     tasks, _ = make_tasks(jobs, COMPARE)
-    return sorted(set(run(jobs, tasks, workers)))
+    return sorted(set(run(jobs, tasks, workers, tops=tops)))
 
 
 def run(
@@ -226,8 +228,12 @@ def run(
     workers: int,
     progress: Callable[[int, int], None] | None = None,
     while_running: Callable[[], None] | None = None,
+    tops: Tops | None = None,
 ) -> list[str]:
     """Run ``tasks`` in ``workers`` processes; returns differing paths (compare tasks).
+
+    ``tops``: the sources' tops the caller opened (and checked) once: the workers read
+    below these very directories (inherited fds), never reopening a top by its path.
 
     ``progress(bytes, files)`` is called with increments; ``while_running()`` once,
     right after the workers start.  Raises CopyFailed on the first failure, after
@@ -247,7 +253,7 @@ def run(
             idx = struct.unpack("<i", _read_exact(task_r, 4))[0]
             return None if idx < 0 else (idx, jobs, tasks[idx])
 
-        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow)
+        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow, tops)
         os.close(task_r)
         os.close(res_w)
         task_r = res_w = -1
@@ -311,8 +317,10 @@ class Stream:
         workers: int,
         progress: Callable[[int, int], None] | None = None,
         page: int = 4096,
+        tops: Tops | None = None,
     ) -> None:
         self.src_prefix, self.dst_prefix = src_prefix, dst_prefix
+        self.tops = tops
         self.page = page
         self.landed = 0  # what the finished tasks take on the destination (whole pages)
         self.handed = 0  # what all tasks added take there
@@ -347,7 +355,14 @@ class Stream:
 
             slow = float(os.environ.get(SLOW_ENV) or 0)
             _fork_workers(
-                self.workers, self.pids, self.alive, (task_w, res_r), next_task, res_w, slow
+                self.workers,
+                self.pids,
+                self.alive,
+                (task_w, res_r),
+                next_task,
+                res_w,
+                slow,
+                self.tops,
             )
             for fd in (task_r, res_w):
                 self.fds.remove(fd)
@@ -473,6 +488,7 @@ def _fork_workers(
     next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
     res_w: int,
     slow: float,
+    tops: Tops | None = None,
 ) -> None:
     """Fork ``workers`` processes running :func:`_worker` (pids added as they start)."""
     # Signals wait until the workers exist: a handler that raises inside fork()'s
@@ -490,7 +506,7 @@ def _fork_workers(
                     try:
                         for fd in parent_fds:
                             os.close(fd)
-                        code = _worker(next_task, res_w, slow, blocked)
+                        code = _worker(next_task, res_w, slow, blocked, tops)
                     finally:
                         os._exit(code)
                 pids.append(pid)
@@ -657,6 +673,7 @@ def _worker(
     res_w: int,
     slow: float,
     mask: set[signal.Signals],
+    tops: Tops | None = None,
 ) -> int:  # pragma: no cover - child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -674,6 +691,7 @@ def _worker(
         return 1
     os.umask(0)  # modes are given exactly at create time
     state = _State()
+    state.trees.update(tops or {})
     while True:
         got = next_task()
         if got is None:

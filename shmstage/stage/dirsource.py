@@ -15,7 +15,7 @@ from typing import Any
 
 from shmstage.errors import CapacityError, ShmstageError
 from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, split_ident
 from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
@@ -65,7 +65,15 @@ class DirSource(Source):
             top=self.top(),
         )
         self.tree = tree
-        return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
+        return Listing(
+            tree.root,
+            tree.entries,
+            None,
+            tree.bytes,
+            tree.files,
+            tree.atimes,
+            {SOURCE_TOP: split_ident(tree.top)},  # verify reads through this top only
+        )
 
     def owner(self, rel: str) -> os.stat_result | None:
         if not self.own:
@@ -124,7 +132,7 @@ class DirSource(Source):
             self.peers.fill(jobs, tick, checksum)  # instead of reading all of SRC here
             checksum = False  # checked against the owners' sums
         else:
-            copier.run(jobs, tasks, nworkers, tick, meanwhile)
+            copier.run(jobs, tasks, nworkers, tick, meanwhile, tops={src: self.top()})
         self.settle(jobs, [jobs[i] for i in chunked], checksum, nworkers)
 
     def settle(
@@ -143,7 +151,7 @@ class DirSource(Source):
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
-            bad = copier.compare(jobs, nworkers)
+            bad = copier.compare(jobs, nworkers, tops={self.prefix: self.top()})
             if bad:
                 raise ShmstageError(
                     f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source "
@@ -220,7 +228,12 @@ class DirSource(Source):
         old_umask = os.umask(0)
         try:
             with copier.Stream(
-                src_prefix, part_prefix, nworkers, claim.counting(counter), page
+                src_prefix,
+                part_prefix,
+                nworkers,
+                claim.counting(counter),
+                page,
+                tops={src_prefix: self.top()},
             ) as stream:
                 for new in found:
                     atimes = walker.atimes[len(walker.entries) - len(new) :]
@@ -257,7 +270,9 @@ class DirSource(Source):
                 tree = walker.tree()
                 self.tree = tree
                 entries = [list(e) for e in tree.entries]
-                prepare_manifest(store, name, self.location, entries)
+                prepare_manifest(
+                    store, name, self.location, entries, **{SOURCE_TOP: split_ident(tree.top)}
+                )
                 stream.finish()
         except CapacityError as e:  # the workers are gone: nothing writes into part/ any more
             _refuse_whole(store, walker, found, part, page, reserve, claim, e)
