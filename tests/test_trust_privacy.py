@@ -675,3 +675,47 @@ def test_verify_checksum_refuses_a_swapped_top_instead_of_reading_through_it(
     assert check.returncode == 1, check.stdout + check.stderr
     lines = check.stderr.strip().splitlines()
     assert len(lines) == 1 and "not the directory that was staged" in lines[0], check.stderr
+
+
+def set_acl(path: Path, user: int, group: int, other: int, mask: int, named: dict[int, int]):
+    """An access ACL as the kernel stores it (system.posix_acl_access, version 2)."""
+    import struct
+
+    ents = [(0x01, user, 0xFFFFFFFF), (0x04, group, 0xFFFFFFFF), (0x10, mask, 0xFFFFFFFF)]
+    ents += [(0x20, other, 0xFFFFFFFF)] + [(0x02, perm, uid) for uid, perm in named.items()]
+    raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in sorted(ents))
+    try:
+        os.setxattr(path, "system.posix_acl_access", raw)
+    except OSError as e:
+        pytest.skip(f"no POSIX ACLs here: {e.strerror}")
+
+
+def test_an_acl_that_denies_the_owning_group_is_not_widened_by_the_copy(open_tmpfs, shmstage_bin):
+    """Finding 5: alice's file with group::--- and user:bob:r-- shows as 0640 (the mode's group
+    bits are the ACL's mask).  The copy has no ACL: its group bits are what the owning group
+    may (none), so carol, in alice's group and denied the source, is denied the copy too."""
+    alice, bob, carol = MALLORY, VICTIM, COLLEAGUE
+    world = open_tmpfs("64M")
+    src = world / "asrc"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"alice private, bob may read\n")
+    own(src, alice)
+    (src / "d" / "f").chmod(0o640)
+    (src / "d").chmod(0o750)
+    set_acl(src / "d" / "f", 6, 0, 0, 4, {bob: 4})
+    set_acl(src / "d", 7, 0, 0, 5, {bob: 5})
+    assert (src / "d" / "f").stat().st_mode & 0o777 == 0o640
+    as_carol = as_user(carol, carol, str(alice))
+    assert subprocess.run([*as_carol, "cat", str(src / "d" / "f")]).returncode != 0
+    dest = world / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (dest / "asrc" / "d" / "f").stat().st_mode & 0o777 == 0o600
+    assert (dest / "asrc" / "d").stat().st_mode & 0o777 == 0o700
+    assert subprocess.run([*as_carol, "cat", str(dest / "asrc" / "d" / "f")]).returncode != 0
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "asrc", "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -105,7 +106,31 @@ def climbs_out(
     return False
 
 
-Scanned = list[tuple[str, os.stat_result, str | None]]  # name, lstat, a symlink's target
+# name, lstat, a symlink's target (else the group bits its access ACL allows: acl_group)
+Scanned = list[tuple[str, os.stat_result, str | int | None]]
+
+_ACL = "system.posix_acl_access"
+_ACL_GROUP_OBJ = 0x04  # linux/posix_acl_xattr.h: the owning group's entry (group::)
+_ACL_ENTRY = struct.Struct("<HHI")  # tag, perm, id; after a 4-byte version header
+
+
+def acl_group(path: str, mode: int) -> int:
+    """The group bits (``0o070`` form) a copy of ``path`` may keep.  With an access ACL the
+    mode's group bits are the ACL's mask, not what the owning group may: ``group::---`` with
+    ``user:bob:r--`` shows as 0640.  The copy has no ACL, so its group bits are the mask AND
+    the owning group's entry: a member of the group reads the copy only if she could read the
+    source (named users and groups lose their access: a restriction, never a widening)."""
+    if not mode & 0o070:
+        return 0o070  # nothing to narrow (most files: one syscall saved)
+    try:
+        raw = os.getxattr(path, _ACL, follow_symlinks=False)
+    except OSError:  # no ACL (ENODATA), none supported, or gone (the stat tells)
+        return 0o070
+    for off in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
+        tag, perm, _ = _ACL_ENTRY.unpack_from(raw, off)
+        if tag == _ACL_GROUP_OBJ:
+            return (perm & 0o7) << 3
+    return 0  # an ACL without its owning group's entry: malformed, grant the group nothing
 
 
 def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
@@ -137,7 +162,11 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
             path = os.path.join(abs_dir, item.name)
             try:
                 st = item.stat(follow_symlinks=False)  # fstatat(fd, name): no path walk
-                target = os.readlink(item.name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+                target: str | int | None
+                if stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(item.name, dir_fd=fd)
+                else:  # (by path: at worst the narrowing of another file, never a widening)
+                    target = acl_group(path, st.st_mode)
             except FileNotFoundError:
                 raise ShmstageError(
                     f"source file vanished while scanning: {path}; re-run when the source is stable"
@@ -196,7 +225,8 @@ class Walker:
         # another, the copy's group gets only what others get (a 0640 file becomes 0600, a
         # 0755 one stays 0755): else the user's primary group could read what it could not.
         self.groups = groups
-        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, self._mode(st), None)]
+        top_mode = self._mode(st) & (~0o070 | acl_group(root, st.st_mode))
+        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, top_mode, None)]
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0
         self._seen: dict[tuple[int, int], str] = {}
@@ -291,7 +321,7 @@ class Walker:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
             if stat.S_ISREG(mode):
-                fmode = mode & FILE_MODE_MASK
+                fmode = mode & FILE_MODE_MASK & (~0o070 | link if type(link) is int else -1)
                 if groups is not None and st.st_gid not in groups:  # inline: 1M calls
                     fmode &= ~stat.S_IRWXG | (fmode & 0o7) << 3
                 self.files += 1
@@ -306,11 +336,12 @@ class Walker:
                         self.idents[rel] = st.st_dev << 64 | st.st_ino
                     entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, None))
             elif stat.S_ISDIR(mode):
-                entries.append((rel, "d", 0, st.st_mtime_ns, self._mode(st), None))
+                dmode = self._mode(st) & (~0o070 | link if type(link) is int else -1)
+                entries.append((rel, "d", 0, st.st_mtime_ns, dmode, None))
                 subdirs.append((rel, ident(st)))
             elif stat.S_ISLNK(mode):
                 path = os.path.join(self.root, rel)
-                target = link or ""
+                target = link if isinstance(link, str) else ""
                 if self.check_links:
                     stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
