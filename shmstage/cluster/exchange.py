@@ -36,7 +36,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -226,7 +226,7 @@ class Ring:
 
     def _reader(self) -> None:
         try:
-            with ThreadPoolExecutor(READERS, thread_name_prefix="shmstage-ring-pread") as pool:
+            with _Preads(READERS) as pool:
                 for k in range(self.plan.pieces):
                     buf = None
                     while buf is None and not self.stop.is_set():
@@ -246,7 +246,7 @@ class Ring:
         except BaseException as e:  # handed to the main thread as a value
             self.errors.append(e)
 
-    def _read_piece(self, k: int, buf: Any, pool: ThreadPoolExecutor) -> None:
+    def _read_piece(self, k: int, buf: Any, pool: _Preads) -> None:
         segs = self.plan.segments(self.rank, k)
         view = memoryview(buf)
         a, b = self.plan.piece_range(self.rank, k)
@@ -389,6 +389,43 @@ def unreadable(path: str, e: OSError) -> ShmstageError:
             "when the source is stable, and check who can change it"
         )
     return ShmstageError(f"cannot read source file {path}: {e.strerror}")
+
+
+class _Preads:
+    """The reader's helper threads: daemons, unlike a ThreadPoolExecutor's, which the
+    interpreter joins without a timeout on its way out, so a read that never returns (a
+    hung NFS server) would keep a node interrupted by SIGTERM alive."""
+
+    def __init__(self, n: int) -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.n = n
+        for _ in range(n):
+            threading.Thread(target=self._work, name="shmstage-ring-pread", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            fut, fn, arg = item
+            try:
+                fut.set_result(fn(arg))
+            except BaseException as e:  # handed to the caller as a value
+                fut.set_exception(e)
+
+    def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        futs: list[Future[Any]] = []
+        for arg in items:
+            futs.append(Future())
+            self.jobs.put((futs[-1], fn, arg))
+        return [f.result() for f in futs]
+
+    def __enter__(self) -> _Preads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _ in range(self.n):  # each ends after what it has queued: nobody waits for it
+            self.jobs.put(None)
 
 
 class _Lost(Exception):
