@@ -394,3 +394,328 @@ def test_an_archive_link_that_climbs_out_through_another_link_is_refused(
     assert done.returncode == 2, done.stdout + done.stderr
     assert "'x'" in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not (dest / "M").exists()
+
+
+# --- the source's top swapped (hostile review findings 1 and 8) ------------------------
+
+
+def top_swap_world(world: Path, big: int = 0) -> tuple[Path, Path]:
+    """src/ (mallory's: a/ with 8 files, a_big of ``big`` bytes, secret: her decoy) and vault/
+    (the victim's, 0700) laid out alike: the same names, sizes and mtimes, the vault's secret
+    his."""
+    src, vault = world / "home" / "src", world / "vault"
+    for top in (src, vault):
+        (top / "a").mkdir(parents=True)
+    for i in range(8):
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+    if big:
+        (src / "a_big").write_bytes(os.urandom(big))
+    (src / "secret").write_bytes(DECOY)
+    subprocess.run(["cp", "-a", f"{src}/.", f"{vault}/"], check=True)
+    (vault / "secret").write_bytes(SECRET)
+    st = (src / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    own(src.parent, MALLORY)
+    own(vault, VICTIM)
+    vault.chmod(0o700)
+    (vault / "secret").chmod(0o600)
+    return src, vault
+
+
+def swap_top(src: Path, vault: Path) -> None:
+    """Mallory renames her source away and puts a symlink to the vault in its place."""
+    swap = f"mv {src} {src}.old && ln -s {vault} {src}"
+    subprocess.run([*as_user(MALLORY), "sh", "-c", swap], check=True)
+
+
+def owners_under(top: Path) -> set[int]:
+    return {os.lstat(p).st_uid for p in [top, *top.rglob("*")]}
+
+
+def test_top_swapped_mid_copy_lends_no_owner_of_the_other_tree(open_tmpfs, shmstage_bin, procs):
+    """Finding 8: the top itself becomes a symlink to the vault once the copy is under way:
+    the directories' owners still come from the tree the walk listed (not the victim's)."""
+    world = open_tmpfs("64M")
+    src, vault = top_swap_world(world)
+    dest = world / "dest"
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.5"}
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landing = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+    deadline = time.monotonic() + 60
+    while not landing.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        swap_top(src, vault)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    _out, raw = p.communicate(timeout=120)
+    err = raw.decode()
+    assert p.returncode in (0, 1), err
+    assert "Traceback" not in err, err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    if p.returncode == 0:
+        assert VICTIM not in owners_under(dest / "src"), err
+        assert (dest / "src" / "secret").read_bytes() == DECOY
+
+
+@pytest.mark.timeout(300)
+def test_cluster_top_swapped_mid_exchange_never_reads_the_other_tree(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 1: two nodes (root) stage mallory's src; mid-exchange she swaps the top for a
+    symlink to the victim's vault.  Every read and owner comes through the top the walk
+    listed: no node publishes the vault's bytes or owners."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    world = open_tmpfs("256M")
+    src, vault = top_swap_world(world, big=20 << 20)  # 10 pieces a node: secret comes last
+    nodes = start_two_nodes(world, src, shmstage_bin, procs)
+    stop_when_exchanging(world, nodes)
+    try:
+        swap_top(src, vault)
+    finally:
+        for n in nodes:
+            os.killpg(n.pid, signal.SIGCONT)
+    results = [(n.communicate(timeout=200), n.returncode) for n in nodes]
+    for rank, ((_out, err), rc) in enumerate(results):
+        assert rc in (0, 1), (rank, err)
+        assert b"Traceback" not in err, err
+        shm = world / f"shm{rank}"
+        assert b"TOP-SECRET" not in everything_under(shm), (rank, rc, err)
+        if rc == 0:
+            assert VICTIM not in owners_under(shm / "data")
+            assert (shm / "data" / "secret").read_bytes() == DECOY
+
+
+def test_a_link_flipped_after_another_link_was_checked_is_refused(tmp_path):
+    """Finding 3: t -> z/s/../(x9)/etc/passwd stays inside while z/s -> d1/.../d8; the tree's
+    owner flips z/s to '.' after t was judged and before z/ is listed.  Links are judged on
+    what the walk recorded, once it ended: the flipped tree is refused (the copy would hold
+    z/s -> . and a t leading to the real /etc/passwd)."""
+    from shmstage.errors import RefusedError
+    from shmstage.stage.plan import Walker
+
+    src = tmp_path / "src"
+    deep = src / "z" / "d1" / "d2" / "d3" / "d4" / "d5" / "d6" / "d7" / "d8"
+    deep.mkdir(parents=True)
+    (src / "z" / "s").symlink_to("d1/d2/d3/d4/d5/d6/d7/d8")
+    (src / "z" / ".s-dot").symlink_to(".")
+    (src / "t").symlink_to("z/s/" + "../" * 9 + "etc/passwd")
+    walker = Walker(str(src), threads=1)
+    found = iter(walker)
+    assert next(found)[0][0] == "."
+    top = next(found)  # the top's entries: t among them, z/ not listed yet
+    assert [e[0] for e in top] == ["t", "z"]
+    os.rename(src / "z" / ".s-dot", src / "z" / "s")
+    with pytest.raises(RefusedError, match="climbs out"):
+        for _ in found:
+            pass
+
+
+# --- a file turned into a FIFO once the copy started (findings 6 and 4) ---------------
+
+
+def test_a_file_turned_into_a_fifo_mid_copy_fails_clearly_instead_of_hanging(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 6: a/f7 becomes a named pipe once a/ is landing: the worker's open never
+    blocks on it; exit 1 with one line saying it is not a regular file any more."""
+    world = open_tmpfs("64M")
+    src, _vault = top_swap_world(world)
+    dest = world / "dest"
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.3"}
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landing = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+    deadline = time.monotonic() + 60
+    while not landing.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:  # a/ is copied one file every 0.3 s: f7 comes last
+        (src / "a" / "f7").unlink()
+        os.mkfifo(src / "a" / "f7")
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    _out, raw = p.communicate(timeout=60)  # the old copier waited for a writer forever
+    err = raw.decode()
+    assert p.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "a/f7" in lines[0], err
+    assert "not a regular file any more" in lines[0], err
+    assert not (dest / "src").exists()
+
+
+@pytest.mark.timeout(300)
+def test_cluster_file_turned_into_a_fifo_mid_exchange_fails_instead_of_hanging(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 4: mid-exchange secret becomes a named pipe: the reader's open never blocks
+    on it; both nodes exit 1 (the reading node naming the file) and publish nothing."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    world = open_tmpfs("256M")
+    src, _vault = top_swap_world(world, big=20 << 20)
+    nodes = start_two_nodes(world, src, shmstage_bin, procs)
+    stop_when_exchanging(world, nodes)
+    try:
+        (src / "secret").unlink()
+        os.mkfifo(src / "secret")
+    finally:
+        for n in nodes:
+            os.killpg(n.pid, signal.SIGCONT)
+    results = [(n.communicate(timeout=120), n.returncode) for n in nodes]
+    errs = [err.decode() for (_out, err), _rc in results]
+    assert [rc for _, rc in results] == [1, 1], errs
+    assert any("secret is not a regular file any more" in e for e in errs), errs
+    for rank in (0, 1):
+        assert not (world / f"shm{rank}" / "data").exists()
+
+
+def start_two_nodes(world: Path, src: Path, shmstage_bin, procs) -> list[subprocess.Popen]:
+    """Two nodes (root) staging ``src`` as data into world/shm0 and world/shm1, slowly."""
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, copier.SLOW_ENV: "0.4"}
+    nodes = []
+    for rank in (0, 1):
+        argv = [
+            *shmstage_bin, "stage", str(src), "--name", "data", "--dest", str(world / f"shm{rank}"),
+            "--reserve", "0", "--quiet", "--nodes", "2", "--node-rank", str(rank),
+            "--rendezvous", f"127.0.0.1:{port}", "--inflight", "8M", "--timeout", "60",
+        ]  # fmt: skip
+        nodes.append(
+            procs.start(
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+        )
+    return nodes
+
+
+def stop_when_exchanging(world: Path, nodes: list[subprocess.Popen]) -> None:
+    """SIGSTOP both nodes once node 0 wrote bytes of a_big (the secret is read last)."""
+    partial = world / "shm0" / ".shmstage" / "partial" / "data"
+    deadline = time.monotonic() + 120
+    while not (partial / "a_big").exists() or (partial / "a_big").stat().st_blocks == 0:
+        assert all(n.poll() is None for n in nodes), [n.communicate() for n in nodes]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for n in nodes:
+        os.killpg(n.pid, signal.SIGSTOP)
+
+
+@pytest.mark.timeout(300)
+def test_a_user_in_the_source_group_keeps_it_on_every_node_of_a_cluster_stage(
+    open_tmpfs, shmstage_bin, procs
+):
+    """Finding 2: the cluster path gives copies the group by the single-node rule: a stager
+    in the data's group stages with --nodes 2; every node's copy keeps that group."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    world = open_tmpfs("64M")
+    src = group_world(world)
+    (src / "sub" / "empty").write_bytes(b"")  # written by the exchange's own path for empties
+    own(src, STAGER, PROJECT)
+    (src / "sub" / "empty").chmod(0o640)
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    nodes = []
+    for rank in (0, 1):
+        dest = world / f"shm{rank}"
+        argv = [
+            *as_user(STAGER, PRIMARY, str(PROJECT)), *shmstage_bin, "stage", str(src),
+            "--name", "data", "--dest", str(dest), "--reserve", "0", "--quiet",
+            "--nodes", "2", "--node-rank", str(rank), "--rendezvous", f"127.0.0.1:{port}",
+            "--timeout", "60",
+        ]  # fmt: skip
+        nodes.append(procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, n in enumerate(nodes):
+        _out, err = n.communicate(timeout=200)
+        assert n.returncode == 0, (rank, err)
+    for rank in (0, 1):
+        for rel, mode in (("f", 0o640), ("sub", 0o750), ("sub/g", 0o640), ("sub/empty", 0o640)):
+            st = (world / f"shm{rank}" / "data" / rel).lstat()
+            got = (st.st_uid, st.st_gid, st.st_mode & 0o777)
+            assert got == (STAGER, PROJECT, mode), (rank, rel, got)
+
+
+def test_verify_checksum_refuses_a_swapped_top_instead_of_reading_through_it(
+    open_tmpfs, shmstage_bin
+):
+    """Finding 7: after the stage, mallory swaps her top for a symlink to the victim's vault
+    (whose secret equals her guess): verify --checksum refuses (exit 1, one line), never
+    answers OK or 'bytes differ' about the vault's files."""
+    world = open_tmpfs("64M")
+    src, vault = top_swap_world(world)
+    (vault / "secret").write_bytes(DECOY)  # the right guess: an oracle would answer OK
+    st = (src / "secret").stat()
+    os.utime(vault / "secret", ns=(st.st_atime_ns, st.st_mtime_ns))
+    dest = world / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    swap_top(src, vault)
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "src", "--dest", str(dest), "--checksum"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 1, check.stdout + check.stderr
+    lines = check.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not the directory that was staged" in lines[0], check.stderr
+
+
+def set_acl(path: Path, user: int, group: int, other: int, mask: int, named: dict[int, int]):
+    """An access ACL as the kernel stores it (system.posix_acl_access, version 2)."""
+    import struct
+
+    ents = [(0x01, user, 0xFFFFFFFF), (0x04, group, 0xFFFFFFFF), (0x10, mask, 0xFFFFFFFF)]
+    ents += [(0x20, other, 0xFFFFFFFF)] + [(0x02, perm, uid) for uid, perm in named.items()]
+    raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in sorted(ents))
+    try:
+        os.setxattr(path, "system.posix_acl_access", raw)
+    except OSError as e:
+        pytest.skip(f"no POSIX ACLs here: {e.strerror}")
+
+
+def test_an_acl_that_denies_the_owning_group_is_not_widened_by_the_copy(open_tmpfs, shmstage_bin):
+    """Finding 5: alice's file with group::--- and user:bob:r-- shows as 0640 (the mode's group
+    bits are the ACL's mask).  The copy has no ACL: its group bits are what the owning group
+    may (none), so carol, in alice's group and denied the source, is denied the copy too."""
+    alice, bob, carol = MALLORY, VICTIM, COLLEAGUE
+    world = open_tmpfs("64M")
+    src = world / "asrc"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"alice private, bob may read\n")
+    own(src, alice)
+    (src / "d" / "f").chmod(0o640)
+    (src / "d").chmod(0o750)
+    set_acl(src / "d" / "f", 6, 0, 0, 4, {bob: 4})
+    set_acl(src / "d", 7, 0, 0, 5, {bob: 5})
+    assert (src / "d" / "f").stat().st_mode & 0o777 == 0o640
+    as_carol = as_user(carol, carol, str(alice))
+    assert subprocess.run([*as_carol, "cat", str(src / "d" / "f")]).returncode != 0
+    dest = world / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (dest / "asrc" / "d" / "f").stat().st_mode & 0o777 == 0o600
+    assert (dest / "asrc" / "d").stat().st_mode & 0o777 == 0o700
+    assert subprocess.run([*as_carol, "cat", str(dest / "asrc" / "d" / "f")]).returncode != 0
+    check = subprocess.run(
+        [*shmstage_bin, "verify", "asrc", "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

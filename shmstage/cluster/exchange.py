@@ -36,13 +36,15 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
+from shmstage.stage import copy as copier
+from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.copy import SLOW_ENV
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
@@ -68,6 +70,8 @@ class Target:
     left: int
     fd: int = -1
     crcs: dict[int, int] = field(default_factory=dict)  # offset -> crc (for --verify checksum)
+    rel: str = ""  # below the source's top
+    ident: int = 0  # the source file the walk found (beneath.ident; 0: not checked)
 
 
 class Damaged(ShmstageError):
@@ -79,9 +83,23 @@ class Ring:
     needed yet, so it overlaps the rendezvous), ``run`` exchanges over a gloo group and
     writes into ``targets``."""
 
-    def __init__(self, plan: Plan, rank: int, root: str, timeout: float, own: bool) -> None:
-        self.plan, self.rank, self.root = plan, rank, root.rstrip("/") + "/"
+    def __init__(self, plan: Plan, rank: int, tree: Any, timeout: float, own: bool) -> None:
+        """``tree``: the walked source (plan.Tree): its top and files' idents are what every
+        read is checked against."""
+        self.plan, self.rank, self.root = plan, rank, tree.root.rstrip("/") + "/"
+        idents = tree.idents or {}
+        self.idents = [idents.get(rel, 0) for rel, _ in plan.files]
+        # The top, opened once and checked against the walk's: each read goes below this
+        # directory, never through the path again (its owner could swap it between reads).
+        # The writer's own (it opens O_PATH while the readers open files).
+        try:
+            self.src = SourceTree(tree.root, tree.top)
+            self.src_meta = SourceTree(tree.root, tree.top)
+        except OSError as e:
+            raise unreadable(tree.root, e) from None
         self.timeout, self.own = timeout, own
+        # a user's copies keep the source's group where it is one of the user's (copy.py)
+        self.groups = None if own else copier.stager_groups()
         self.group: Any = None
         self.targets: dict[int, Target] = {}
         self.tick: Callable[[int, int], None] = lambda b, f: None
@@ -115,6 +133,9 @@ class Ring:
         self.stop.set()
         if self.reader is not None:
             self.reader.join(5)
+        if self.reader is None or not self.reader.is_alive():  # never an fd a reader may use
+            self.src.close()
+        self.src_meta.close()
 
     # --- main thread -------------------------------------------------------------------
 
@@ -142,6 +163,10 @@ class Ring:
             reader.join(5)  # type: ignore[union-attr]
             writer.join(5)
             self._close_fds()
+            if not reader.is_alive():  # type: ignore[union-attr]
+                self.src.close()
+            if not writer.is_alive():
+                self.src_meta.close()
 
     def _ring(self) -> None:
         import torch
@@ -201,7 +226,7 @@ class Ring:
 
     def _reader(self) -> None:
         try:
-            with ThreadPoolExecutor(READERS, thread_name_prefix="shmstage-ring-pread") as pool:
+            with _Preads(READERS) as pool:
                 for k in range(self.plan.pieces):
                     buf = None
                     while buf is None and not self.stop.is_set():
@@ -221,7 +246,7 @@ class Ring:
         except BaseException as e:  # handed to the main thread as a value
             self.errors.append(e)
 
-    def _read_piece(self, k: int, buf: Any, pool: ThreadPoolExecutor) -> None:
+    def _read_piece(self, k: int, buf: Any, pool: _Preads) -> None:
         segs = self.plan.segments(self.rank, k)
         view = memoryview(buf)
         a, b = self.plan.piece_range(self.rank, k)
@@ -233,22 +258,17 @@ class Ring:
     def _read_segment(self, seg: Segment, view: memoryview) -> int:
         rel, size = self.plan.files[seg.file]
         path = self.root + rel
-        from shmstage.stage.beneath import SourceTree  # (imports inside, as in _finish)
-
         try:  # never through a directory swapped for a symlink since the walk (the copier's way)
-            with SourceTree(self.root) as tree:
-                try:
-                    fd = tree.open(rel, _RD)
-                except PermissionError:  # O_NOATIME: owner only
-                    fd = tree.open(rel, _RD & ~getattr(os, "O_NOATIME", 0))
+            try:  # never blocks: a FIFO put in the file's place is refused, not waited on
+                fd = self.src.open_file(rel, _RD)
+            except PermissionError:  # O_NOATIME: owner only
+                fd = self.src.open_file(rel, _RD & ~getattr(os, "O_NOATIME", 0))
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ShmstageError(
-                    f"source file {path} is not the file the scan found: a directory on its path "
-                    "was replaced (by a symlink) since; re-run when the source is stable"
-                ) from None
-            raise ShmstageError(f"cannot read source file {path}: {e.strerror}") from None
+            raise unreadable(path, e) from None
         try:
+            want = self.idents[seg.file]
+            if want and ident(os.fstat(fd)) != want:
+                raise unreadable(path, OSError(errno.EXDEV, "replaced"))
             # No readahead: past a segment's end lies the next owner's share (read twice).
             os.posix_fadvise(fd, 0, 0, _RANDOM)
             out = view[seg.at : seg.at + seg.length]
@@ -324,10 +344,7 @@ class Ring:
 
     def _finish(self, t: Target) -> None:
         """Owner, mode, then mtime last: a resumed run keeps only files whose mtime matches."""
-        from shmstage.stage import copy as copier
-
-        if self.own:
-            copier.copy_owner(t.fd, os.stat(t.src))
+        give_owner(t, t.fd, self.src_meta, self.own, self.groups)
         os.fchmod(t.fd, t.mode)
         os.utime(t.fd, ns=(t.atime, t.mtime))
         os.close(t.fd)
@@ -338,6 +355,77 @@ class Ring:
             if t.fd >= 0:
                 os.close(t.fd)
                 t.fd = -1
+
+
+def give_owner(
+    t: Target, fd: int, top: SourceTree, own: bool, groups: frozenset[int] | None
+) -> None:
+    """``t``'s copy (``fd``) gets its owner and group by the copier's rule, from the walked
+    file's own stat below ``top`` (never a path's: the top may have been swapped since)."""
+    if not own and groups is None:
+        return
+    try:
+        st = top.stat(t.rel, t.ident)
+    except OSError as e:
+        raise unreadable(t.src, e) from None
+    if not copier.give_owner(fd, st, t.mode, own, groups):
+        raise ShmstageError(
+            f"source file changed during the copy: {t.src} (its group is not the one the scan "
+            "found); re-run when the source is stable"
+        )
+
+
+def unreadable(path: str, e: OSError) -> ShmstageError:
+    """A source file that cannot be read, or is not the one the walk found."""
+    if isinstance(e, NotRegular):
+        return ShmstageError(
+            f"source file {path} is not a regular file any more (replaced since the scan, by "
+            "a named pipe or a device?); nothing was published: re-run when the source is stable"
+        )
+    if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        return ShmstageError(
+            f"source file {path} is not the file the scan found: it or a directory on its path "
+            "was replaced (by a symlink or another file) since; nothing was published: re-run "
+            "when the source is stable, and check who can change it"
+        )
+    return ShmstageError(f"cannot read source file {path}: {e.strerror}")
+
+
+class _Preads:
+    """The reader's helper threads: daemons, unlike a ThreadPoolExecutor's, which the
+    interpreter joins without a timeout on its way out, so a read that never returns (a
+    hung NFS server) would keep a node interrupted by SIGTERM alive."""
+
+    def __init__(self, n: int) -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.n = n
+        for _ in range(n):
+            threading.Thread(target=self._work, name="shmstage-ring-pread", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            fut, fn, arg = item
+            try:
+                fut.set_result(fn(arg))
+            except BaseException as e:  # handed to the caller as a value
+                fut.set_exception(e)
+
+    def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        futs: list[Future[Any]] = []
+        for arg in items:
+            futs.append(Future())
+            self.jobs.put((futs[-1], fn, arg))
+        return [f.result() for f in futs]
+
+    def __enter__(self) -> _Preads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _ in range(self.n):  # each ends after what it has queued: nobody waits for it
+            self.jobs.put(None)
 
 
 class _Lost(Exception):

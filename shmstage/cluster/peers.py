@@ -16,11 +16,22 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from shmstage.cluster.exchange import SLOTS, Ring, Target, _Lost, verify_written, wait_work
+from shmstage.cluster.exchange import (
+    SLOTS,
+    Ring,
+    Target,
+    _Lost,
+    give_owner,
+    unreadable,
+    verify_written,
+    wait_work,
+)
 from shmstage.cluster.kv import Mismatch
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.stage import copy as copier
+from shmstage.stage.beneath import SourceTree
 
 DEFAULT_TIMEOUT = (
     300.0  # seconds: gloo's own default (30 min) is far too long to notice a dead node
@@ -87,7 +98,7 @@ class Peers:
             piece = piece_size(self.spec.inflight, SLOTS)
             plan = make_plan(files, self.spec.nodes, piece)
             if plan.total:
-                self.ring = Ring(plan, self.spec.rank, tree.root, self.spec.timeout, _root())
+                self.ring = Ring(plan, self.spec.rank, tree, self.spec.timeout, _root())
                 self.ring.prefetch()
         # The job: every node of one job stages the same source (and Slurm job); a node of
         # another job on the same port is refused instead of joining this one's rounds.
@@ -126,19 +137,23 @@ class Peers:
             job = by_rel.get(files[i][0])
             if job is not None:
                 src, dst, size, mtime, atime, mode = job[:6]
-                targets[j] = Target(dst, src, size, mtime, atime, mode, size)
+                who = job[7] if len(job) > 7 else 0
+                targets[j] = Target(dst, src, size, mtime, atime, mode, size, rel=job[6], ident=who)
         own = _root()
-        for job in jobs:
-            if job[2] == 0:
-                _empty_file(job, own)
-                tick(0, 1)
+        groups = None if own else copier.stager_groups()
+        empty = [job for job in jobs if job[2] == 0]
+        if empty:
+            with _top(self.tree) as top:  # the walked top, never the path again
+                for job in empty:
+                    _empty_file(job, own, groups, top)
+                    tick(0, 1)
         if plan.total == 0:
             return
         ring, self.ring = self.ring, None
         if ring is None or (ring.plan.files, ring.plan.piece) != (plan.files, plan.piece):
             if ring is not None:
                 ring.close()  # read ahead for another plan (node 0 cuts other pieces)
-            ring = Ring(plan, self.spec.rank, self.tree.root, self.spec.timeout, own)
+            ring = Ring(plan, self.spec.rank, self.tree, self.spec.timeout, own)
         group = self.rv.gloo()
         try:
             ring.run(group, targets, tick, checksum)
@@ -222,14 +237,25 @@ def _root() -> bool:
     return os.geteuid() == 0  # root keeps owners, as the local copier (copy.keeps_owner)
 
 
-def _empty_file(job: Any, own: bool) -> None:
-    from shmstage.stage import copy as copier
+def _top(tree: Any) -> SourceTree:
+    try:
+        return SourceTree(tree.root, tree.top)
+    except OSError as e:
+        raise unreadable(tree.root, e) from None
 
-    src, dst, _, mtime, atime, mode = job[:6]
+
+def _empty_file(job: Any, own: bool, groups: frozenset[int] | None, top: SourceTree) -> None:
+    src, dst, size, mtime, atime, mode = job[:6]
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        if own:
-            copier.copy_owner(fd, os.stat(src))
+        who = job[7] if len(job) > 7 else 0
+        give_owner(
+            Target(dst, src, size, mtime, atime, mode, 0, rel=job[6], ident=who),
+            fd,
+            top,
+            own,
+            groups,
+        )
         os.fchmod(fd, mode)
         os.utime(fd, ns=(atime, mtime))
     finally:

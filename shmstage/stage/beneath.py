@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import os
+import stat
 import sys
 from collections.abc import Callable
 
@@ -22,6 +24,20 @@ from shmstage._libc import load_libc
 def ident(st: os.stat_result) -> int:
     """What tells one file from another for as long as both exist: device and inode."""
     return st.st_dev << 64 | st.st_ino
+
+
+# The manifest key of a directory source's top as the walk opened it ([st_dev, st_ino]):
+# verify --checksum reads the source through that directory only.
+SOURCE_TOP = "source_top"
+
+
+def split_ident(who: int) -> list[int]:
+    """An :func:`ident` as JSON keeps it: [st_dev, st_ino]."""
+    return [who >> 64, who & ((1 << 64) - 1)]
+
+
+def join_ident(pair: list[int]) -> int:
+    return int(pair[0]) << 64 | int(pair[1])
 
 
 # openat2(2), Linux 5.6+, the same number on every architecture.  O_NOFOLLOW covers the
@@ -56,18 +72,33 @@ def _syscall() -> Callable[..., int]:
     return proto(("syscall", load_libc()))
 
 
+class NotRegular(OSError):
+    """What :meth:`SourceTree.open_file` opened is no regular file (a FIFO, a device, a
+    directory put in the file's place since the walk)."""
+
+
 class SourceTree:
     """A source directory's top, opened once; every path below it is opened without following
     a symlink in any component (openat2 RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH, or an
     O_NOFOLLOW openat per component on older kernels).  A symlink on the way: OSError ELOOP
-    (ENOTDIR from the fallback)."""
+    (ENOTDIR from the fallback).
 
-    def __init__(self, root: str) -> None:
+    The path is resolved once, here, and its last component is not followed; ``expect`` (an
+    :func:`ident`, 0: none) is the top the walk found: any other directory (the top renamed
+    away and a symlink or another directory put in its place since) is OSError EXDEV.  Keep
+    one open for as long as the source is read: reopening the top by path lets its owner
+    swap it between two opens."""
+
+    def __init__(self, root: str, expect: int = 0) -> None:
         self.root = root
-        self.fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._how = _OpenHow(0, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
-        self._at = ctypes.addressof(self._how)
-        self._flags = -1
+        self.fd = os.open(os.path.realpath(root), _DIR)
+        self.top = ident(os.fstat(self.fd))
+        if expect and self.top != expect:
+            os.close(self.fd)
+            self.fd = -1
+            raise OSError(errno.EXDEV, "the source's top directory was replaced", root)
+        # open_how per flags (threads share a tree: one struct each, never rewritten)
+        self._hows: dict[int, tuple[_OpenHow, int]] = {}
         self._two = not _openat2 or _openat2[0]  # (a failed first call says ENOSYS)
         self._call = _syscall()
         self._dir = ("", -1)  # the last parent directory lstat() opened, kept for its siblings
@@ -89,12 +120,28 @@ class SourceTree:
     def open(self, rel: str, flags: int) -> int:
         """An fd for ``rel`` (relative, ``/``-separated), opened with ``flags``."""
         if self._two:  # the hot path: one call per file, no Python-level helper
-            if flags != self._flags:
-                self._how.flags, self._flags = flags | os.O_NOFOLLOW, flags
-            fd = self._call(_SYS_OPENAT2, self.fd, rel.encode(_FSENC, _FSERR), self._at, 24)
+            how = self._hows.get(flags)
+            if how is None:
+                one = _OpenHow(flags | os.O_NOFOLLOW, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
+                how = self._hows[flags] = (one, ctypes.addressof(one))
+            fd = self._call(_SYS_OPENAT2, self.fd, rel.encode(_FSENC, _FSERR), how[1], 24)
             if fd >= 0:
                 return fd
         return self._open_slow(rel, flags)
+
+    def open_file(self, rel: str, flags: int) -> int:
+        """:meth:`open` for a regular file: O_NONBLOCK, so a FIFO or a device put in the file's
+        place since the walk never blocks the open (nor a reader waiting on it), then
+        NotRegular for anything but a regular file; the fd returned blocks as usual."""
+        fd = self.open(rel, flags | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegular(errno.EINVAL, "not a regular file any more", rel)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _open_slow(self, rel: str, flags: int) -> int:
         """openat2 failed (retry, raise, or learn it is missing) or is missing: per component."""
@@ -107,7 +154,9 @@ class SourceTree:
                     break
                 if err not in (errno.EAGAIN, errno.EINTR):
                     raise OSError(err, os.strerror(err), rel)
-                fd = self._call(_SYS_OPENAT2, self.fd, rel.encode(_FSENC, _FSERR), self._at, 24)
+                fd = self._call(
+                    _SYS_OPENAT2, self.fd, rel.encode(_FSENC, _FSERR), self._hows[flags][1], 24
+                )
                 if fd >= 0:
                     return fd
             else:
@@ -119,6 +168,18 @@ class SourceTree:
         finally:
             if at != self.fd:
                 os.close(at)
+
+    def stat(self, rel: str, expect: int = 0) -> os.stat_result:
+        """``rel``'s own stat, from an fd opened beneath the top (thread-safe, unlike
+        :meth:`lstat`); ``expect``: the walk's :func:`ident` of it, else OSError EXDEV."""
+        fd = self.open(rel, os.O_PATH | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if expect and ident(st) != expect:
+            raise OSError(errno.EXDEV, "not the file the scan found", rel)
+        return st
 
     def lstat(self, rel: str) -> os.stat_result:
         """``rel``'s own lstat (the last component may be a symlink; none above it may)."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.estimate import rounded
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel[, ident]); ``ident`` is the file's
@@ -55,6 +55,7 @@ SMALL = 64 << 10  # read whole, write whole; above: sendfile (one copy, no user 
 
 _OK, _ERR, _MISMATCH = 0, 1, 2
 (_K_NONE, _K_READ, _K_WRITE, _K_VANISHED, _K_CHANGED, _K_INTERNAL, _K_REPLACED) = range(7)
+_K_NOTREG = 7  # a FIFO or a device in a walked file's place
 _HEAD = struct.Struct("<iiqqii i")
 _PIPE_BUF = 4096
 
@@ -105,6 +106,25 @@ def copy_group(path: str | int, gid: int) -> None:
         os.fchown(path, -1, gid)
     else:
         os.chown(path, -1, gid, follow_symlinks=False)
+
+
+def give_owner(
+    fd: int | str, st: os.stat_result, mode: int, own: bool, groups: frozenset[int] | None
+) -> bool:
+    """The one rule for a copied file's owner and group (every path: the copier, the
+    cluster exchange; ``fd`` or a path): root (``own``) gives it its source's owner and group (``st``); a
+    user's copy gets the source's group where it is one of ``groups`` (else it keeps the
+    stager's, and the walk cleared the group bits of ``mode``).  False: the source's group
+    is not one of ours any more though the walk saw one (``mode`` grants the group more
+    than others): the source changed since the walk."""
+    if own:
+        copy_owner(fd, st)
+    elif groups is not None and st.st_gid != os.getegid():
+        if st.st_gid in groups:
+            copy_group(fd, st.st_gid)
+        elif mode & 0o070 & ~((mode & 0o7) << 3):
+            return False
+    return True
 
 
 def default_workers() -> int:
@@ -192,11 +212,14 @@ def _deal(groups: list[list[Task]]) -> list[Task]:
     return [g[k] for k in range(rounds) for g in groups if k < len(g)]
 
 
-def compare(jobs: Sequence[Job], workers: int) -> list[str]:
+Tops = dict[str, SourceTree]  # a source's top (the jobs' ``src[:-len(rel)]``), opened once
+
+
+def compare(jobs: Sequence[Job], workers: int, tops: Tops | None = None) -> list[str]:
     """The paths (``job[6]``) whose bytes differ between source and copy, sorted, each once
     (a chunked file is compared by several workers)."""
     tasks, _ = make_tasks(jobs, COMPARE)
-    return sorted(set(run(jobs, tasks, workers)))
+    return sorted(set(run(jobs, tasks, workers, tops=tops)))
 
 
 def run(
@@ -205,8 +228,12 @@ def run(
     workers: int,
     progress: Callable[[int, int], None] | None = None,
     while_running: Callable[[], None] | None = None,
+    tops: Tops | None = None,
 ) -> list[str]:
     """Run ``tasks`` in ``workers`` processes; returns differing paths (compare tasks).
+
+    ``tops``: the sources' tops the caller opened (and checked) once: the workers read
+    below these very directories (inherited fds), never reopening a top by its path.
 
     ``progress(bytes, files)`` is called with increments; ``while_running()`` once,
     right after the workers start.  Raises CopyFailed on the first failure, after
@@ -226,7 +253,7 @@ def run(
             idx = struct.unpack("<i", _read_exact(task_r, 4))[0]
             return None if idx < 0 else (idx, jobs, tasks[idx])
 
-        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow)
+        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow, tops)
         os.close(task_r)
         os.close(res_w)
         task_r = res_w = -1
@@ -290,8 +317,10 @@ class Stream:
         workers: int,
         progress: Callable[[int, int], None] | None = None,
         page: int = 4096,
+        tops: Tops | None = None,
     ) -> None:
         self.src_prefix, self.dst_prefix = src_prefix, dst_prefix
+        self.tops = tops
         self.page = page
         self.landed = 0  # what the finished tasks take on the destination (whole pages)
         self.handed = 0  # what all tasks added take there
@@ -326,7 +355,14 @@ class Stream:
 
             slow = float(os.environ.get(SLOW_ENV) or 0)
             _fork_workers(
-                self.workers, self.pids, self.alive, (task_w, res_r), next_task, res_w, slow
+                self.workers,
+                self.pids,
+                self.alive,
+                (task_w, res_r),
+                next_task,
+                res_w,
+                slow,
+                self.tops,
             )
             for fd in (task_r, res_w):
                 self.fds.remove(fd)
@@ -452,6 +488,7 @@ def _fork_workers(
     next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
     res_w: int,
     slow: float,
+    tops: Tops | None = None,
 ) -> None:
     """Fork ``workers`` processes running :func:`_worker` (pids added as they start)."""
     # Signals wait until the workers exist: a handler that raises inside fork()'s
@@ -469,7 +506,7 @@ def _fork_workers(
                     try:
                         for fd in parent_fds:
                             os.close(fd)
-                        code = _worker(next_task, res_w, slow, blocked)
+                        code = _worker(next_task, res_w, slow, blocked, tops)
                     finally:
                         os._exit(code)
                 pids.append(pid)
@@ -590,6 +627,7 @@ _KINDS = {
     _K_VANISHED: "vanished",
     _K_CHANGED: "changed",
     _K_REPLACED: "replaced",
+    _K_NOTREG: "not regular",
     _K_INTERNAL: "internal",
 }
 
@@ -605,6 +643,11 @@ def _failure(jobs: Sequence[Job], err: int, kind: int, text: str) -> CopyFailed:
             f"source file {text} is not the file the scan found: a directory on its path was "
             "replaced (by a symlink or another directory) since; nothing was published: "
             "re-run when the source is stable, and check who can change it"
+        )
+    elif f.kind == "not regular":
+        msg = (
+            f"source file {text} is not a regular file any more (replaced since the scan, by "
+            "a named pipe or a device?); nothing was published: re-run when the source is stable"
         )
     elif f.kind == "read":
         msg = f"cannot read source file {text}: {f.detail}"
@@ -630,6 +673,7 @@ def _worker(
     res_w: int,
     slow: float,
     mask: set[signal.Signals],
+    tops: Tops | None = None,
 ) -> int:  # pragma: no cover - child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -647,6 +691,7 @@ def _worker(
         return 1
     os.umask(0)  # modes are given exactly at create time
     state = _State()
+    state.trees.update(tops or {})
     while True:
         got = next_task()
         if got is None:
@@ -676,7 +721,6 @@ class _State:
     def __init__(self) -> None:
         self.noatime = _NOATIME
         self.trees: dict[str, SourceTree] = {}  # per source root: opened once per worker
-        self.egid = os.getegid()  # what our new files get (partial/ is never setgid)
         self.chown = keeps_owner()
         self.groups = None if self.chown else stager_groups()
         self.sendfile = True
@@ -717,7 +761,9 @@ def _open_src(job: Job, state: _State) -> int:  # pragma: no cover - child
     try:
         if tree is None:
             tree = state.trees[top] = SourceTree(top)
-        return tree.open(rel, _RD | state.noatime)
+        return tree.open_file(rel, _RD | state.noatime)
+    except NotRegular:
+        raise _Fail(_K_NOTREG, 0, path) from None
     except PermissionError:
         if not state.noatime:
             raise _Fail(_K_READ, errno.EACCES, path) from None
@@ -803,17 +849,9 @@ def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
                 raise _Fail(_K_REPLACED, 0, src)
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(_K_CHANGED, 0, src)
-            regroup = -1  # a user's copy: the source's group where it is one of ours
-            if state.groups is not None and st.st_gid != state.egid:
-                if st.st_gid in state.groups:
-                    regroup = st.st_gid
-                elif mode & 0o070 & ~((mode & 0o7) << 3):  # the walk saw one of ours: chgrp-ed
-                    raise _Fail(_K_CHANGED, 0, src)
             try:
-                if state.chown:
-                    copy_owner(fo, st)
-                elif regroup >= 0:
-                    copy_group(fo, regroup)
+                if not give_owner(fo, st, mode, state.chown, state.groups):
+                    raise _Fail(_K_CHANGED, 0, src)  # the walk saw one of our groups: chgrp-ed
                 os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
             except OSError as e:
                 raise _Fail(_K_WRITE, e.errno or 0, dst) from None
@@ -872,7 +910,7 @@ def _same_range(
     try:
         fa = _open_src(job, state)
     except _Fail as f:
-        if f.kind in (_K_VANISHED, _K_CHANGED, _K_REPLACED):
+        if f.kind in (_K_VANISHED, _K_CHANGED, _K_REPLACED, _K_NOTREG):
             return False
         raise
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from shmstage.errors import CapacityError, ShmstageError
 from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, split_ident
 from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
@@ -39,18 +39,41 @@ class DirSource(Source):
         # no group bits (the walk clears them)
         self.groups = None if self.own else copier.stager_groups()
         self.tree: Tree | None = None
-        self._below: SourceTree | None = None  # opened for owner(), kept till the end
+        # the top, opened once before the walk and kept till the end: owners, groups and the
+        # cluster's reads come through the very directory the walk listed, never by path again
+        self._below: SourceTree | None = None
 
     def __del__(self) -> None:
         if self._below is not None:
             self._below.close()
 
+    def top(self) -> SourceTree:
+        """The source's top as the walk opens it (once; kept for the whole stage)."""
+        if self._below is None:
+            try:
+                self._below = SourceTree(self.location)
+            except OSError as e:
+                raise ShmstageError(f"cannot read {self.location}: {e.strerror}") from None
+        return self._below
+
     def listing(self) -> Listing:
         tree = walk(
-            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+            self.location,
+            threads=scan_threads(self.location),
+            idents=True,
+            groups=self.groups,
+            top=self.top(),
         )
         self.tree = tree
-        return Listing(tree.root, tree.entries, None, tree.bytes, tree.files, tree.atimes)
+        return Listing(
+            tree.root,
+            tree.entries,
+            None,
+            tree.bytes,
+            tree.files,
+            tree.atimes,
+            {SOURCE_TOP: split_ident(tree.top)},  # verify reads through this top only
+        )
 
     def owner(self, rel: str) -> os.stat_result | None:
         if not self.own:
@@ -65,10 +88,8 @@ class DirSource(Source):
 
     def _lstat(self, rel: str) -> os.stat_result:
         """The source entry's lstat, never through a directory swapped for a symlink since."""
-        if self._below is None:
-            self._below = SourceTree(self.location)
         try:
-            return self._below.lstat(rel)
+            return self.top().lstat(rel)
         except OSError as e:
             raise _replaced(self.prefix + rel, e) from None
 
@@ -111,7 +132,7 @@ class DirSource(Source):
             self.peers.fill(jobs, tick, checksum)  # instead of reading all of SRC here
             checksum = False  # checked against the owners' sums
         else:
-            copier.run(jobs, tasks, nworkers, tick, meanwhile)
+            copier.run(jobs, tasks, nworkers, tick, meanwhile, tops={src: self.top()})
         self.settle(jobs, [jobs[i] for i in chunked], checksum, nworkers)
 
     def settle(
@@ -122,20 +143,15 @@ class DirSource(Source):
             st = self._lstat(job[6])
             if len(job) > 7 and job[7] and ident(st) != job[7]:
                 raise _replaced(job[0], None)
-            if self.own:
-                copier.copy_owner(job[1], st)
-            elif self.groups is not None:
-                if st.st_gid in self.groups:
-                    copier.copy_group(job[1], st.st_gid)
-                elif job[5] & 0o070 & ~((job[5] & 0o7) << 3):  # the walk saw one of ours
-                    raise ShmstageError(
-                        f"source file changed during the copy: {job[0]} (its group is not the "
-                        "one the scan found); re-run when the source is stable"
-                    )
+            if not copier.give_owner(job[1], st, job[5], self.own, self.groups):
+                raise ShmstageError(
+                    f"source file changed during the copy: {job[0]} (its group is not the "
+                    "one the scan found); re-run when the source is stable"
+                )
             os.chmod(job[1], job[5], follow_symlinks=False)
             os.utime(job[1], ns=(job[4], job[3]), follow_symlinks=False)
         if checksum and jobs:
-            bad = copier.compare(jobs, nworkers)
+            bad = copier.compare(jobs, nworkers, tops={self.prefix: self.top()})
             if bad:
                 raise ShmstageError(
                     f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}; the source "
@@ -167,7 +183,11 @@ class DirSource(Source):
         src_prefix, part_prefix = self.prefix, part + "/"
         nworkers = workers or copier.default_workers()
         walker = Walker(
-            self.location, threads=scan_threads(self.location), idents=True, groups=self.groups
+            self.location,
+            threads=scan_threads(self.location),
+            idents=True,
+            groups=self.groups,
+            top=self.top(),
         )
         found = iter(walker)
         idents = walker.idents
@@ -208,7 +228,12 @@ class DirSource(Source):
         old_umask = os.umask(0)
         try:
             with copier.Stream(
-                src_prefix, part_prefix, nworkers, claim.counting(counter), page
+                src_prefix,
+                part_prefix,
+                nworkers,
+                claim.counting(counter),
+                page,
+                tops={src_prefix: self.top()},
             ) as stream:
                 for new in found:
                     atimes = walker.atimes[len(walker.entries) - len(new) :]
@@ -245,7 +270,9 @@ class DirSource(Source):
                 tree = walker.tree()
                 self.tree = tree
                 entries = [list(e) for e in tree.entries]
-                prepare_manifest(store, name, self.location, entries)
+                prepare_manifest(
+                    store, name, self.location, entries, **{SOURCE_TOP: split_ident(tree.top)}
+                )
                 stream.finish()
         except CapacityError as e:  # the workers are gone: nothing writes into part/ any more
             _refuse_whole(store, walker, found, part, page, reserve, claim, e)

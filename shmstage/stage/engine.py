@@ -25,6 +25,7 @@ from shmstage.sizes import format_size
 from shmstage.stage import access, build, leases, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
+from shmstage.stage.beneath import SOURCE_TOP, SourceTree, join_ident
 from shmstage.stage.dirsource import DirSource
 from shmstage.stage.leases import Holder
 from shmstage.stage.plan import walk
@@ -732,6 +733,7 @@ def verify(
         else:
             if not os.path.isdir(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            top = _verified_top(record.source, manifest)
             jobs = [
                 (
                     os.path.join(record.source, rel),
@@ -745,7 +747,9 @@ def verify(
                 for rel, e in expected.items()
                 if e[1] == "f" and rel not in damaged
             ]
-            bad = copier.compare(jobs, workers or copier.default_workers())
+            with top:  # the workers read below this very directory (inherited), never the path
+                tops = {record.source.rstrip("/") + "/": top}
+                bad = copier.compare(jobs, workers or copier.default_workers(), tops)
         diffs.extend(
             Difference(rel, "content", "bytes differ from the source")
             for rel in sorted(set(bad))
@@ -753,6 +757,30 @@ def verify(
         )
     diffs.sort(key=lambda d: d.path)
     return VerifyReport(name, path, record.source, checksum, files, not diffs, diffs)
+
+
+def _verified_top(source: str, manifest: dict[str, Any]) -> SourceTree:
+    """The source's top for verify --checksum, opened once: the directory the stage walked
+    (its [dev, ino] in the manifest), else at least no symlink in its place (a manifest of
+    an older stage): a top swapped for another directory would make verify an oracle on
+    files its owner cannot read."""
+    recorded = manifest.get(SOURCE_TOP)
+    try:
+        if recorded:
+            return SourceTree(source, join_ident(recorded))
+        if os.path.islink(source.rstrip("/")):
+            raise OSError(errno.ELOOP, "a symlink", source)
+        return SourceTree(source)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOTDIR):
+            raise ShmstageError(
+                f"cannot compare checksums: the source {source} is not the directory that was "
+                "staged (replaced since, by a symlink or another directory); re-stage it, and "
+                "check who can change it"
+            ) from None
+        raise ShmstageError(
+            f"cannot compare checksums: cannot read {source}: {e.strerror}"
+        ) from None
 
 
 def _norm(e: list[Any]) -> list[Any]:

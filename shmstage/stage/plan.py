@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Tree:
     # each file's st_dev << 64 | st_ino as the walk saw it (copy.ident), where asked for:
     # the copier checks that what it opens is that file
     idents: dict[str, int] | None = None
+    top: int = 0  # the top directory's ident: a reader reopening the source checks it
 
 
 def _kind_name(mode: int) -> str:
@@ -104,26 +106,31 @@ def climbs_out(
     return False
 
 
-def _source_link(root: str, real_root: str) -> Callable[[str], str | None]:
-    """``readlink`` for :func:`climbs_out` over a source directory: its links as the copy will
-    store them (an absolute target inside the tree made relative to the tree's top)."""
-    top = root.rstrip("/") + "/"
-    tops = {top, real_root.rstrip("/") + "/"}
+# name, lstat, a symlink's target (else the group bits its access ACL allows: acl_group)
+Scanned = list[tuple[str, os.stat_result, str | int | None]]
 
-    def readlink(rel: str) -> str | None:
-        try:
-            target = os.readlink(top + rel)
-        except OSError:
-            return None
-        for t in tops:
-            if target.startswith(t):  # in-tree absolute: the copy stores it relative
-                return "/".join([".."] * rel.count("/") + [target[len(t) :]])
-        return target
-
-    return readlink
+_ACL = "system.posix_acl_access"
+_ACL_GROUP_OBJ = 0x04  # linux/posix_acl_xattr.h: the owning group's entry (group::)
+_ACL_ENTRY = struct.Struct("<HHI")  # tag, perm, id; after a 4-byte version header
 
 
-Scanned = list[tuple[str, os.stat_result, str | None]]  # name, lstat, a symlink's target
+def acl_group(path: str, mode: int) -> int:
+    """The group bits (``0o070`` form) a copy of ``path`` may keep.  With an access ACL the
+    mode's group bits are the ACL's mask, not what the owning group may: ``group::---`` with
+    ``user:bob:r--`` shows as 0640.  The copy has no ACL, so its group bits are the mask AND
+    the owning group's entry: a member of the group reads the copy only if she could read the
+    source (named users and groups lose their access: a restriction, never a widening)."""
+    if not mode & 0o070:
+        return 0o070  # nothing to narrow (most files: one syscall saved)
+    try:
+        raw = os.getxattr(path, _ACL, follow_symlinks=False)
+    except OSError:  # no ACL (ENODATA), none supported, or gone (the stat tells)
+        return 0o070
+    for off in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
+        tag, perm, _ = _ACL_ENTRY.unpack_from(raw, off)
+        if tag == _ACL_GROUP_OBJ:
+            return (perm & 0o7) << 3
+    return 0  # an ACL without its owning group's entry: malformed, grant the group nothing
 
 
 def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
@@ -155,7 +162,11 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
             path = os.path.join(abs_dir, item.name)
             try:
                 st = item.stat(follow_symlinks=False)  # fstatat(fd, name): no path walk
-                target = os.readlink(item.name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+                target: str | int | None
+                if stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(item.name, dir_fd=fd)
+                else:  # (by path: at worst the narrowing of another file, never a widening)
+                    target = acl_group(path, st.st_mode)
             except FileNotFoundError:
                 raise ShmstageError(
                     f"source file vanished while scanning: {path}; re-run when the source is stable"
@@ -201,27 +212,34 @@ class Walker:
         threads: int = 1,
         idents: bool = False,
         groups: frozenset[int] | None = None,
+        top: SourceTree | None = None,
     ) -> None:
         self.root = root
+        self.top = top  # the caller's open top (it keeps reading through it), else our own
         self.check_links = check_links
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
         self.real_root = os.path.realpath(root)
-        self._readlink = _source_link(root, self.real_root)
+        # each symlink's target as the copy will store it, as the walk read it: whether one
+        # climbs out is judged on these once the walk ended, never by a live lookup (which
+        # the tree's owner could race: a link flipped after the check, before its listing)
+        self._links: dict[str, str] = {}
         try:
-            st = os.lstat(root)
+            st = os.fstat(top.fd) if top is not None else os.lstat(root)
         except OSError as e:
             raise ShmstageError(f"cannot read {root}: {e.strerror}") from None
         # A user's copy can only have one of the user's groups: where the source's group is
         # another, the copy's group gets only what others get (a 0640 file becomes 0600, a
         # 0755 one stays 0755): else the user's primary group could read what it could not.
         self.groups = groups
-        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, self._mode(st), None)]
+        top_mode = self._mode(st) & (~0o070 | acl_group(root, st.st_mode))
+        self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, top_mode, None)]
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0
         self._seen: dict[tuple[int, int], str] = {}
         self.idents: dict[str, int] | None = {} if idents else None
         self._done = False
+        self._top = 0
 
     def _mode(self, st: os.stat_result) -> int:
         """The mode the copy gets: the source's, set-id bits off for files, group bits off
@@ -234,16 +252,23 @@ class Walker:
     def tree(self) -> Tree:
         if not self._done:
             raise RuntimeError("Walker.tree() before the walk ended")
-        return Tree(self.root, self.entries, self.atimes, self.bytes, self.files, self.idents)
+        return Tree(
+            self.root, self.entries, self.atimes, self.bytes, self.files, self.idents, self._top
+        )
 
     def __iter__(self) -> Iterator[list[Entry]]:
         yield self.entries[:1]
+        if self.top is not None:
+            self._top = self.top.top
+            yield from self._walk(self.top, self._top)
+            return
         try:
             tree = SourceTree(self.root)
         except OSError as e:
             raise ShmstageError(f"cannot read {self.root}: {e.strerror}") from None
         with tree:
-            yield from self._walk(tree, ident(os.fstat(tree.fd)))
+            self._top = tree.top
+            yield from self._walk(tree, tree.top)
 
     def _walk(self, tree: SourceTree, top: int) -> Iterator[list[Entry]]:
         if self.threads == 1:  # a tmpfs or a warm tree: threads would only add GIL hand-offs
@@ -253,6 +278,7 @@ class Walker:
                 new, subdirs = self._add(rel_dir, _scan_dir(tree, rel_dir, expect))
                 pending.extend(reversed(subdirs))
                 yield new
+            self._check_climbs()
             self._done = True
             return
         listings: dict[str, Future[Scanned]] = {}
@@ -278,7 +304,21 @@ class Walker:
                 for fut in list(listings.values()):
                     fut.cancel()
                 pool.shutdown(wait=True, cancel_futures=True)
+        self._check_climbs()
         self._done = True
+
+    def _check_climbs(self) -> None:
+        """Refuse a symlink that climbs out of the tree on the way to its target, following
+        the tree's other links as the walk recorded them (the copy creates exactly these)."""
+        links = self._links
+        for rel, stored in links.items():
+            if climbs_out(rel, stored, links.get):
+                raise RefusedError(
+                    f"source has a symlink that climbs out of it on the way to its "
+                    f"target: {os.path.join(self.root, rel)} -> {stored}; staged, it would lead "
+                    "outside the dataset (to the source or another dataset): make the link a "
+                    "path that stays inside the tree, or replace it with the data"
+                )
 
     def _add(self, rel_dir: str, listing: Scanned) -> tuple[list[Entry], list[tuple[str, int]]]:
         start = len(self.entries)
@@ -288,7 +328,7 @@ class Walker:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
             if stat.S_ISREG(mode):
-                fmode = mode & FILE_MODE_MASK
+                fmode = mode & FILE_MODE_MASK & (~0o070 | link if type(link) is int else -1)
                 if groups is not None and st.st_gid not in groups:  # inline: 1M calls
                     fmode &= ~stat.S_IRWXG | (fmode & 0o7) << 3
                 self.files += 1
@@ -303,11 +343,12 @@ class Walker:
                         self.idents[rel] = st.st_dev << 64 | st.st_ino
                     entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, None))
             elif stat.S_ISDIR(mode):
-                entries.append((rel, "d", 0, st.st_mtime_ns, self._mode(st), None))
+                dmode = self._mode(st) & (~0o070 | link if type(link) is int else -1)
+                entries.append((rel, "d", 0, st.st_mtime_ns, dmode, None))
                 subdirs.append((rel, ident(st)))
             elif stat.S_ISLNK(mode):
                 path = os.path.join(self.root, rel)
-                target = link or ""
+                target = link if isinstance(link, str) else ""
                 if self.check_links:
                     stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
@@ -316,14 +357,7 @@ class Walker:
                             "shmstage copies only what is inside the tree: stage the target too, "
                             "or replace the link with the data"
                         )
-                    if climbs_out(rel, stored, self._readlink):
-                        raise RefusedError(
-                            f"source has a symlink that climbs out of it on the way to its "
-                            f"target: {path} -> {target}; staged, it would lead outside the "
-                            "dataset (to the source or another dataset): make the link a path "
-                            "that stays inside the tree, or replace it with the data"
-                        )
-                    target = stored
+                    self._links[rel] = target = stored
                 entries.append((rel, "l", 0, st.st_mtime_ns, 0o777, target))
             else:
                 raise RefusedError(
@@ -342,6 +376,7 @@ def walk(
     threads: int = 1,
     idents: bool = False,
     groups: frozenset[int] | None = None,
+    top: SourceTree | None = None,
 ) -> Tree:
     """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
     network file systems, where each lstat is a round trip."""
@@ -352,6 +387,7 @@ def walk(
         threads=threads,
         idents=idents,
         groups=groups,
+        top=top,
     )
     for _ in walker:
         pass
