@@ -73,21 +73,32 @@ def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
     return clear
 
 
-def restrict_root(root: str, source: str, kind: str, mode: int | None = None) -> int:
+def restrict_root(
+    root: str,
+    source: str,
+    kind: str,
+    mode: int | None = None,
+    owner: os.stat_result | None = None,
+) -> int:
     """Clear on ``root`` (the built copy of ``source``) what its source path denies.
 
-    As root, the copy's root gets its source's owner and group first (a tar archive's, a
-    directory's: the copier already gave it, but a stager killed inside Store.publish leaves
-    the root ours, and an unchanged source re-checked here puts it back), so the owner of a
-    dataset in a private home keeps reading the copy.  ``mode``: the unrestricted
-    mode to start from (the manifest's, when re-checking a published copy whose source path
-    may have opened or closed since); default: root's own.  Returns the new mode."""
+    ``owner``: as root, the copy's root gets this stat's owner and group first (the
+    source's top as checked by the caller: a stager killed inside Store.publish leaves the
+    root ours, and an unchanged source re-checked here puts it back), so the owner of a
+    dataset in a private home keeps reading the copy.  Never a stat of the source path
+    taken here: its owner may have swapped it for a link to someone else's directory since
+    the walk.  ``mode``: the unrestricted mode to start from (the manifest's, when
+    re-checking a published copy whose source path may have opened or closed since);
+    default: root's own.  Returns the new mode."""
     st = os.lstat(root)
-    if os.geteuid() == 0 and kind in ("tar", "dir"):
-        src = os.stat(source)
-        if (st.st_uid, st.st_gid) != (src.st_uid, src.st_gid):
-            copy_owner(root, src)
-            st = os.lstat(root)
+    if (
+        os.geteuid() == 0
+        and owner is not None
+        and kind in ("tar", "dir")
+        and (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid)
+    ):
+        copy_owner(root, owner)
+        st = os.lstat(root)
     now = stat.S_IMODE(st.st_mode)
     new = (now if mode is None else mode) & ~denied_classes(source, kind, st.st_uid, st.st_gid)
     if new != now:

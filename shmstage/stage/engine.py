@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from shmstage.sizes import format_size
 from shmstage.stage import access, build, leases, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
-from shmstage.stage.beneath import SOURCE_TOP, SourceTree, join_ident
+from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
 from shmstage.stage.dirsource import DirSource
 from shmstage.stage.leases import Holder
 from shmstage.stage.plan import walk
@@ -368,8 +369,15 @@ def _stage_locked(
         if peers is not None:
             peers.barrier()  # all or nothing: publish only once every node has every byte
         report("publishing")
-        if kind not in sources.LISTED_KINDS:
-            access.restrict_root(part, source, kind)  # no reader the source path shuts out
+        if kind not in sources.LISTED_KINDS:  # no reader the source path shuts out
+            walked = getattr(src, "tree", None)
+            top = _checked_top(
+                source,
+                kind,
+                {SOURCE_TOP: split_ident(walked.top)} if walked is not None else {},
+                getattr(src, "fingerprint", None),
+            )
+            access.restrict_root(part, source, kind, owner=top)
         root = os.lstat(part)
         now = time.time()
         seconds = time.monotonic() - t0
@@ -472,9 +480,36 @@ def restage_need(
 def _recheck_access(
     store: Store, name: str, source: str, kind: str, manifest: dict[str, Any] | None
 ) -> None:
-    """An unchanged source: its path may have opened or closed since the copy was made."""
+    """An unchanged source: its path may have opened or closed since the copy was made.
+    The root's owner is put back only from the very top the stage walked (not a link, and
+    for a directory the [dev, ino] its manifest recorded)."""
     with suppress(OSError, KeyError, IndexError, TypeError):  # best effort: not our copy, ...
-        access.restrict_root(store.path(name), source, kind, manifest["entries"][0][4])  # type: ignore[index]
+        access.restrict_root(
+            store.path(name),
+            source,
+            kind,
+            manifest["entries"][0][4],  # type: ignore[index]
+            _checked_top(source, kind, manifest, (manifest or {}).get("archive")),
+        )
+
+
+def _checked_top(
+    source: str, kind: str, manifest: dict[str, Any] | None, archive: list[int] | None
+) -> os.stat_result | None:
+    """The source's top as the stage read it (a directory's [dev, ino] as the manifest
+    records it; a tar archive's fingerprint [size, mtime, ino]), or None when it is not that
+    any more (its owner swapped it for a link to someone else's, say): the copy's root
+    takes its owner from it."""
+    try:
+        top = os.stat(source.rstrip("/") or "/", follow_symlinks=False)
+    except OSError:
+        return None
+    if kind == "dir":
+        recorded = (manifest or {}).get(SOURCE_TOP)
+        same = stat.S_ISDIR(top.st_mode) and (not recorded or ident(top) == join_ident(recorded))
+    else:
+        same = stat.S_ISREG(top.st_mode) and (not archive or top.st_ino == archive[2])
+    return top if same else None
 
 
 # NOTE [publish]: publish and record are one step a kill cannot split.
