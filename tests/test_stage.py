@@ -568,6 +568,49 @@ def test_signal_mid_copy_removes_partial(tmpfs, tmp_path, shmstage_bin, sig, cod
     assert os.listdir(dest / ".shmstage" / "partial") == []
 
 
+@pytest.mark.parametrize(
+    "sig,line",
+    [
+        (signal.SIGTERM, "Error: interrupted by SIGTERM; the partial copy was removed"),
+        (signal.SIGINT, "Interrupted."),
+    ],
+)
+def test_more_signals_during_the_cleanup_do_not_cut_it_short(
+    tmpfs, tmp_path, shmstage_bin, sig, line, procs
+):
+    """An impatient user signals again and again while stage removes its partial copy: the
+    cleanup still finishes (nothing in partial/ or trash/, no lock, no new manifest) and
+    stage dies of the first signal with its one line."""
+    src = tmp_path / "ds"
+    for d in range(20):
+        (src / f"d{d}").mkdir(parents=True)
+        for f in range(200):
+            (src / f"d{d}" / f"f{f}").write_text(str(f))
+    dest = tmpfs("128M") / "d"
+    p = procs.start(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"],
+        env=slow_env(0.0005),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: partial_files(dest, "ds") >= 1500, timeout=120)
+    state = dest / ".shmstage"
+
+    def cleaning() -> bool:
+        return any(os.listdir(state / d) for d in ("partial", "trash"))
+
+    p.send_signal(sig)
+    while p.poll() is None and cleaning():  # again and again until the copy is gone
+        p.send_signal(sig)
+        time.sleep(0.002)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == -sig, err
+    assert err.splitlines()[-1] == line
+    assert not cleaning()
+    left = sorted(str(p.relative_to(state)) for p in state.rglob("*") if p.is_file())
+    assert not [f for f in left if "ds" in f], left
+
+
 def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin, procs):
     """Dest filling up mid-copy: clear error, partial removed, other datasets untouched."""
     shm = tmpfs("12M")
