@@ -288,3 +288,21 @@ def test_user_chosen_names_reach_the_terminal_escaped(runner, cli, tmp_path):
     assert "\x1b" not in r.output and "x\\x1b]0;PWNED\\x07y" in r.output
     r = runner.invoke(cli, ["list", "--dest", str(dest), "--json"])
     assert json.loads(r.output)[0]["source"] == str(src)
+
+
+@pytest.mark.parametrize("command", [["stage", "SRC", "--dest", "DEST"], ["run"], ["inspect"]])
+@pytest.mark.parametrize("value", ["100%", "100.0%"])
+def test_a_100_percent_reserve_is_refused_as_the_config_refuses_it(
+    runner, cli, tmp_path, command, value
+):
+    """--reserve 100% leaves nothing to stage into: refused up front (exit 2) with the words
+    the node config's `reserve: 100%` gets, not "does not fit" after looking."""
+    src = make_src(tmp_path)
+    argv = [str(src) if a == "SRC" else str(tmp_path / "d") if a == "DEST" else a for a in command]
+    r = runner.invoke(cli, [*argv, "--reserve", value] + (["--", "true"] if command == ["run"] else []))
+    assert r.exit_code == 2, r.output
+    assert (
+        f"invalid reserve '{value}': a percentage must be above 0% and below 100% of the tmpfs "
+        "(0 for no reserve)"
+    ) in r.output
+    assert not (tmp_path / "d").exists()
