@@ -14,7 +14,7 @@ from typing import Any, Callable
 import yaml
 
 from shmstage.errors import RefusedError
-from shmstage.sizes import SizeError, is_percent, parse_size
+from shmstage.sizes import SizeError, check_reserve, is_percent, parse_size
 from shmstage.stage.store import name_for
 
 DEFAULT_PATH = "/etc/shmstage.yaml"
@@ -365,8 +365,11 @@ class _Checker:
     def reserve(self, key: str, node: _Node) -> Any:
         """What ``--reserve`` takes: bytes, a size or N% (of the tmpfs); 0 but not 100%."""
         value = self.size(key, node, percent=True, zero=True)
-        if isinstance(value, str) and parse_size(value, percent_of=100) >= 100:
-            return self.fail(key, node, "a reserve must be less than 100% of the tmpfs")
+        if isinstance(value, str):
+            try:
+                check_reserve(value)  # the same rule and words as --reserve
+            except SizeError as e:
+                return self.fail(key, node, str(e))
         return value
 
     def size(

@@ -18,6 +18,7 @@ import os
 import queue
 import re
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -439,20 +440,21 @@ def _rebuilt_mapping(batch: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping
 def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
     """Every tensor :func:`move_batch` would reach in ``batch`` (each once), and those held by
     an object that moved itself: in its attributes (``vars(obj)`` and its ``__slots__``, as
-    an attrs ``@define`` class keeps them) and, when it is a container too (a PackedSequence
-    is a tuple), in its items."""
-    seen: set[int] = set()
-    for t in _walk_tensors(batch, set()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield t
+    an attrs ``@define`` class keeps them), in plain objects those hold (an ``inner.t``), and,
+    when it is a container too (a PackedSequence is a tuple), in its items."""
+    yield from _TensorWalk().tensors(batch)
 
 
 def hides_tensors(obj: Any) -> bool:
-    """Whether ``obj`` moves itself (``.to()``) but :func:`batch_tensors` finds no tensor in
-    it (kept in a C++ object, a closure...): CudaPrefetcher cannot ``record_stream`` what it
+    """Whether ``obj`` moves itself (``.to()``) but :func:`batch_tensors` may not find all of
+    its tensors: none found (kept in a C++ object, a closure...), or its attributes nest
+    deeper (or wider) than the walk follows.  CudaPrefetcher cannot ``record_stream`` what it
     cannot see, so it copies such an object on the consumer stream (see its NOTE)."""
-    return _movable(obj) and next(batch_tensors(obj), None) is None
+    if not _movable(obj):
+        return False
+    walk = _TensorWalk()
+    found = sum(1 for _ in walk.tensors(obj))  # the whole walk: ``cut`` is known only at its end
+    return not found or walk.cut
 
 
 def _slot_values(obj: Any) -> Iterator[Any]:
@@ -470,27 +472,64 @@ def _slot_values(obj: Any) -> Iterator[Any]:
                 continue
 
 
-def _walk_tensors(batch: Any, visiting: set[int]) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-        return
-    if id(batch) in visiting:  # an attribute that refers back (obj.parent)
-        return
-    if _movable(batch):
-        visiting.add(id(batch))
-        for v in [*getattr(batch, "__dict__", {}).values(), *_slot_values(batch)]:
-            yield from _walk_tensors(v, visiting)
-    values: Iterable[Any]
-    if isinstance(batch, Mapping):
-        values = batch.values()
-    elif _is_dataclass_instance(batch):
-        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    elif isinstance(batch, (tuple, list)):
-        values = batch
-    else:
-        return
-    for v in values:
-        yield from _walk_tensors(v, visiting)
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
+class _TensorWalk:
+    """One walk of a batch for its tensors.  Below an object that moves itself, plain objects
+    in its attributes are followed too (their tensors moved with it), at most ``DEPTH``
+    attribute hops deep and ``BUDGET`` values in all: where the walk stops short, ``cut`` is
+    set (the caller must then assume tensors it did not see)."""
+
+    DEPTH = 8
+    BUDGET = 100_000
+
+    def __init__(self) -> None:
+        self.cut = False
+        self._visiting: set[int] = set()
+        self._seen: set[int] = set()
+        self._values = 0
+
+    def tensors(self, batch: Any) -> Iterator[torch.Tensor]:
+        """Each tensor once."""
+        for t in self._walk(batch, 0):
+            if id(t) not in self._seen:
+                self._seen.add(id(t))
+                yield t
+
+    def _walk(self, batch: Any, hops: int) -> Iterator[torch.Tensor]:
+        if isinstance(batch, torch.Tensor):
+            yield batch
+            return
+        if id(batch) in self._visiting:  # an attribute that refers back (obj.parent)
+            return
+        self._values += 1
+        if self._values > self.BUDGET:
+            self.cut = True
+            return
+        holder = _movable(batch) or (
+            hops > 0
+            and not isinstance(batch, _NOT_HOLDERS)
+            and (hasattr(batch, "__dict__") or hasattr(type(batch), "__slots__"))
+        )
+        if holder:
+            if hops >= self.DEPTH:
+                self.cut = True
+                return
+            self._visiting.add(id(batch))
+            for v in [*getattr(batch, "__dict__", {}).values(), *_slot_values(batch)]:
+                yield from self._walk(v, hops + 1)
+        values: Iterable[Any]
+        if isinstance(batch, Mapping):
+            values = batch.values()
+        elif _is_dataclass_instance(batch):
+            values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+        elif isinstance(batch, (tuple, list)):
+            values = batch
+        else:
+            return
+        for v in values:
+            yield from self._walk(v, hops)
 
 
 def _to(obj: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -68,6 +68,19 @@ def parse_size(text: str | int, *, percent_of: int | None = None) -> int:
     return int(float(m.group(1)) * mult)
 
 
+def check_reserve(text: str | int) -> None:
+    """A reserve (``--reserve``, the config's ``reserve``): a size, or N% of the tmpfs with N
+    below 100 (a 100% reserve leaves nothing to stage into)."""
+    raw = str(text)
+    pct = _PCT_RE.match(raw) if isinstance(text, str) else None
+    if pct and not 0 < float(pct.group(1)) < 100:
+        raise SizeError(
+            f"invalid reserve {raw.strip()!r}: a percentage must be above 0% and below 100% "
+            "of the tmpfs (0 for no reserve)"
+        )
+    parse_size(text, percent_of=100)
+
+
 def format_size(n: int | float) -> str:
     """``1536`` -> ``'1.5 KiB'``; exact bytes below 1 KiB."""
     n = float(n)

@@ -176,7 +176,10 @@ BAD = [
         "shm: {size: true}\n",
         '1: shm.size: expected bytes or a size like 64G, N% or "auto", got a boolean (true)',
     ),
-    ("reserve: 100%\n", "1: reserve: a reserve must be less than 100% of the tmpfs"),
+    (
+        "reserve: 100%\n",
+        "1: reserve: invalid reserve '100%': a percentage must be above 0% and below 100% of the tmpfs (0 for no reserve)",
+    ),
     ("reserve: auto\n", '1: reserve: "auto" is not allowed here; use bytes or a size like 64G, N%'),
     (
         "reserve: -1G\n",

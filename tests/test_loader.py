@@ -1230,6 +1230,41 @@ def test_batch_tensors_finds_tensors_in_slots_and_flags_hidden_ones():
     assert not loader.hides_tensors(torch.ones(1)) and not loader.hides_tensors({"a": 1})
 
 
+class _Holder:  # no .to(), not a container: a plain object a moving object keeps
+    def __init__(self, t, inner=None):
+        self.t, self.inner = t, inner
+
+
+class _Graph:
+    def __init__(self, x, holder):
+        self.x, self.holder = x, holder
+
+    def to(self, device, non_blocking: bool = False) -> _Graph:
+        return self  # what it moves does not matter here: what the walk finds does
+
+
+def test_batch_tensors_follows_plain_objects_below_a_moving_one_and_flags_what_it_cannot_reach():
+    """A tensor one attribute level down (``obj.holder.t``) is found, so record_stream covers
+    it; plain objects in a top-level list are not walked (move_batch leaves them); a cycle is
+    walked once; nesting beyond the walk's bound makes the object one that hides tensors."""
+    g = _Graph(torch.ones(4), _Holder(torch.zeros(2, 8)))
+    assert sorted(t.numel() for t in loader.batch_tensors(g)) == [4, 16]
+    assert not loader.hides_tensors(g)
+    loop = _Holder(torch.ones(3))
+    loop.inner = loop
+    assert sorted(t.numel() for t in loader.batch_tensors(_Graph(torch.ones(1), loop))) == [1, 3]
+    assert list(loader.batch_tensors([_Holder(torch.ones(1))])) == []
+    deep = None
+    for _ in range(50):
+        deep = _Holder(None, deep)
+    deep.t = torch.ones(5)
+    tail = deep
+    while tail.inner is not None:
+        tail = tail.inner
+    tail.t = torch.ones(7)  # 50 hops down: beyond the bound
+    assert loader.hides_tensors(_Graph(torch.ones(1), deep))
+
+
 def test_prefetcher_copies_an_object_hiding_its_tensors_on_the_consumer_stream(monkeypatch):
     """Unit (streams faked): an object whose tensors record_stream cannot see is copied on the
     consumer stream; tensors and objects with visible tensors on the side stream."""

@@ -265,3 +265,44 @@ def test_batches_are_dealt_across_directories():
         (600, 856),
         (856, 900),
     ]
+
+
+def test_user_chosen_names_reach_the_terminal_escaped(runner, cli, tmp_path):
+    """A source path carrying terminal escapes (OSC: set the title, write the clipboard) is
+    printed escaped, in an error line and in `list`'s SOURCE column; JSON keeps it exact."""
+    bad = "x\x1b]0;PWNED\x07y"
+    src = tmp_path / bad
+    src.mkdir()
+    (src / "a").write_text("a")
+    os.mkfifo(src / f"{bad}.fifo")
+    dest = tmp_path / "d"
+    r = runner.invoke(cli, ["stage", str(src), "--dest", str(dest), "--name", "ds", "-q"])
+    assert r.exit_code == 2
+    assert "\x1b" not in r.output and "\x07" not in r.output
+    assert "named pipe at" in r.output and "x\\x1b]0;PWNED\\x07y.fifo" in r.output
+    os.unlink(src / f"{bad}.fifo")
+    r = runner.invoke(cli, ["stage", str(src), "--dest", str(dest), "--name", "ds", "-q"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(cli, ["list", "--dest", str(dest)])
+    assert r.exit_code == 0
+    assert "\x1b" not in r.output and "x\\x1b]0;PWNED\\x07y" in r.output
+    r = runner.invoke(cli, ["list", "--dest", str(dest), "--json"])
+    assert json.loads(r.output)[0]["source"] == str(src)
+
+
+@pytest.mark.parametrize("command", [["stage", "SRC", "--dest", "DEST"], ["run"], ["inspect"]])
+@pytest.mark.parametrize("value", ["100%", "100.0%"])
+def test_a_100_percent_reserve_is_refused_as_the_config_refuses_it(
+    runner, cli, tmp_path, command, value
+):
+    """--reserve 100% leaves nothing to stage into: refused up front (exit 2) with the words
+    the node config's `reserve: 100%` gets, not "does not fit" after looking."""
+    src = make_src(tmp_path)
+    argv = [str(src) if a == "SRC" else str(tmp_path / "d") if a == "DEST" else a for a in command]
+    r = runner.invoke(cli, [*argv, "--reserve", value] + (["--", "true"] if command == ["run"] else []))
+    assert r.exit_code == 2, r.output
+    assert (
+        f"invalid reserve '{value}': a percentage must be above 0% and below 100% of the tmpfs "
+        "(0 for no reserve)"
+    ) in r.output
+    assert not (tmp_path / "d").exists()

@@ -20,6 +20,7 @@ import click
 from shmstage import __version__
 from shmstage._libc import load_libc
 from shmstage.errors import Interrupted, KilledBy, ShmstageError
+from shmstage.terminal import printable
 
 # command name -> "module:attribute" (relative to shmstage.cli)
 COMMANDS: dict[str, str] = {
@@ -41,7 +42,8 @@ COMMANDS: dict[str, str] = {
 
 class ShmstageClickError(click.ClickException):
     def __init__(self, error: ShmstageError) -> None:
-        super().__init__(str(error))
+        # a path in the message may be another user's choice: no raw escapes (lines kept)
+        super().__init__(printable(str(error), keep="\n"))
         self.exit_code = error.exit_code
 
 

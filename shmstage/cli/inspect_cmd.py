@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from shmstage.cli.output import emit, json_option, table, verdict
-from shmstage.cli.params import SIZE_OR_PERCENT
+from shmstage.cli.params import RESERVE
 from shmstage.inspection import NodeReport, inspect_node
 
 
@@ -42,7 +42,7 @@ def _render(report: NodeReport) -> None:
 )
 @click.option(
     "--reserve",
-    type=SIZE_OR_PERCENT,
+    type=RESERVE,
     default=None,
     help="Space to keep free after staging: a size, or N% of the destination's size.  [default: 10% of the tmpfs, at most 4G]",
 )

@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 
+from shmstage.terminal import printable
+
 
 def jsonable(value: Any) -> Any:
     """Turn results (dataclasses, enums, paths, tuples) into plain JSON values."""
@@ -58,8 +60,9 @@ def emit(result: Any, as_json: bool, render: Callable[[Any], None]) -> None:
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = None) -> str:
-    """A plain left-aligned table; numbers right-aligned."""
-    cells = [[("" if c is None else str(c)) for c in row] for row in rows]
+    """A plain left-aligned table; numbers right-aligned.  Cells go through
+    :func:`~shmstage.terminal.printable` (a SOURCE path is its owner's choice)."""
+    cells = [[("" if c is None else printable(str(c))) for c in row] for row in rows]
     if headers:
         cells.insert(0, list(headers))
     if not cells:

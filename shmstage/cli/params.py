@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from shmstage.sizes import SizeError, is_percent, parse_age, parse_size
+from shmstage.sizes import SizeError, check_reserve, is_percent, parse_age, parse_size
 
 
 class SizeType(click.ParamType):
@@ -52,8 +52,24 @@ class AgeType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class ReserveType(SizeType):
+    """``--reserve``: a size or N% (0 < N < 100), the config's ``reserve`` rule."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_percent=True)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        out = super().convert(value, param, ctx)
+        try:
+            check_reserve(out)  # what is left: 100% (in the order the config checks)
+        except SizeError as e:
+            self.fail(str(e), param, ctx)
+        return out
+
+
 SIZE = SizeType()
 SIZE_OR_PERCENT = SizeType(allow_percent=True)
+RESERVE = ReserveType()
 AGE = AgeType()
 
 

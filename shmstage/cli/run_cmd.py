@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
-from shmstage.cli.params import SIZE_OR_PERCENT, cluster_options, config_option
+from shmstage.cli.params import RESERVE, cluster_options, config_option
 
 
 def _log(message: str) -> None:
@@ -108,7 +108,7 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
 )
 @click.option(
     "--reserve",
-    type=SIZE_OR_PERCENT,
+    type=RESERVE,
     help="Room to keep free for DataLoader shared memory when staging: a size, or N% of "
     "DEST's file system. Default: the node config's reserve, else 10% of DEST, at most 4G.",
 )

@@ -9,7 +9,7 @@ import click
 
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import SIZE_OR_PERCENT, cluster_options, config_option
+from shmstage.cli.params import RESERVE, cluster_options, config_option
 from shmstage.config import node_reserve
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
@@ -103,7 +103,7 @@ def _log_waiting(p: Progress) -> None:
 )
 @click.option(
     "--reserve",
-    type=SIZE_OR_PERCENT,
+    type=RESERVE,
     help="Room to keep free for DataLoader shared memory: a size, or N% of DEST's file system. "
     "Default: the node config's reserve, else 10% of DEST, at most 4G.",
 )

@@ -74,7 +74,12 @@ class Peers:
         # A node refused by the rendezvous (another job's, another --nodes) has nothing to
         # tell that job: its nodes are not this one's peers.
         if own and not isinstance(e, Mismatch):
-            reason = str(e) if isinstance(e, ShmstageError) else f"{kind.__name__}: {e}"  # type: ignore[union-attr]
+            if isinstance(e, ShmstageError):
+                reason = str(e)
+            elif isinstance(e, KeyboardInterrupt):  # Ctrl-C: its str() is empty
+                reason = "interrupted by SIGINT"
+            else:
+                reason = f"{kind.__name__}: {e}"  # type: ignore[union-attr]
             self.rv.report(reason or "interrupted")
         self.rv.close(failed=e is not None, own=own)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.store import _NAME_RE, BOOK, Store, _check_owner, _mkdir_checked
+from shmstage.terminal import printable
 
 _COMMAND_CHARS = 120
 
@@ -284,15 +285,6 @@ def command_of(pid: int) -> str:
         argv[0] = os.path.basename(argv[0])
     text = " ".join(argv)
     return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 4].rstrip() + " ..."
-
-
-def printable(text: str) -> str:
-    """``text`` with every non-printable character written as its Python escape (\\x1b, \\n,
-    \\u202e): a lease holder names itself, and its argv goes into another user's terminal
-    (root's evict), where raw escape sequences could rewrite the screen or the clipboard."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def unlink_locked(store: Store, name: str) -> None:
