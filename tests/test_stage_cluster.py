@@ -531,13 +531,24 @@ def test_sigterm_mid_exchange_dies_of_it_at_once_and_the_others_name_that_node(c
 
 @pytest.mark.root
 def test_nodes_started_with_different_node_counts_all_refuse_naming_it(cluster) -> None:
-    """Nodes 0 and 2 run --nodes 3, node 1 --nodes 2: every node refuses at once (exit 2)
-    with one line naming the mismatch, instead of some publishing and others timing out."""
+    """Nodes 0 and 2 run --nodes 3, node 1 --nodes 2: every node refuses (exit 2) with one
+    line naming the mismatch, instead of some publishing and others timing out.  Node 2
+    starts only once node 1 has refused: node 0 keeps its store up to tell it why (before,
+    node 0 was gone, and node 2 waited --timeout, then blamed node 0)."""
     body = (
         f"$STAGE $EXTRA >/dev/null; echo rc=$?; test -e {cluster.dest}/data && echo published; true"
     )
-    nodes = cluster.start(body, nodes=3, per_node={1: 'EXTRA="--nodes 2"; '})
-    for _, out, err in _wait_all(nodes, timeout=100):
+    first = cluster.start(
+        body, nodes=3, per_node={1: 'EXTRA="--nodes 2"; ', 2: "exit 0; "}, args="--timeout 60"
+    )
+    results = _wait_all(first[1:2], timeout=100)  # node 1: refused at once
+    time.sleep(2)  # node 0 has seen the refusal by now, and would have exited
+    late = cluster.start(
+        body, nodes=3, per_node={0: "exit 0; ", 1: "exit 0; "}, port=cluster.port,
+        args="--timeout 20",
+    )  # fmt: skip
+    results += _wait_all([late[2], first[0]], timeout=100)
+    for _, out, err in results:
         assert out == "rc=2\n", (out, err)
         assert "different --nodes" in _one_line(err), err
 

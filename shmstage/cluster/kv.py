@@ -104,6 +104,7 @@ class Server:
         self.connected: set[int] = set()  # ranks whose main connection is open
         self.beat: dict[int, float] = {}  # rank -> monotonic time of its last heartbeat
         self.bye: set[int] = set()
+        self.told: set[int] = set()  # ranks that were answered with the poison line
         self.conns: set[socket.socket] = set()
         # Every address, as TCPStore: HOST is how the others reach this machine (node01),
         # which may resolve to another interface's address than the one they use.
@@ -135,9 +136,15 @@ class Server:
         still needs the store (to read why the job failed, or to finish)."""
         now = time.monotonic()
         with self.lock:
+            if self.poison is not None:
+                # Refused: a node that has not come yet must still read why (instead of
+                # waiting --timeout for a node 0 that is gone, then blaming it).
+                return all(
+                    r in self.told or r in self.bye or (r in self.claimed and r not in self.connected)
+                    for r in range(1, self.nodes)
+                )
             return all(
                 r in self.bye
-                or (self.poison is not None and r not in self.connected)  # refused: gone
                 or (r in self.claimed and r not in self.connected)
                 or now - self.beat.get(r, now) > STALE
                 for r in range(1, self.nodes)
@@ -171,7 +178,7 @@ class Server:
                 req = _recv(conn)
                 if req is None:
                     return
-                _send(conn, self._handle(req))
+                _send(conn, self._handle(req, rank))
         except Exception:  # noqa: BLE001 - a broken or foreign client: drop it, print nothing
             return
         finally:
@@ -193,6 +200,8 @@ class Server:
                     f"--nodes {nodes}, node 0 with --nodes {self.nodes}; start every node "
                     "with the same --nodes; this node publishes nothing"
                 )
+                if isinstance(rank, int):
+                    self.told.add(rank)
                 return {"error": "poison", "poison": self.poison}, None
             if not hello.get("main"):
                 return {"ok": True}, None
@@ -204,13 +213,16 @@ class Server:
                     f"and {addr[0]}): give every node its own --node-rank, and every job its "
                     "own --rendezvous port; this node publishes nothing"
                 )
+                self.told.add(rank)
                 return {"error": "poison", "poison": self.poison}, None
             self.claimed[rank] = str(addr[0])
             self.connected.add(rank)
             self.beat.setdefault(rank, time.monotonic())
+            if self.poison is not None:
+                self.told.add(rank)
         return {"ok": True, "poison": self.poison}, rank
 
-    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, req: dict[str, Any], rank: int | None = None) -> dict[str, Any]:
         op = req.get("op")
         out: dict[str, Any] = {}
         with self.lock:
@@ -249,6 +261,8 @@ class Server:
             else:
                 out["error"] = f"unknown op {op!r}"
             out["poison"] = self.poison
+            if self.poison is not None and rank is not None:
+                self.told.add(rank)
         return out
 
 

@@ -313,7 +313,10 @@ class Rendezvous:
             self.store.close()
             self.store = None
         if self.server is not None:
-            wait = 0.0 if own and exchanging else min(self.timeout, 30.0)
+            # refused: the nodes still to come are told why, up to --timeout
+            wait = self.timeout if self.server.poison is not None else min(self.timeout, 30.0)
+            if own and exchanging:
+                wait = 0.0
             deadline = time.monotonic() + wait
             while not self.server.settled() and time.monotonic() < deadline:
                 time.sleep(0.05)
