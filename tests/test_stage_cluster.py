@@ -69,6 +69,8 @@ def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
     with pytest.raises(RefusedError, match="must be 0 to 3"):
         resolve(4, 4, "h", environ={})
     assert first_host("n1,n2") == "n1" and first_host("a[3]") == "a3"
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    assert resolve(4, 1, "h", environ=slurm).job == "Slurm job 7 step 0"
 
 
 def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
@@ -576,3 +578,56 @@ def test_two_jobs_on_one_rendezvous_port_do_not_mix(cluster) -> None:
         assert out in ("rc=1\n", "rc=2\n"), (out, err)
         line = _one_line(err)
         assert "in use" in line or "belongs to another job" in line, err
+
+
+def _job_body(cluster: Cluster) -> str:
+    """A node staging $SRC (default the cluster's) under --name $NAME (default data)."""
+    return (
+        f'$EXE stage "${{SRC:-{cluster.src}}}" --name "${{NAME:-data}}" --dest {cluster.dest} '
+        "--reserve 0 --quiet $CLUSTER >/dev/null; echo rc=$?; "
+        f'test -e {cluster.dest}/"${{NAME:-data}}" && echo published; true'
+    )
+
+
+def _wait_listening(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while not _listening(port):
+        assert time.monotonic() < deadline, "node 0 never listened"
+        time.sleep(0.05)
+
+
+@pytest.mark.root
+def test_a_node_of_another_job_that_fails_before_joining_does_not_touch_this_job(cluster) -> None:
+    """Job B's node 1 (a mistyped source, the same --nodes 2 and port as job A) fails
+    before joining and reports why: job A's node 0 ignores it, and A's nodes publish
+    (before, A's node 0 failed with "node 1 of 2 failed: source ... does not exist")."""
+    body = _job_body(cluster)
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    other = cluster.start(
+        body, nodes=2, port=cluster.port, per_node={0: "exit 0; ", 1: "SRC=/nonexistent/jobB; "}
+    )[1]
+    (rc, out, err) = _wait_all([other])[0]
+    assert out == "rc=2\n" and "does not exist" in _one_line(err), (out, err)
+    time.sleep(2)  # node 0 looks for reports while it waits: give it time to find that one
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+@pytest.mark.root
+def test_two_jobs_staging_one_source_under_other_names_do_not_mix(cluster) -> None:
+    """No Slurm: job B stages the same source under another --name on job A's port; B's
+    node is refused as another job's (exit 2, one line) and A's nodes publish (before,
+    B's node 1 joined A's node 0 and both published)."""
+    body = _job_body(cluster)
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    other = cluster.start(
+        body, nodes=2, port=cluster.port, per_node={0: "exit 0; ", 1: "NAME=other; "}
+    )[1]
+    (rc, out, err) = _wait_all([other], timeout=100)[0]
+    assert out == "rc=2\n" and "belongs to another job" in _one_line(err), (out, err)
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)

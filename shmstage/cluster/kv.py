@@ -95,6 +95,8 @@ class Server:
     """Node 0's side: a listening socket and one thread per connection."""
 
     def __init__(self, port: int, nodes: int, job: str | None) -> None:
+        # ``job``: every hello must name it (a node of another job, e.g. one that failed
+        # before joining and reports why, must not touch this job)
         self.nodes, self.job = nodes, job
         self.data: dict[str, bytes] = {}
         self.counters: dict[str, int] = {}
@@ -140,7 +142,9 @@ class Server:
                 # Refused: a node that has not come yet must still read why (instead of
                 # waiting --timeout for a node 0 that is gone, then blaming it).
                 return all(
-                    r in self.told or r in self.bye or (r in self.claimed and r not in self.connected)
+                    r in self.told
+                    or r in self.bye
+                    or (r in self.claimed and r not in self.connected)
                     for r in range(1, self.nodes)
                 )
             return all(
@@ -191,8 +195,9 @@ class Server:
     def _hello(self, hello: dict[str, Any], addr: Any) -> tuple[dict[str, Any], int | None]:
         nodes, rank, job = hello.get("nodes"), hello.get("rank"), hello.get("job")
         with self.lock:
-            if self.job is not None and job is not None and job != self.job:
-                # another job's node: refuse it, and leave this job alone
+            if job != self.job:
+                # another job's node (or none that says which): refuse it, and leave this
+                # job alone - its failure reports and --nodes are not this job's
                 return {"error": "job", "job": self.job}, None
             if nodes != self.nodes:
                 self.poison = (

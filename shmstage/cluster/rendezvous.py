@@ -40,6 +40,7 @@ class Rendezvous:
         self.store: Client | None = None
         self.server: Server | None = None
         self.group: Any = None
+        self.job: str | None = None  # which job this is: every hello says it (kv.Server)
         self.round = 0  # one per stage() call, so `prepare` can stage several datasets
         self.beating = threading.Event()  # set: stop the heartbeat
 
@@ -50,6 +51,8 @@ class Rendezvous:
         (the source, the Slurm job): a node of another job is refused, not mixed in."""
         if self.store is not None:
             return
+        if job is not None:
+            self.job = job
         if importlib.util.find_spec("torch") is None:  # before anyone waits for this node
             raise ShmstageError(
                 "--nodes needs torch (torch.distributed moves the bytes between nodes): "
@@ -59,7 +62,7 @@ class Rendezvous:
         where = f"{self.host}:{self.port}"
         if self.rank == 0 and self.server is None:
             try:
-                self.server = Server(self.port, self.nodes, job)
+                self.server = Server(self.port, self.nodes, self.job)
             except OSError as e:
                 why = (
                     "in use (another job's rendezvous?)"
@@ -71,7 +74,7 @@ class Rendezvous:
                     "pick a free port with --rendezvous HOST:PORT"
                 ) from None
         try:
-            self.store = Client(self.host, self.port, self.nodes, self.rank, job, wait)
+            self.store = Client(self.host, self.port, self.nodes, self.rank, self.job, wait)
         except StoreLost as e:
             raise PeerLost(str(e)) from None
         self.store.timeout = self.timeout
@@ -175,8 +178,11 @@ class Rendezvous:
                 self.connect(timeout=quick)
             if self.store is not None:
                 self.store.set(f"fail/{self.rank}", blob, quick)
-            else:  # failed before joining: say why, without joining now
-                once = Client(self.host, self.port, self.nodes, self.rank, None, quick, main=False)
+            elif self.job is not None:  # failed before joining: say why, without joining now
+                # as this job's node: node 0 of another job ignores it (kv.Server._hello)
+                once = Client(
+                    self.host, self.port, self.nodes, self.rank, self.job, quick, main=False
+                )
                 try:
                     once.set(f"fail/{self.rank}", blob, quick)
                 finally:
@@ -280,7 +286,7 @@ class Rendezvous:
         """Count up ``hb/<rank>`` while this node lives (its own connection: the main
         thread's may be busy in a wait)."""
         try:
-            store = Client(self.host, self.port, self.nodes, self.rank, None, self.timeout,
+            store = Client(self.host, self.port, self.nodes, self.rank, self.job, self.timeout,
                            main=False)  # fmt: skip
         except Exception:  # noqa: BLE001 - the store is gone: the main thread finds out
             return
