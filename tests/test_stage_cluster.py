@@ -631,3 +631,66 @@ def test_two_jobs_staging_one_source_under_other_names_do_not_mix(cluster) -> No
     node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
     for _rc, out, err in _wait_all([node0, node1], timeout=100):
         assert out == "rc=0\npublished\n", (out, err)
+
+
+FREEZE_HOOK = """\
+import os, signal, time
+if os.environ.get("SHMSTAGE_TEST_FREEZE_AT"):  # SIGSTOP ourselves at that engine step
+    import shmstage.stage.engine as engine
+    kill_at = engine._kill_at
+    def _freeze_at(step):
+        if step == os.environ["SHMSTAGE_TEST_FREEZE_AT"]:
+            time.sleep(2)  # the other nodes catch up: they post "ready" and wait
+            os.kill(os.getpid(), signal.SIGSTOP)
+        kill_at(step)
+    engine._kill_at = _freeze_at
+"""
+
+
+def _stopped_child(pid: int) -> int | None:
+    """The child of ``pid`` that is stopped (SIGSTOP), if any."""
+    for kid in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            if Path(f"/proc/{kid}/stat").read_text().rpartition(") ")[2][0] == "T":
+                return int(kid)
+        except FileNotFoundError:
+            pass
+    return None
+
+
+@pytest.mark.root
+def test_a_node_0_frozen_before_publishing_a_change_that_moves_no_bytes_publishes_nothing(
+    cluster, tmp_path: Path
+) -> None:
+    """Only empty files (no bytes move, no gloo group): node 0 freezes just before the
+    final agreement; node 1 posts "ready", gives up after --timeout and fails.  Node 0,
+    resumed, must not publish alone (before, it found every "ready" and published)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FREEZE_HOOK)
+    empty = f"{cluster.src}/class0"
+    setup = (
+        f"mount -t tmpfs -o mode=755 empty {empty} && touch {empty}/a {empty}/b && "
+        f"touch -d @1600000000 {empty}/a {empty}/b {empty} || exit 92; SRC={empty}; "
+    )
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 4")
+    nodes = cluster.start(
+        body,
+        nodes=2,
+        per_node={
+            0: setup + f"export SHMSTAGE_TEST_FREEZE_AT=manifest PYTHONPATH={hook}:$PYTHONPATH; ",
+            1: setup,
+        },
+    )
+    deadline = time.monotonic() + 60
+    while (frozen := _stopped_child(nodes[0].pid)) is None:
+        assert time.monotonic() < deadline and nodes[0].poll() is None, "node 0 never froze"
+        time.sleep(0.05)
+    try:
+        results = _wait_all([nodes[1]], timeout=100)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    results += _wait_all([nodes[0]], timeout=100)
+    for rank, (_, out, err) in enumerate(reversed(results)):
+        assert out == "rc=1\n", (rank, out, err)
+        _one_line(err)

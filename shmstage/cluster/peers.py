@@ -165,19 +165,25 @@ class Peers:
                 )
 
     def barrier(self) -> None:
-        """Return when every node has every byte; the engine publishes right after."""
-        self.rv.allgather("ready", b"1")
-        if self.rv.group is not None:  # also proves the gloo links are still up
-            from datetime import timedelta
+        """Return when every node has every byte and node 0 decided to publish (every node
+        decides the same: rendezvous.decide); the engine publishes right after."""
+        try:
+            self.rv.allgather("ready", b"1")
+            if self.rv.group is not None:  # also proves the gloo links are still up
+                from datetime import timedelta
 
-            try:
-                work = self.rv.group.barrier()
-            except Exception as e:  # a group that broke since the ring
-                raise self.rv.lost(e) from None
-            try:
-                wait_work(work, timedelta(seconds=self.spec.timeout), None)
-            except _Lost as e:
-                raise self.rv.lost(e.error) from None
+                try:
+                    work = self.rv.group.barrier()
+                except Exception as e:  # a group that broke since the ring
+                    raise self.rv.lost(e) from None
+                try:
+                    wait_work(work, timedelta(seconds=self.spec.timeout), None)
+                except _Lost as e:
+                    raise self.rv.lost(e.error) from None
+        except BaseException:
+            self.rv.give_up()  # node 0 has not committed: it waits for this node's ack
+            raise
+        self.rv.decide()
 
     # --- refusing ----------------------------------------------------------------------
 

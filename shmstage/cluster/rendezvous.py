@@ -165,6 +165,80 @@ class Rendezvous:
         assert self.store is not None
         return self.store
 
+    # --- publishing: all or none -----------------------------------------------------
+
+    # One counter per round decides: node 0 adds COMMIT, a node that gives up adds ABORT;
+    # the store adds under one lock, so the first addition wins and every node reads the
+    # same outcome (value % ABORT == COMMIT: committed first).
+    COMMIT, ABORT = 1, 1000
+
+    def decide(self) -> None:
+        """After every node posted "ready": return when the job publishes, raise when it
+        does not - the same outcome on every node.  Node 0 commits only once every other
+        node has acked after node 0 saw them ready: a node that gave up meanwhile (timed out
+        on a frozen node 0, then exited) never acks, or its abort was counted first."""
+        store = self._store()
+        key, check = f"r{self.round}/decide", f"r{self.round}/check"
+        try:
+            if self.rank == 0:
+                store.set(check, b"1")
+                acks = [self.key("ack", r) for r in range(1, self.nodes)]
+                try:
+                    store.wait(acks, self.timeout)
+                except StoreTimeout:
+                    missing = [r for r, k in enumerate(acks, 1) if not store.check([k])]
+                    raise PeerLost(
+                        f"{_ranks(missing, self.nodes)} did not answer within {self.timeout:g} s "
+                        "(before publishing); nothing was published, re-run to resume"
+                    ) from None
+                if store.add(key, self.COMMIT) != self.COMMIT:
+                    raise self._aborted()
+                return
+            acked = False
+            end = time.monotonic() + self.timeout
+            while time.monotonic() < end:
+                if not acked and store.check([check]):
+                    store.set(self.key("ack"), b"1")
+                    acked = True
+                value = store.add(key, 0)
+                if value % self.ABORT == self.COMMIT:
+                    return
+                if value:
+                    raise self._aborted()
+                time.sleep(0.05)
+        except StoreLost as e:
+            if self.give_up():
+                return
+            raise PeerLost(str(e)) from None
+        except BaseException:
+            if self.give_up():
+                return
+            raise
+        if self.give_up():
+            return
+        raise PeerLost(
+            f"node 0 did not decide within {self.timeout:g} s whether to publish; nothing was "
+            "published, re-run to resume"
+        )
+
+    def give_up(self) -> bool:
+        """This node stops before publishing: count its abort, unless node 0 committed
+        first - then True (publish, as every other node does).  Best effort: a node 0 that
+        does not answer finds this node's connection closed instead (it never acks)."""
+        if self.store is None:
+            return False
+        try:
+            value = self.store.add(f"r{self.round}/decide", self.ABORT, min(QUICK, self.timeout))
+        except Exception:  # noqa: BLE001 - node 0 frozen or gone: it sees this node go
+            return False
+        return value % self.ABORT == self.COMMIT
+
+    def _aborted(self) -> PeerLost:
+        return PeerLost(
+            "another node gave up before publishing (see its line); nothing was published, "
+            "re-run to resume"
+        )
+
     # --- failures ---------------------------------------------------------------------
 
     def report(self, reason: str, suspect: int | None = None, lost: bool = False) -> None:
