@@ -694,3 +694,20 @@ def test_a_node_0_frozen_before_publishing_a_change_that_moves_no_bytes_publishe
     for rank, (_, out, err) in enumerate(reversed(results)):
         assert out == "rc=1\n", (rank, out, err)
         _one_line(err)
+
+
+@pytest.mark.root
+def test_node_0_listens_only_on_the_rendezvous_address(cluster) -> None:
+    """--rendezvous 127.0.0.1: node 0's store is reachable there, and not on the
+    machine's other addresses (127.0.0.2, ::1; before, it listened on every address)."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 10")
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    elsewhere = []
+    for family, addr in ((socket.AF_INET, "127.0.0.2"), (socket.AF_INET6, "::1")):
+        with socket.socket(family) as s:
+            if s.connect_ex((addr, cluster.port)) == 0:
+                elsewhere.append(addr)
+    (_rc, out, err) = _wait_all([node0], timeout=100)[0]
+    assert elsewhere == [], elsewhere
+    assert out == "rc=1\n", (out, err)

@@ -91,10 +91,50 @@ def _unb64(text: str) -> bytes:
 # --- server (node 0) -------------------------------------------------------------------
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host`` (the --rendezvous host): only the address the other
+    nodes are told to use, not every interface of node 0.  Every address instead (as
+    TCPStore) when ``host`` is a name that resolves here to a loopback address other than
+    localhost's (Debian's 127.0.1.1 for the host's own name: the others reach it by
+    another address), or to no address of this machine (EADDRNOTAVAIL: NAT, a proxy)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    literal = _is_literal(host)
+    for family, _, _, _, addr in infos:
+        loopback = addr[0] == "::1" or addr[0].startswith("127.")
+        if loopback and not literal and host != "localhost":
+            break
+        try:
+            return socket.create_server(addr, family=family, backlog=256)
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+    try:
+        return socket.create_server(
+            ("", port), family=socket.AF_INET6, backlog=256, dualstack_ipv6=True
+        )
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise
+        return socket.create_server(("", port), backlog=256)  # no IPv6 here
+
+
+def _is_literal(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return True
+        except OSError:
+            pass
+    return False
+
+
 class Server:
     """Node 0's side: a listening socket and one thread per connection."""
 
-    def __init__(self, port: int, nodes: int, job: str | None) -> None:
+    def __init__(self, host: str, port: int, nodes: int, job: str | None) -> None:
         # ``job``: every hello must name it (a node of another job, e.g. one that failed
         # before joining and reports why, must not touch this job)
         self.nodes, self.job = nodes, job
@@ -108,17 +148,7 @@ class Server:
         self.bye: set[int] = set()
         self.told: set[int] = set()  # ranks that were answered with the poison line
         self.conns: set[socket.socket] = set()
-        # Every address, as TCPStore: HOST is how the others reach this machine (node01),
-        # which may resolve to another interface's address than the one they use.
-        try:
-            self.sock = socket.create_server(
-                ("", port), family=socket.AF_INET6, backlog=256, reuse_port=False,
-                dualstack_ipv6=True,
-            )  # fmt: skip
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise
-            self.sock = socket.create_server(("", port), backlog=256)  # no IPv6 here
+        self.sock = listen(host, port)
         self.closed = False
         threading.Thread(target=self._accept, name="shmstage-kv-accept", daemon=True).start()
 

@@ -62,7 +62,7 @@ class Rendezvous:
         where = f"{self.host}:{self.port}"
         if self.rank == 0 and self.server is None:
             try:
-                self.server = Server(self.port, self.nodes, self.job)
+                self.server = Server(self.host, self.port, self.nodes, self.job)
             except OSError as e:
                 why = (
                     "in use (another job's rendezvous?)"
