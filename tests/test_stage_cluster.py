@@ -5,6 +5,7 @@ sectors read from the loop devices are the source traffic."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -711,3 +712,56 @@ def test_node_0_listens_only_on_the_rendezvous_address(cluster) -> None:
     (_rc, out, err) = _wait_all([node0], timeout=100)[0]
     assert elsewhere == [], elsewhere
     assert out == "rc=1\n", (out, err)
+
+
+@pytest.mark.root
+def test_a_burst_of_idle_connections_does_not_shut_node_0s_store(cluster) -> None:
+    """Node 0 runs with `ulimit -n 256`; something opens 300 idle connections to its port
+    (no hello), then closes them; the real node 1 then joins and both publish (before,
+    one EMFILE ended node 0's accept loop for good and both failed)."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    node0 = cluster.start(body, nodes=2, per_node={0: "ulimit -n 256; ", 1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", cluster.port), timeout=10))
+        time.sleep(1)  # node 0 accepts what it can meanwhile
+    finally:
+        for s in idle:
+            s.close()
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """True once the other end closed ``sock`` (False: still open after 60 s)."""
+    sock.settimeout(60)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed with our bytes unread
+        pass
+    return True
+
+
+@pytest.mark.root
+def test_node_0_drops_connections_that_send_a_big_frame_or_no_hello(cluster) -> None:
+    """Before any hello: a frame announced as 512 MiB is refused (the connection closed
+    after its first bytes, not buffered up to 1 GiB), and a connection that says nothing
+    is closed after a deadline; node 0 still serves the real node 1 afterwards."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 90")
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    with socket.create_connection(("127.0.0.1", cluster.port), timeout=10) as big:
+        with contextlib.suppress(OSError):  # closed while we sent: as it should
+            big.sendall((512 << 20).to_bytes(4, "big") + b"\0" * (2 << 20))
+        assert _dropped(big), "node 0 kept reading a 512 MiB frame before any hello"
+    with socket.create_connection(("127.0.0.1", cluster.port), timeout=10) as quiet:
+        assert _dropped(quiet), "node 0 kept a connection that never said hello"
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)

@@ -30,7 +30,13 @@ from shmstage.errors import RefusedError, ShmstageError
 POLL = 0.05  # seconds between two checks of a waited-for key (one round trip to node 0)
 STALE = 3.0  # seconds without a heartbeat after which the server calls a node hung
 _LEN = struct.Struct(">I")
-_MAX = 1 << 30
+# Frames: a hello is small; after it, a node of this job may post a tree's entries (tens
+# of MB for millions of files).  Whoever merely reaches the port gets the small limit, a
+# deadline for the hello, and at most PENDING connections that have not said it yet.
+HELLO_MAX = 64 << 10
+_MAX = 1 << 28
+HELLO_WITHIN = 10.0  # seconds: a node sends its hello at once after connecting
+PENDING = 64
 
 
 class StoreLost(ShmstageError):
@@ -54,14 +60,17 @@ def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv(sock: socket.socket) -> dict[str, Any] | None:
-    head = _exactly(sock, _LEN.size)
+def _recv(
+    sock: socket.socket, limit: int = _MAX, until: float | None = None
+) -> dict[str, Any] | None:
+    """One frame (None: the peer closed); ``until``: a monotonic deadline for all of it."""
+    head = _exactly(sock, _LEN.size, until)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
-    if n > _MAX:
+    if n > limit:
         raise ValueError(f"frame of {n} bytes")
-    body = _exactly(sock, n)
+    body = _exactly(sock, n, until)
     if body is None:
         return None
     obj = json.loads(body)
@@ -70,9 +79,11 @@ def _recv(sock: socket.socket) -> dict[str, Any] | None:
     return obj
 
 
-def _exactly(sock: socket.socket, n: int) -> bytes | None:
+def _exactly(sock: socket.socket, n: int, until: float | None = None) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
+        if until is not None:  # a byte at a time must not stretch it
+            sock.settimeout(max(0.001, until - time.monotonic()))
         chunk = sock.recv(n - len(buf))
         if not chunk:
             return None
@@ -147,6 +158,7 @@ class Server:
         self.beat: dict[int, float] = {}  # rank -> monotonic time of its last heartbeat
         self.bye: set[int] = set()
         self.told: set[int] = set()  # ranks that were answered with the poison line
+        self.pending = 0  # connections that have not said hello yet
         self.conns: set[socket.socket] = set()
         self.sock = listen(host, port)
         self.closed = False
@@ -189,7 +201,19 @@ class Server:
             try:
                 conn, addr = self.sock.accept()
             except OSError:
-                return
+                if self.closed:
+                    return
+                # EMFILE, ENFILE, ECONNABORTED...: a burst of connections passes; keep
+                # accepting (the idle ones are dropped after HELLO_WITHIN)
+                time.sleep(0.05)
+                continue
+            with self.lock:
+                crowded = self.pending >= PENDING
+                if not crowded:
+                    self.pending += 1
+            if crowded:  # many that say nothing: not this job's nodes (they retry)
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve, args=(conn, addr), name="shmstage-kv", daemon=True
@@ -197,17 +221,21 @@ class Server:
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         rank: int | None = None  # set once this connection claimed a rank
+        pending = True
         with self.lock:
             self.conns.add(conn)
         try:
-            conn.settimeout(None)
-            hello = _recv(conn)
+            hello = _recv(conn, HELLO_MAX, time.monotonic() + HELLO_WITHIN)
             if hello is None or hello.get("op") != "hello":
                 return
             answer, rank = self._hello(hello, addr)
             _send(conn, answer)
             if "error" in answer:
                 return
+            with self.lock:
+                self.pending -= 1
+                pending = False
+            conn.settimeout(None)  # a node's connection idles while the ring runs
             while True:
                 req = _recv(conn)
                 if req is None:
@@ -217,6 +245,7 @@ class Server:
             return
         finally:
             with self.lock:
+                self.pending -= pending
                 self.conns.discard(conn)
                 if rank is not None:
                     self.connected.discard(rank)
@@ -360,6 +389,9 @@ class Client:
             raise StoreLost(self._silent(timeout, e)) from None
         if answer is None:
             sock.close()
+            if deadline - time.monotonic() > 0.2:  # busy (many connections at once): again
+                time.sleep(0.2)
+                return self._connect(deadline - time.monotonic())
             raise StoreLost(
                 f"the rendezvous on {self.where} (node 0) closed the connection at once: "
                 "node 0 gave up already, or something else than shmstage listens there"
