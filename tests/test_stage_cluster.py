@@ -765,3 +765,51 @@ def test_node_0_drops_connections_that_send_a_big_frame_or_no_hello(cluster) -> 
     node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
     for _rc, out, err in _wait_all([node0, node1], timeout=100):
         assert out == "rc=0\npublished\n", (out, err)
+
+
+def _hello(port: int, hello: dict) -> dict | None:
+    """Send one hello frame as a raw client; node 0's answer (None: it closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        data = json.dumps(hello).encode()
+        s.sendall(len(data).to_bytes(4, "big") + data)
+        head = s.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        return json.loads(s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL))
+
+
+@pytest.mark.root
+def test_hellos_that_do_not_name_the_job_do_not_affect_it(cluster) -> None:
+    """Raw hellos without the job's identity (another --nodes; a claim of rank 1) are
+    refused and change nothing: node 0 and the real node 1 then publish (before, every
+    node exited 2 with a false "different --nodes" or "two nodes started as node 1")."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    for hello in (
+        {"op": "hello", "job": None, "nodes": 3, "rank": 1, "main": True},
+        {"op": "hello", "nodes": 2, "rank": 1, "main": True},
+        {"op": "hello", "job": "source /elsewhere", "nodes": 2, "rank": 1, "main": True},
+    ):
+        answer = _hello(cluster.port, hello)
+        assert answer is not None and answer.get("error") == "job", (hello, answer)
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+@pytest.mark.root
+def test_with_a_rendezvous_token_a_node_without_it_is_refused(cluster) -> None:
+    """SHMSTAGE_RENDEZVOUS_TOKEN on node 0: a node 1 started without it (the same command
+    line otherwise, e.g. someone posing as node 1) is refused (exit 2, one line naming the
+    token) and changes nothing; the real node 1, with the token, joins and both publish."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    token = "export SHMSTAGE_RENDEZVOUS_TOKEN=s3cret; "
+    node0 = cluster.start(body, nodes=2, per_node={0: token, 1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    intruder = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    (_rc, out, err) = _wait_all([intruder], timeout=100)[0]
+    assert out == "rc=2\n" and "SHMSTAGE_RENDEZVOUS_TOKEN" in _one_line(err), (out, err)
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; ", 1: token})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)

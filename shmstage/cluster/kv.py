@@ -17,7 +17,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import hashlib
+import hmac
 import json
+import os
 import socket
 import struct
 import threading
@@ -37,6 +40,17 @@ HELLO_MAX = 64 << 10
 _MAX = 1 << 28
 HELLO_WITHIN = 10.0  # seconds: a node sends its hello at once after connecting
 PENDING = 64
+# A secret every node of the job shares (optional): without it, whoever reaches node 0's
+# port can pose as a node of the job (docs/cluster-staging.md, "Trust").
+TOKEN_ENV = "SHMSTAGE_RENDEZVOUS_TOKEN"
+
+
+def proof(job: str | None) -> str:
+    """What a hello shows for ``job`` and this node's token ("" without a token)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        return ""
+    return hashlib.sha256(f"{token}\0{job}".encode()).hexdigest()
 
 
 class StoreLost(ShmstageError):
@@ -149,6 +163,7 @@ class Server:
         # ``job``: every hello must name it (a node of another job, e.g. one that failed
         # before joining and reports why, must not touch this job)
         self.nodes, self.job = nodes, job
+        self.proof = proof(job)
         self.data: dict[str, bytes] = {}
         self.counters: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -253,6 +268,9 @@ class Server:
 
     def _hello(self, hello: dict[str, Any], addr: Any) -> tuple[dict[str, Any], int | None]:
         nodes, rank, job = hello.get("nodes"), hello.get("rank"), hello.get("job")
+        shown = hello.get("proof")
+        if not hmac.compare_digest(shown if isinstance(shown, str) else "", self.proof):
+            return {"error": "token"}, None  # say nothing of this job to who cannot show it
         with self.lock:
             if job != self.job:
                 # another job's node (or none that says which): refuse it, and leave this
@@ -380,7 +398,7 @@ class Client:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         hello = {"op": "hello", "job": self.job, "nodes": self.nodes, "rank": self.rank,
-                 "main": self.main}  # fmt: skip
+                 "main": self.main, "proof": proof(self.job)}  # fmt: skip
         try:
             _send(sock, hello)
             answer = _recv(sock)
@@ -397,6 +415,13 @@ class Client:
                 "node 0 gave up already, or something else than shmstage listens there"
             )
         error = answer.get("error")
+        if error == "token":
+            sock.close()
+            raise Mismatch(
+                f"the rendezvous on {self.where} (node 0) refused this node's {TOKEN_ENV}: "
+                "set the same secret on every node of the job (or on none); nothing was "
+                "published by this node"
+            )
         if error == "job":
             sock.close()
             raise Mismatch(
