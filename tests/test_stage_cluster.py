@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +97,35 @@ def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
             other.connect(job="source /elsewhere")
     finally:
         for rv in (second, first, node0):
+            rv.close(failed=True)
+
+
+def test_a_hung_node_is_named_as_soon_as_the_exchange_fails() -> None:
+    """Node 2 stops beating (hung); node 1's exchange fails: node 1 names node 2 at once.
+    Before, it went on looking for 3 heartbeats (on every node of a ring, one after the
+    other: ~7 s past --timeout), and a failure node 0 reported meanwhile was named instead."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    from shmstage.cluster.rendezvous import HEARTBEAT, Rendezvous
+
+    port = _free_ports(1)[0]
+    rvs = [Rendezvous("127.0.0.1", port, 3, r, timeout=10.0) for r in range(3)]
+    try:
+        for rv in rvs:
+            rv.connect(job="source /src")
+        rvs[2].beating.set()  # node 2 hangs: its heartbeat stops
+        deadline = time.monotonic() + 60
+        while (rvs[1].store.status()[2]["quiet"] or 0) <= 2 * HEARTBEAT:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        later = threading.Timer(1.5, rvs[0].report, ("a failure of node 0's own",))
+        later.start()
+        try:
+            line = str(rvs[1].lost(RuntimeError("gloo: timed out")))
+        finally:
+            later.join()
+        assert "lost node 2 of 3" in line and "no sign of life" in line, line
+    finally:
+        for rv in reversed(rvs):
             rv.close(failed=True)
 
 

@@ -333,6 +333,9 @@ class Rendezvous:
                 ]  # fmt: skip
                 if crashed:
                     return self._gone(crashed, "its connection closed: killed or crashed")
+                if hung:  # a fact already (the gloo wait took --timeout): name it now,
+                    # not 3 heartbeats later on every node of the chain
+                    break
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
