@@ -380,6 +380,20 @@ class Client:
     def _connect(self, timeout: float) -> socket.socket:
         """Connect (retrying while nobody listens yet: node 0 may start later) and say hello."""
         deadline = time.monotonic() + timeout
+        while True:
+            sock = self._hello(deadline, timeout)
+            if sock is not None:
+                return sock
+            # closed before answering: node 0 is busy (many connections at once), or gone
+            if deadline - time.monotonic() <= 0.2:
+                raise StoreLost(
+                    f"the rendezvous on {self.where} (node 0) closed the connection at once: "
+                    "node 0 gave up already, or something else than shmstage listens there"
+                )
+            time.sleep(0.2)
+
+    def _hello(self, deadline: float, timeout: float) -> socket.socket | None:
+        """One connection and its hello; None when node 0 closed it without an answer."""
         last: OSError | None = None
         while True:
             left = deadline - time.monotonic()
@@ -402,18 +416,15 @@ class Client:
         try:
             _send(sock, hello)
             answer = _recv(sock)
+        except (ConnectionResetError, BrokenPipeError):
+            sock.close()
+            return None
         except (OSError, ValueError) as e:
             sock.close()
             raise StoreLost(self._silent(timeout, e)) from None
         if answer is None:
             sock.close()
-            if deadline - time.monotonic() > 0.2:  # busy (many connections at once): again
-                time.sleep(0.2)
-                return self._connect(deadline - time.monotonic())
-            raise StoreLost(
-                f"the rendezvous on {self.where} (node 0) closed the connection at once: "
-                "node 0 gave up already, or something else than shmstage listens there"
-            )
+            return None
         error = answer.get("error")
         if error == "token":
             sock.close()
