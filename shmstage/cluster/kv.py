@@ -437,8 +437,9 @@ class Client:
             sock.close()
             raise Mismatch(
                 f"the rendezvous on {self.where} belongs to another job ({answer.get('job')}), "
-                f"not this one ({self.job}): give each job its own --rendezvous port; nothing "
-                "was published by this node"
+                f"not this one ({self.job}): every node of one job stages the same source "
+                "under the same --name and --dest, and each job needs its own --rendezvous "
+                "port; nothing was published by this node"
             )
         if error:
             sock.close()
