@@ -5,6 +5,7 @@ sectors read from the loop devices are the source traffic."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +71,8 @@ def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
     with pytest.raises(RefusedError, match="must be 0 to 3"):
         resolve(4, 4, "h", environ={})
     assert first_host("n1,n2") == "n1" and first_host("a[3]") == "a3"
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    assert resolve(4, 1, "h", environ=slurm).job == "Slurm job 7 step 0"
 
 
 def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
@@ -93,6 +97,35 @@ def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
             other.connect(job="source /elsewhere")
     finally:
         for rv in (second, first, node0):
+            rv.close(failed=True)
+
+
+def test_a_hung_node_is_named_as_soon_as_the_exchange_fails() -> None:
+    """Node 2 stops beating (hung); node 1's exchange fails: node 1 names node 2 at once.
+    Before, it went on looking for 3 heartbeats (on every node of a ring, one after the
+    other: ~7 s past --timeout), and a failure node 0 reported meanwhile was named instead."""
+    pytest.importorskip("torch.distributed", reason="cluster staging needs torch")
+    from shmstage.cluster.rendezvous import HEARTBEAT, Rendezvous
+
+    port = _free_ports(1)[0]
+    rvs = [Rendezvous("127.0.0.1", port, 3, r, timeout=10.0) for r in range(3)]
+    try:
+        for rv in rvs:
+            rv.connect(job="source /src")
+        rvs[2].beating.set()  # node 2 hangs: its heartbeat stops
+        deadline = time.monotonic() + 60
+        while (rvs[1].store.status()[2]["quiet"] or 0) <= 2 * HEARTBEAT:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        later = threading.Timer(1.5, rvs[0].report, ("a failure of node 0's own",))
+        later.start()
+        try:
+            line = str(rvs[1].lost(RuntimeError("gloo: timed out")))
+        finally:
+            later.join()
+        assert "lost node 2 of 3" in line and "no sign of life" in line, line
+    finally:
+        for rv in reversed(rvs):
             rv.close(failed=True)
 
 
@@ -531,13 +564,24 @@ def test_sigterm_mid_exchange_dies_of_it_at_once_and_the_others_name_that_node(c
 
 @pytest.mark.root
 def test_nodes_started_with_different_node_counts_all_refuse_naming_it(cluster) -> None:
-    """Nodes 0 and 2 run --nodes 3, node 1 --nodes 2: every node refuses at once (exit 2)
-    with one line naming the mismatch, instead of some publishing and others timing out."""
+    """Nodes 0 and 2 run --nodes 3, node 1 --nodes 2: every node refuses (exit 2) with one
+    line naming the mismatch, instead of some publishing and others timing out.  Node 2
+    starts only once node 1 has refused: node 0 keeps its store up to tell it why (before,
+    node 0 was gone, and node 2 waited --timeout, then blamed node 0)."""
     body = (
         f"$STAGE $EXTRA >/dev/null; echo rc=$?; test -e {cluster.dest}/data && echo published; true"
     )
-    nodes = cluster.start(body, nodes=3, per_node={1: 'EXTRA="--nodes 2"; '})
-    for _, out, err in _wait_all(nodes, timeout=100):
+    first = cluster.start(
+        body, nodes=3, per_node={1: 'EXTRA="--nodes 2"; ', 2: "exit 0; "}, args="--timeout 60"
+    )
+    results = _wait_all(first[1:2], timeout=100)  # node 1: refused at once
+    time.sleep(2)  # node 0 has seen the refusal by now, and would have exited
+    late = cluster.start(
+        body, nodes=3, per_node={0: "exit 0; ", 1: "exit 0; "}, port=cluster.port,
+        args="--timeout 20",
+    )  # fmt: skip
+    results += _wait_all([late[2], first[0]], timeout=100)
+    for _, out, err in results:
         assert out == "rc=2\n", (out, err)
         assert "different --nodes" in _one_line(err), err
 
@@ -565,3 +609,237 @@ def test_two_jobs_on_one_rendezvous_port_do_not_mix(cluster) -> None:
         assert out in ("rc=1\n", "rc=2\n"), (out, err)
         line = _one_line(err)
         assert "in use" in line or "belongs to another job" in line, err
+
+
+def _job_body(cluster: Cluster) -> str:
+    """A node staging $SRC (default the cluster's) under --name $NAME (default data)."""
+    return (
+        f'$EXE stage "${{SRC:-{cluster.src}}}" --name "${{NAME:-data}}" --dest {cluster.dest} '
+        "--reserve 0 --quiet $CLUSTER >/dev/null; echo rc=$?; "
+        f'test -e {cluster.dest}/"${{NAME:-data}}" && echo published; true'
+    )
+
+
+def _wait_listening(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while not _listening(port):
+        assert time.monotonic() < deadline, "node 0 never listened"
+        time.sleep(0.05)
+
+
+@pytest.mark.root
+def test_a_node_of_another_job_that_fails_before_joining_does_not_touch_this_job(cluster) -> None:
+    """Job B's node 1 (a mistyped source, the same --nodes 2 and port as job A) fails
+    before joining and reports why: job A's node 0 ignores it, and A's nodes publish
+    (before, A's node 0 failed with "node 1 of 2 failed: source ... does not exist")."""
+    body = _job_body(cluster)
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    other = cluster.start(
+        body, nodes=2, port=cluster.port, per_node={0: "exit 0; ", 1: "SRC=/nonexistent/jobB; "}
+    )[1]
+    (rc, out, err) = _wait_all([other])[0]
+    assert out == "rc=2\n" and "does not exist" in _one_line(err), (out, err)
+    time.sleep(2)  # node 0 looks for reports while it waits: give it time to find that one
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+@pytest.mark.root
+def test_two_jobs_staging_one_source_under_other_names_do_not_mix(cluster) -> None:
+    """No Slurm: job B stages the same source under another --name on job A's port; B's
+    node is refused as another job's (exit 2, one line) and A's nodes publish (before,
+    B's node 1 joined A's node 0 and both published)."""
+    body = _job_body(cluster)
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    other = cluster.start(
+        body, nodes=2, port=cluster.port, per_node={0: "exit 0; ", 1: "NAME=other; "}
+    )[1]
+    (rc, out, err) = _wait_all([other], timeout=100)[0]
+    assert out == "rc=2\n" and "belongs to another job" in _one_line(err), (out, err)
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+FREEZE_HOOK = """\
+import os, signal, time
+if os.environ.get("SHMSTAGE_TEST_FREEZE_AT"):  # SIGSTOP ourselves at that engine step
+    import shmstage.stage.engine as engine
+    kill_at = engine._kill_at
+    def _freeze_at(step):
+        if step == os.environ["SHMSTAGE_TEST_FREEZE_AT"]:
+            time.sleep(2)  # the other nodes catch up: they post "ready" and wait
+            os.kill(os.getpid(), signal.SIGSTOP)
+        kill_at(step)
+    engine._kill_at = _freeze_at
+"""
+
+
+def _stopped_child(pid: int) -> int | None:
+    """The child of ``pid`` that is stopped (SIGSTOP), if any."""
+    for kid in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            if Path(f"/proc/{kid}/stat").read_text().rpartition(") ")[2][0] == "T":
+                return int(kid)
+        except FileNotFoundError:
+            pass
+    return None
+
+
+@pytest.mark.root
+def test_a_node_0_frozen_before_publishing_a_change_that_moves_no_bytes_publishes_nothing(
+    cluster, tmp_path: Path
+) -> None:
+    """Only empty files (no bytes move, no gloo group): node 0 freezes just before the
+    final agreement; node 1 posts "ready", gives up after --timeout and fails.  Node 0,
+    resumed, must not publish alone (before, it found every "ready" and published)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FREEZE_HOOK)
+    empty = f"{cluster.src}/class0"
+    setup = (
+        f"mount -t tmpfs -o mode=755 empty {empty} && touch {empty}/a {empty}/b && "
+        f"touch -d @1600000000 {empty}/a {empty}/b {empty} || exit 92; SRC={empty}; "
+    )
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 4")
+    nodes = cluster.start(
+        body,
+        nodes=2,
+        per_node={
+            0: setup + f"export SHMSTAGE_TEST_FREEZE_AT=manifest PYTHONPATH={hook}:$PYTHONPATH; ",
+            1: setup,
+        },
+    )
+    deadline = time.monotonic() + 60
+    while (frozen := _stopped_child(nodes[0].pid)) is None:
+        assert time.monotonic() < deadline and nodes[0].poll() is None, "node 0 never froze"
+        time.sleep(0.05)
+    try:
+        results = _wait_all([nodes[1]], timeout=100)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    results += _wait_all([nodes[0]], timeout=100)
+    for rank, (_, out, err) in enumerate(reversed(results)):
+        assert out == "rc=1\n", (rank, out, err)
+        _one_line(err)
+
+
+@pytest.mark.root
+def test_node_0_listens_only_on_the_rendezvous_address(cluster) -> None:
+    """--rendezvous 127.0.0.1: node 0's store is reachable there, and not on the
+    machine's other addresses (127.0.0.2, ::1; before, it listened on every address)."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 10")
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    elsewhere = []
+    for family, addr in ((socket.AF_INET, "127.0.0.2"), (socket.AF_INET6, "::1")):
+        with socket.socket(family) as s:
+            if s.connect_ex((addr, cluster.port)) == 0:
+                elsewhere.append(addr)
+    (_rc, out, err) = _wait_all([node0], timeout=100)[0]
+    assert elsewhere == [], elsewhere
+    assert out == "rc=1\n", (out, err)
+
+
+@pytest.mark.root
+def test_a_burst_of_idle_connections_does_not_shut_node_0s_store(cluster) -> None:
+    """Node 0 runs with `ulimit -n 256`; something opens 300 idle connections to its port
+    (no hello), then closes them; the real node 1 then joins and both publish (before,
+    one EMFILE ended node 0's accept loop for good and both failed)."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    node0 = cluster.start(body, nodes=2, per_node={0: "ulimit -n 256; ", 1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", cluster.port), timeout=10))
+        time.sleep(1)  # node 0 accepts what it can meanwhile
+    finally:
+        for s in idle:
+            s.close()
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """True once the other end closed ``sock`` (False: still open after 60 s)."""
+    sock.settimeout(60)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed with our bytes unread
+        pass
+    return True
+
+
+@pytest.mark.root
+def test_node_0_drops_connections_that_send_a_big_frame_or_no_hello(cluster) -> None:
+    """Before any hello: a frame announced as 512 MiB is refused (the connection closed
+    after its first bytes, not buffered up to 1 GiB), and a connection that says nothing
+    is closed after a deadline; node 0 still serves the real node 1 afterwards."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 90")
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    with socket.create_connection(("127.0.0.1", cluster.port), timeout=10) as big:
+        with contextlib.suppress(OSError):  # closed while we sent: as it should
+            big.sendall((512 << 20).to_bytes(4, "big") + b"\0" * (2 << 20))
+        assert _dropped(big), "node 0 kept reading a 512 MiB frame before any hello"
+    with socket.create_connection(("127.0.0.1", cluster.port), timeout=10) as quiet:
+        assert _dropped(quiet), "node 0 kept a connection that never said hello"
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+def _hello(port: int, hello: dict) -> dict | None:
+    """Send one hello frame as a raw client; node 0's answer (None: it closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        data = json.dumps(hello).encode()
+        s.sendall(len(data).to_bytes(4, "big") + data)
+        head = s.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return None
+        return json.loads(s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL))
+
+
+@pytest.mark.root
+def test_hellos_that_do_not_name_the_job_do_not_affect_it(cluster) -> None:
+    """Raw hellos without the job's identity (another --nodes; a claim of rank 1) are
+    refused and change nothing: node 0 and the real node 1 then publish (before, every
+    node exited 2 with a false "different --nodes" or "two nodes started as node 1")."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    node0 = cluster.start(body, nodes=2, per_node={1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    for hello in (
+        {"op": "hello", "job": None, "nodes": 3, "rank": 1, "main": True},
+        {"op": "hello", "nodes": 2, "rank": 1, "main": True},
+        {"op": "hello", "job": "source /elsewhere", "nodes": 2, "rank": 1, "main": True},
+    ):
+        answer = _hello(cluster.port, hello)
+        assert answer is not None and answer.get("error") == "job", (hello, answer)
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+@pytest.mark.root
+def test_with_a_rendezvous_token_a_node_without_it_is_refused(cluster) -> None:
+    """SHMSTAGE_RENDEZVOUS_TOKEN on node 0: a node 1 started without it (the same command
+    line otherwise, e.g. someone posing as node 1) is refused (exit 2, one line naming the
+    token) and changes nothing; the real node 1, with the token, joins and both publish."""
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    token = "export SHMSTAGE_RENDEZVOUS_TOKEN=s3cret; "
+    node0 = cluster.start(body, nodes=2, per_node={0: token, 1: "exit 0; "})[0]
+    _wait_listening(cluster.port)
+    intruder = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; "})[1]
+    (_rc, out, err) = _wait_all([intruder], timeout=100)[0]
+    assert out == "rc=2\n" and "SHMSTAGE_RENDEZVOUS_TOKEN" in _one_line(err), (out, err)
+    node1 = cluster.start(body, nodes=2, port=cluster.port, per_node={0: "exit 0; ", 1: token})[1]
+    for _rc, out, err in _wait_all([node0, node1], timeout=100):
+        assert out == "rc=0\npublished\n", (out, err)

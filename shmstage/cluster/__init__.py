@@ -85,8 +85,15 @@ def resolve(
         DEFAULT_TIMEOUT if timeout is None else timeout,
         DEFAULT_INFLIGHT if inflight is None else inflight,
         # two jobs that share a rendezvous port must not mix: Slurm names the job
-        f"Slurm job {env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else "",
+        _slurm_job(env),
     )
+
+
+def _slurm_job(env: Mapping[str, str]) -> str:
+    if not env.get("SLURM_JOB_ID"):
+        return ""
+    step = f" step {env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else ""
+    return f"Slurm job {env['SLURM_JOB_ID']}{step}"
 
 
 def _host_port(text: str) -> tuple[str, int]:

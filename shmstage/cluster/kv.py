@@ -17,7 +17,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import hashlib
+import hmac
 import json
+import os
 import socket
 import struct
 import threading
@@ -30,7 +33,24 @@ from shmstage.errors import RefusedError, ShmstageError
 POLL = 0.05  # seconds between two checks of a waited-for key (one round trip to node 0)
 STALE = 3.0  # seconds without a heartbeat after which the server calls a node hung
 _LEN = struct.Struct(">I")
-_MAX = 1 << 30
+# Frames: a hello is small; after it, a node of this job may post a tree's entries (tens
+# of MB for millions of files).  Whoever merely reaches the port gets the small limit, a
+# deadline for the hello, and at most PENDING connections that have not said it yet.
+HELLO_MAX = 64 << 10
+_MAX = 1 << 28
+HELLO_WITHIN = 10.0  # seconds: a node sends its hello at once after connecting
+PENDING = 64
+# A secret every node of the job shares (optional): without it, whoever reaches node 0's
+# port can pose as a node of the job (docs/cluster-staging.md, "Trust").
+TOKEN_ENV = "SHMSTAGE_RENDEZVOUS_TOKEN"
+
+
+def proof(job: str | None) -> str:
+    """What a hello shows for ``job`` and this node's token ("" without a token)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        return ""
+    return hashlib.sha256(f"{token}\0{job}".encode()).hexdigest()
 
 
 class StoreLost(ShmstageError):
@@ -54,14 +74,17 @@ def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv(sock: socket.socket) -> dict[str, Any] | None:
-    head = _exactly(sock, _LEN.size)
+def _recv(
+    sock: socket.socket, limit: int = _MAX, until: float | None = None
+) -> dict[str, Any] | None:
+    """One frame (None: the peer closed); ``until``: a monotonic deadline for all of it."""
+    head = _exactly(sock, _LEN.size, until)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
-    if n > _MAX:
+    if n > limit:
         raise ValueError(f"frame of {n} bytes")
-    body = _exactly(sock, n)
+    body = _exactly(sock, n, until)
     if body is None:
         return None
     obj = json.loads(body)
@@ -70,9 +93,11 @@ def _recv(sock: socket.socket) -> dict[str, Any] | None:
     return obj
 
 
-def _exactly(sock: socket.socket, n: int) -> bytes | None:
+def _exactly(sock: socket.socket, n: int, until: float | None = None) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
+        if until is not None:  # a byte at a time must not stretch it
+            sock.settimeout(max(0.001, until - time.monotonic()))
         chunk = sock.recv(n - len(buf))
         if not chunk:
             return None
@@ -91,11 +116,54 @@ def _unb64(text: str) -> bytes:
 # --- server (node 0) -------------------------------------------------------------------
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host`` (the --rendezvous host): only the address the other
+    nodes are told to use, not every interface of node 0.  Every address instead (as
+    TCPStore) when ``host`` is a name that resolves here to a loopback address other than
+    localhost's (Debian's 127.0.1.1 for the host's own name: the others reach it by
+    another address), or to no address of this machine (EADDRNOTAVAIL: NAT, a proxy)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    literal = _is_literal(host)
+    for family, _, _, _, addr in infos:
+        loopback = addr[0] == "::1" or addr[0].startswith("127.")
+        if loopback and not literal and host != "localhost":
+            break
+        try:
+            return socket.create_server(addr, family=family, backlog=256)
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+    try:
+        return socket.create_server(
+            ("", port), family=socket.AF_INET6, backlog=256, dualstack_ipv6=True
+        )
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise
+        return socket.create_server(("", port), backlog=256)  # no IPv6 here
+
+
+def _is_literal(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return True
+        except OSError:
+            pass
+    return False
+
+
 class Server:
     """Node 0's side: a listening socket and one thread per connection."""
 
-    def __init__(self, port: int, nodes: int, job: str | None) -> None:
+    def __init__(self, host: str, port: int, nodes: int, job: str | None) -> None:
+        # ``job``: every hello must name it (a node of another job, e.g. one that failed
+        # before joining and reports why, must not touch this job)
         self.nodes, self.job = nodes, job
+        self.proof = proof(job)
         self.data: dict[str, bytes] = {}
         self.counters: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -104,18 +172,10 @@ class Server:
         self.connected: set[int] = set()  # ranks whose main connection is open
         self.beat: dict[int, float] = {}  # rank -> monotonic time of its last heartbeat
         self.bye: set[int] = set()
+        self.told: set[int] = set()  # ranks that were answered with the poison line
+        self.pending = 0  # connections that have not said hello yet
         self.conns: set[socket.socket] = set()
-        # Every address, as TCPStore: HOST is how the others reach this machine (node01),
-        # which may resolve to another interface's address than the one they use.
-        try:
-            self.sock = socket.create_server(
-                ("", port), family=socket.AF_INET6, backlog=256, reuse_port=False,
-                dualstack_ipv6=True,
-            )  # fmt: skip
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise
-            self.sock = socket.create_server(("", port), backlog=256)  # no IPv6 here
+        self.sock = listen(host, port)
         self.closed = False
         threading.Thread(target=self._accept, name="shmstage-kv-accept", daemon=True).start()
 
@@ -135,9 +195,17 @@ class Server:
         still needs the store (to read why the job failed, or to finish)."""
         now = time.monotonic()
         with self.lock:
+            if self.poison is not None:
+                # Refused: a node that has not come yet must still read why (instead of
+                # waiting --timeout for a node 0 that is gone, then blaming it).
+                return all(
+                    r in self.told
+                    or r in self.bye
+                    or (r in self.claimed and r not in self.connected)
+                    for r in range(1, self.nodes)
+                )
             return all(
                 r in self.bye
-                or (self.poison is not None and r not in self.connected)  # refused: gone
                 or (r in self.claimed and r not in self.connected)
                 or now - self.beat.get(r, now) > STALE
                 for r in range(1, self.nodes)
@@ -148,7 +216,19 @@ class Server:
             try:
                 conn, addr = self.sock.accept()
             except OSError:
-                return
+                if self.closed:
+                    return
+                # EMFILE, ENFILE, ECONNABORTED...: a burst of connections passes; keep
+                # accepting (the idle ones are dropped after HELLO_WITHIN)
+                time.sleep(0.05)
+                continue
+            with self.lock:
+                crowded = self.pending >= PENDING
+                if not crowded:
+                    self.pending += 1
+            if crowded:  # many that say nothing: not this job's nodes (they retry)
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve, args=(conn, addr), name="shmstage-kv", daemon=True
@@ -156,26 +236,31 @@ class Server:
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         rank: int | None = None  # set once this connection claimed a rank
+        pending = True
         with self.lock:
             self.conns.add(conn)
         try:
-            conn.settimeout(None)
-            hello = _recv(conn)
+            hello = _recv(conn, HELLO_MAX, time.monotonic() + HELLO_WITHIN)
             if hello is None or hello.get("op") != "hello":
                 return
             answer, rank = self._hello(hello, addr)
             _send(conn, answer)
             if "error" in answer:
                 return
+            with self.lock:
+                self.pending -= 1
+                pending = False
+            conn.settimeout(None)  # a node's connection idles while the ring runs
             while True:
                 req = _recv(conn)
                 if req is None:
                     return
-                _send(conn, self._handle(req))
+                _send(conn, self._handle(req, rank))
         except Exception:  # noqa: BLE001 - a broken or foreign client: drop it, print nothing
             return
         finally:
             with self.lock:
+                self.pending -= pending
                 self.conns.discard(conn)
                 if rank is not None:
                     self.connected.discard(rank)
@@ -183,9 +268,13 @@ class Server:
 
     def _hello(self, hello: dict[str, Any], addr: Any) -> tuple[dict[str, Any], int | None]:
         nodes, rank, job = hello.get("nodes"), hello.get("rank"), hello.get("job")
+        shown = hello.get("proof")
+        if not hmac.compare_digest(shown if isinstance(shown, str) else "", self.proof):
+            return {"error": "token"}, None  # say nothing of this job to who cannot show it
         with self.lock:
-            if self.job is not None and job is not None and job != self.job:
-                # another job's node: refuse it, and leave this job alone
+            if job != self.job:
+                # another job's node (or none that says which): refuse it, and leave this
+                # job alone - its failure reports and --nodes are not this job's
                 return {"error": "job", "job": self.job}, None
             if nodes != self.nodes:
                 self.poison = (
@@ -193,6 +282,8 @@ class Server:
                     f"--nodes {nodes}, node 0 with --nodes {self.nodes}; start every node "
                     "with the same --nodes; this node publishes nothing"
                 )
+                if isinstance(rank, int):
+                    self.told.add(rank)
                 return {"error": "poison", "poison": self.poison}, None
             if not hello.get("main"):
                 return {"ok": True}, None
@@ -204,13 +295,16 @@ class Server:
                     f"and {addr[0]}): give every node its own --node-rank, and every job its "
                     "own --rendezvous port; this node publishes nothing"
                 )
+                self.told.add(rank)
                 return {"error": "poison", "poison": self.poison}, None
             self.claimed[rank] = str(addr[0])
             self.connected.add(rank)
             self.beat.setdefault(rank, time.monotonic())
+            if self.poison is not None:
+                self.told.add(rank)
         return {"ok": True, "poison": self.poison}, rank
 
-    def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, req: dict[str, Any], rank: int | None = None) -> dict[str, Any]:
         op = req.get("op")
         out: dict[str, Any] = {}
         with self.lock:
@@ -249,6 +343,8 @@ class Server:
             else:
                 out["error"] = f"unknown op {op!r}"
             out["poison"] = self.poison
+            if self.poison is not None and rank is not None:
+                self.told.add(rank)
         return out
 
 
@@ -284,6 +380,20 @@ class Client:
     def _connect(self, timeout: float) -> socket.socket:
         """Connect (retrying while nobody listens yet: node 0 may start later) and say hello."""
         deadline = time.monotonic() + timeout
+        while True:
+            sock = self._hello(deadline, timeout)
+            if sock is not None:
+                return sock
+            # closed before answering: node 0 is busy (many connections at once), or gone
+            if deadline - time.monotonic() <= 0.2:
+                raise StoreLost(
+                    f"the rendezvous on {self.where} (node 0) closed the connection at once: "
+                    "node 0 gave up already, or something else than shmstage listens there"
+                )
+            time.sleep(0.2)
+
+    def _hello(self, deadline: float, timeout: float) -> socket.socket | None:
+        """One connection and its hello; None when node 0 closed it without an answer."""
         last: OSError | None = None
         while True:
             left = deadline - time.monotonic()
@@ -302,26 +412,34 @@ class Client:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         hello = {"op": "hello", "job": self.job, "nodes": self.nodes, "rank": self.rank,
-                 "main": self.main}  # fmt: skip
+                 "main": self.main, "proof": proof(self.job)}  # fmt: skip
         try:
             _send(sock, hello)
             answer = _recv(sock)
+        except (ConnectionResetError, BrokenPipeError):
+            sock.close()
+            return None
         except (OSError, ValueError) as e:
             sock.close()
             raise StoreLost(self._silent(timeout, e)) from None
         if answer is None:
             sock.close()
-            raise StoreLost(
-                f"the rendezvous on {self.where} (node 0) closed the connection at once: "
-                "node 0 gave up already, or something else than shmstage listens there"
-            )
+            return None
         error = answer.get("error")
+        if error == "token":
+            sock.close()
+            raise Mismatch(
+                f"the rendezvous on {self.where} (node 0) refused this node's {TOKEN_ENV}: "
+                "set the same secret on every node of the job (or on none); nothing was "
+                "published by this node"
+            )
         if error == "job":
             sock.close()
             raise Mismatch(
                 f"the rendezvous on {self.where} belongs to another job ({answer.get('job')}), "
-                f"not this one ({self.job}): give each job its own --rendezvous port; nothing "
-                "was published by this node"
+                f"not this one ({self.job}): every node of one job stages the same source "
+                "under the same --name and --dest, and each job needs its own --rendezvous "
+                "port; nothing was published by this node"
             )
         if error:
             sock.close()

@@ -83,6 +83,18 @@ class Peers:
             self.rv.report(reason or "interrupted")
         self.rv.close(failed=e is not None, own=own)
 
+    def identify(self, source: str, name: str | None, dest: str | None) -> None:
+        """Say which job this node runs (``stage`` calls it first, before anything can
+        fail): its failure reports go only to that job's node 0, and a node staging
+        another copy (another --name or --dest) is refused instead of joining."""
+        if self.rv.store is None:  # joined: `prepare` stages more, as the same job
+            self.rv.job = self.job(source, name, dest)
+
+    def job(self, source: str, name: str | None = None, dest: str | None = None) -> str:
+        """The job identity every node of the job shares (the command line, the Slurm job)."""
+        parts = (f"source {source}", f"name {name}" if name else "", f"dest {dest}" if dest else "")
+        return " ".join(filter(None, (*parts, self.spec.job)))
+
     def fail(self, reason: str) -> None:
         """Tell the other nodes this one stops (a caller that reports failures as values,
         like ``prepare``), so they fail at once instead of after ``timeout``."""
@@ -107,7 +119,7 @@ class Peers:
                 self.ring.prefetch()
         # The job: every node of one job stages the same source (and Slurm job); a node of
         # another job on the same port is refused instead of joining this one's rounds.
-        self.rv.connect(job=" ".join(filter(None, (f"source {tree.root}", self.spec.job))))
+        self.rv.connect(job=self.rv.job or self.job(tree.root))
         self.rv.round += 1
         entries = [list(e) for e in tree.entries]
         digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
@@ -173,19 +185,25 @@ class Peers:
                 )
 
     def barrier(self) -> None:
-        """Return when every node has every byte; the engine publishes right after."""
-        self.rv.allgather("ready", b"1")
-        if self.rv.group is not None:  # also proves the gloo links are still up
-            from datetime import timedelta
+        """Return when every node has every byte and node 0 decided to publish (every node
+        decides the same: rendezvous.decide); the engine publishes right after."""
+        try:
+            self.rv.allgather("ready", b"1")
+            if self.rv.group is not None:  # also proves the gloo links are still up
+                from datetime import timedelta
 
-            try:
-                work = self.rv.group.barrier()
-            except Exception as e:  # a group that broke since the ring
-                raise self.rv.lost(e) from None
-            try:
-                wait_work(work, timedelta(seconds=self.spec.timeout), None)
-            except _Lost as e:
-                raise self.rv.lost(e.error) from None
+                try:
+                    work = self.rv.group.barrier()
+                except Exception as e:  # a group that broke since the ring
+                    raise self.rv.lost(e) from None
+                try:
+                    wait_work(work, timedelta(seconds=self.spec.timeout), None)
+                except _Lost as e:
+                    raise self.rv.lost(e.error) from None
+        except BaseException:
+            self.rv.give_up()  # node 0 has not committed: it waits for this node's ack
+            raise
+        self.rv.decide()
 
     # --- refusing ----------------------------------------------------------------------
 

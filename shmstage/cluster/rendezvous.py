@@ -40,6 +40,7 @@ class Rendezvous:
         self.store: Client | None = None
         self.server: Server | None = None
         self.group: Any = None
+        self.job: str | None = None  # which job this is: every hello says it (kv.Server)
         self.round = 0  # one per stage() call, so `prepare` can stage several datasets
         self.beating = threading.Event()  # set: stop the heartbeat
 
@@ -50,6 +51,8 @@ class Rendezvous:
         (the source, the Slurm job): a node of another job is refused, not mixed in."""
         if self.store is not None:
             return
+        if job is not None:
+            self.job = job
         if importlib.util.find_spec("torch") is None:  # before anyone waits for this node
             raise ShmstageError(
                 "--nodes needs torch (torch.distributed moves the bytes between nodes): "
@@ -59,7 +62,7 @@ class Rendezvous:
         where = f"{self.host}:{self.port}"
         if self.rank == 0 and self.server is None:
             try:
-                self.server = Server(self.port, self.nodes, job)
+                self.server = Server(self.host, self.port, self.nodes, self.job)
             except OSError as e:
                 why = (
                     "in use (another job's rendezvous?)"
@@ -71,7 +74,7 @@ class Rendezvous:
                     "pick a free port with --rendezvous HOST:PORT"
                 ) from None
         try:
-            self.store = Client(self.host, self.port, self.nodes, self.rank, job, wait)
+            self.store = Client(self.host, self.port, self.nodes, self.rank, self.job, wait)
         except StoreLost as e:
             raise PeerLost(str(e)) from None
         self.store.timeout = self.timeout
@@ -162,6 +165,80 @@ class Rendezvous:
         assert self.store is not None
         return self.store
 
+    # --- publishing: all or none -----------------------------------------------------
+
+    # One counter per round decides: node 0 adds COMMIT, a node that gives up adds ABORT;
+    # the store adds under one lock, so the first addition wins and every node reads the
+    # same outcome (value % ABORT == COMMIT: committed first).
+    COMMIT, ABORT = 1, 1000
+
+    def decide(self) -> None:
+        """After every node posted "ready": return when the job publishes, raise when it
+        does not - the same outcome on every node.  Node 0 commits only once every other
+        node has acked after node 0 saw them ready: a node that gave up meanwhile (timed out
+        on a frozen node 0, then exited) never acks, or its abort was counted first."""
+        store = self._store()
+        key, check = f"r{self.round}/decide", f"r{self.round}/check"
+        try:
+            if self.rank == 0:
+                store.set(check, b"1")
+                acks = [self.key("ack", r) for r in range(1, self.nodes)]
+                try:
+                    store.wait(acks, self.timeout)
+                except StoreTimeout:
+                    missing = [r for r, k in enumerate(acks, 1) if not store.check([k])]
+                    raise PeerLost(
+                        f"{_ranks(missing, self.nodes)} did not answer within {self.timeout:g} s "
+                        "(before publishing); nothing was published, re-run to resume"
+                    ) from None
+                if store.add(key, self.COMMIT) != self.COMMIT:
+                    raise self._aborted()
+                return
+            acked = False
+            end = time.monotonic() + self.timeout
+            while time.monotonic() < end:
+                if not acked and store.check([check]):
+                    store.set(self.key("ack"), b"1")
+                    acked = True
+                value = store.add(key, 0)
+                if value % self.ABORT == self.COMMIT:
+                    return
+                if value:
+                    raise self._aborted()
+                time.sleep(0.05)
+        except StoreLost as e:
+            if self.give_up():
+                return
+            raise PeerLost(str(e)) from None
+        except BaseException:
+            if self.give_up():
+                return
+            raise
+        if self.give_up():
+            return
+        raise PeerLost(
+            f"node 0 did not decide within {self.timeout:g} s whether to publish; nothing was "
+            "published, re-run to resume"
+        )
+
+    def give_up(self) -> bool:
+        """This node stops before publishing: count its abort, unless node 0 committed
+        first - then True (publish, as every other node does).  Best effort: a node 0 that
+        does not answer finds this node's connection closed instead (it never acks)."""
+        if self.store is None:
+            return False
+        try:
+            value = self.store.add(f"r{self.round}/decide", self.ABORT, min(QUICK, self.timeout))
+        except Exception:  # noqa: BLE001 - node 0 frozen or gone: it sees this node go
+            return False
+        return value % self.ABORT == self.COMMIT
+
+    def _aborted(self) -> PeerLost:
+        return PeerLost(
+            "another node gave up before publishing (see its line); nothing was published, "
+            "re-run to resume"
+        )
+
     # --- failures ---------------------------------------------------------------------
 
     def report(self, reason: str, suspect: int | None = None, lost: bool = False) -> None:
@@ -175,8 +252,11 @@ class Rendezvous:
                 self.connect(timeout=quick)
             if self.store is not None:
                 self.store.set(f"fail/{self.rank}", blob, quick)
-            else:  # failed before joining: say why, without joining now
-                once = Client(self.host, self.port, self.nodes, self.rank, None, quick, main=False)
+            elif self.job is not None:  # failed before joining: say why, without joining now
+                # as this job's node: node 0 of another job ignores it (kv.Server._hello)
+                once = Client(
+                    self.host, self.port, self.nodes, self.rank, self.job, quick, main=False
+                )
                 try:
                     once.set(f"fail/{self.rank}", blob, quick)
                 finally:
@@ -253,6 +333,9 @@ class Rendezvous:
                 ]  # fmt: skip
                 if crashed:
                     return self._gone(crashed, "its connection closed: killed or crashed")
+                if hung:  # a fact already (the gloo wait took --timeout): name it now,
+                    # not 3 heartbeats later on every node of the chain
+                    break
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -280,7 +363,7 @@ class Rendezvous:
         """Count up ``hb/<rank>`` while this node lives (its own connection: the main
         thread's may be busy in a wait)."""
         try:
-            store = Client(self.host, self.port, self.nodes, self.rank, None, self.timeout,
+            store = Client(self.host, self.port, self.nodes, self.rank, self.job, self.timeout,
                            main=False)  # fmt: skip
         except Exception:  # noqa: BLE001 - the store is gone: the main thread finds out
             return
@@ -313,7 +396,10 @@ class Rendezvous:
             self.store.close()
             self.store = None
         if self.server is not None:
-            wait = 0.0 if own and exchanging else min(self.timeout, 30.0)
+            # refused: the nodes still to come are told why, up to --timeout
+            wait = self.timeout if self.server.poison is not None else min(self.timeout, 30.0)
+            if own and exchanging:
+                wait = 0.0
             deadline = time.monotonic() + wait
             while not self.server.settled() and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -156,6 +156,8 @@ def stage(
     if workers is not None and workers < 1:
         raise RefusedError(f"invalid number of workers {workers}: must be at least 1")
     raw = os.fspath(src)
+    if peers is not None:  # before anything fails: a failure is reported to this job only
+        peers.identify(os.path.abspath(raw), name, None if dest is None else os.path.abspath(dest))
     if strip_components < 0:
         raise RefusedError(f"invalid --strip-components {strip_components}: must be 0 or more")
     kind, source = sources.resolve(raw)
