@@ -20,9 +20,10 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from shmstage import system
 from shmstage._libc import load_libc
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 
@@ -87,6 +88,10 @@ class Record:
     # st_dev when published: kept for the format, never compared (a block device's number
     # changes when NVMe is renumbered at boot or a loop device is re-attached; see same_tree)
     root_dev: int
+    # The stager's memory cgroup (system.memory_cgroup_id): the dataset's tmpfs pages are
+    # charged there, so evicting it gives RAM back only to that cgroup and its ancestors
+    # (make-room).  None in a record from before it was kept: counts as charged elsewhere.
+    memcg: str | None = field(default_factory=system.memory_cgroup_id)
 
 
 class Store:
@@ -268,7 +273,7 @@ class Store:
         if not data or data.get("format") != FORMAT:
             return None
         try:
-            record = Record(**{k: data[k] for k in Record.__dataclass_fields__})
+            record = _record_of(data)
         except (KeyError, TypeError):
             return None
         try:
@@ -342,7 +347,7 @@ class Store:
         if not data or data.get("format") != FORMAT:
             return None
         try:
-            return Record(**{k: data[k] for k in Record.__dataclass_fields__})
+            return _record_of(data)
         except (KeyError, TypeError):
             return None
 
@@ -534,6 +539,13 @@ class Store:
 
 
 _NULL_DEVICE = (1, 3)  # /dev/null's numbers: the LRU stamp (Store.ensure_stamp)
+
+
+def _record_of(data: dict[str, Any]) -> Record:
+    """A record from its JSON; ``memcg`` may be missing (an older record): None, never the
+    reader's own cgroup."""
+    keys = [k for k in Record.__dataclass_fields__ if k != "memcg"]
+    return Record(**{k: data[k] for k in keys}, memcg=data.get("memcg"))
 
 
 def _is_stamp(st: os.stat_result) -> bool:

@@ -189,7 +189,9 @@ def stage(
                         with makeroom.capping(store) if capped else nullcontext():
                             room = makeroom.plan(est, name, tier, reserve, policy)
                             if not room.fits:
-                                skipped.append(Skipped(tier, room.reason or "does not fit"))
+                                # After evicting for it: say what went, not "all 0 evicted"
+                                why = refused[0] if refused else room.reason or "does not fit"
+                                skipped.append(Skipped(tier, why))
                                 break
                             if room.victims and refused:
                                 skipped.append(Skipped(tier, refused[0]))
@@ -267,7 +269,8 @@ def _admitter(
             with makeroom.capping(store) if capped else nullcontext():
                 room = makeroom.plan(need, name, tier, reserve, policy)
                 if not room.fits:
-                    raise makeroom.NoRoom(f"dataset does not fit: {room.reason}")
+                    why = refused[0] if refused else room.reason
+                    raise makeroom.NoRoom(f"dataset does not fit: {why}")
                 if room.victims and refused:  # see stage(): evict nothing more
                     raise makeroom.NoRoom(f"dataset does not fit: {refused[0]}")
                 if not _evict(room, tier, evicted, notes):
