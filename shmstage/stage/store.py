@@ -1037,7 +1037,9 @@ def _enter(
             return
         try:
             if dev is not None and os.fstat(fd).st_dev != dev:
-                e = MountInside(errno.EBUSY, "a mount point inside the tree")
+                e = MountInside(
+                    errno.EBUSY, "a mount point inside the dataset: unmount it, then run gc"
+                )
                 e.inner = os.path.join(*(f.name for f in stack[1:]), name)
                 raise e
             entries = _listing(fd)
@@ -1060,7 +1062,7 @@ def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None) -> None:
             return
         dev = os.fstat(stack[0].fd).st_dev
         if dev != os.fstat(pfd).st_dev:
-            raise MountInside(errno.EBUSY, "a mount point")
+            raise MountInside(errno.EBUSY, "a mount point: unmount it, then run gc")
         while stack:
             top = stack[-1]
             if top.entries:
@@ -1118,6 +1120,14 @@ def _rmtree(path: str) -> None:
     _more_fds()
     try:
         _remove_at(pfd, name, False, None)
+    except MountInside as e:
+        e.filename = (
+            os.path.join(path, e.inner) if e.inner else path
+        )  # for callers' "{strerror}: {filename}"
+        raise
+    except TooDeep as e:
+        e.filename = path
+        raise
     finally:
         os.close(pfd)
 
