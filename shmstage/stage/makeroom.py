@@ -73,9 +73,9 @@ class Victim:
     tier: str
     bytes: int  # what it takes on the tier (whole pages), i.e. what removing it frees
     last_used: float  # epoch seconds
-    # Its pages are charged to this stager's memory cgroup (or a descendant): removing it
-    # gives RAM back under this cgroup's limit too, not only free space (system.charged_to)
-    charged: bool = False
+    # Removing it gives RAM back under this stager's memory cgroup limit too, not only free
+    # space: its pages were written from that cgroup or one below it (system.charged_to).
+    charged: bool = False  # staged from this stager's memory cgroup (its RAM counts as freed)
 
 
 @dataclass(frozen=True)
