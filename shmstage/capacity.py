@@ -78,13 +78,15 @@ def check_fit(
     inodes: int = 0,
     pending: int = 0,
     freed: int = 0,
+    charged: int | None = None,
 ) -> Fit:
     """Can ``needed`` more bytes (and ``inodes`` more inodes) be written under ``dest`` and
     still leave ``reserve`` free?  ``pending``: bytes other live stagers have reserved but not
     written yet (taken off the free space); ``freed``: bytes this stage will delete first
     (on a tmpfs those are RAM pages too: removing them gives their memory back, so they
     count for the RAM check as well as for the free space; under a cgroup limit only as far
-    as they are charged to this cgroup: see system.Memory.usable_after_freeing)."""
+    as they are charged to this cgroup: ``charged`` of them, None: all; see
+    system.Memory.usable_after_freeing)."""
     where = _existing_dir(os.fspath(dest))
     usage = system.disk_usage(where)
     mount = system.mount_of(where)
@@ -104,7 +106,7 @@ def check_fit(
         )
         if fstype in MEMORY_BACKED and mount is not None:
             mem = memory or system.memory()
-            mem_usable = max(0, mem.usable_after_freeing(freed) - pending)
+            mem_usable = max(0, mem.usable_after_freeing(freed, charged) - pending)
             gib = 1 << 30
             new_total = -(-(usage.total + short) // gib) * gib  # round up to whole GiB
             if new_total > mem.ceiling or needed > mem_usable:
@@ -123,7 +125,7 @@ def check_fit(
             reason += "; free space there or stage elsewhere with --dest"
     if reason is None and fstype in MEMORY_BACKED:
         mem = memory or system.memory()
-        mem_usable = max(0, mem.usable_after_freeing(freed) - pending)
+        mem_usable = max(0, mem.usable_after_freeing(freed, charged) - pending)
         if needed + reserve > mem_usable:
             where_limit = (
                 "the memory cgroup limit" if mem.cgroup.limit is not None else "available RAM"

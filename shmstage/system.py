@@ -76,16 +76,20 @@ class Memory:
         headroom = max(0, self.cgroup.limit - working_set)
         return min(self.available, headroom)
 
-    def usable_after_freeing(self, freed: int) -> int:
+    def usable_after_freeing(self, freed: int, charged: int | None = None) -> int:
         """``usable`` once ``freed`` bytes of tmpfs pages are removed: the node gets them all
-        back, but under a cgroup limit only the shmem charged to this cgroup counts."""
+        back, but under a cgroup limit only what is charged to this cgroup counts:
+        ``charged`` of them (None: all), and never more than the cgroup's shmem.  Any tmpfs
+        page of the cgroup is no proof that the removed ones were among them (a job's own
+        scratch in /dev/shm is shmem too): the caller says which are (memory_cgroup_id)."""
         if freed <= 0:
             return self.usable
         if self.cgroup.limit is None:
             return self.available + freed
         working_set = max(0, (self.cgroup.usage or 0) - self.cgroup.reclaimable)
         headroom = max(0, self.cgroup.limit - working_set)
-        return min(self.available + freed, headroom + min(freed, self.cgroup.shmem))
+        mine = freed if charged is None else max(0, min(freed, charged))
+        return min(self.available + freed, headroom + min(mine, self.cgroup.shmem))
 
     @property
     def ceiling(self) -> int:
@@ -258,6 +262,38 @@ def cgroup_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> C
             _stat_value(stat, "total_shmem"),
         )
     return CgroupMemory(None, None, None, None)
+
+
+def memory_cgroup_id(proc: str = "/proc") -> str | None:
+    """Which memory cgroup this process is in, as "<cgroup ns inode>:v1:<path>" (the v1
+    memory controller's line of /proc/self/cgroup) or "<ns>:v2:<path>" (the "0::" line);
+    None when unknown.  tmpfs pages are charged to the memory cgroup of the process that
+    wrote them, so a dataset's record keeps its stager's (see charged_to)."""
+    paths = _cgroup_paths(proc)
+    try:
+        ns = os.stat(f"{proc}/self/ns/cgroup").st_ino
+    except OSError:
+        return None
+    if "memory" in paths:
+        return f"{ns}:v1:{paths['memory']}"
+    if "" in paths:
+        return f"{ns}:v2:{paths['']}"
+    return None
+
+
+def charged_to(writer: str | None, mine: str | None) -> bool:
+    """Are the pages a process in memory cgroup ``writer`` wrote charged to ``mine`` (its
+    own cgroup or a descendant, seen from the same cgroup namespace)?  False when either is
+    unknown: freeing them is then not counted as memory given back to this cgroup."""
+    if not writer or not mine:
+        return False
+    w_ns, _, w_rest = writer.partition(":")
+    m_ns, _, m_rest = mine.partition(":")
+    w_ver, _, w_path = w_rest.partition(":")
+    m_ver, _, m_path = m_rest.partition(":")
+    if w_ns != m_ns or w_ver != m_ver or not w_path.startswith("/"):
+        return False
+    return w_path == m_path or w_path.startswith(m_path.rstrip("/") + "/")
 
 
 def _stat_value(text: str | None, key: str) -> int:

@@ -194,14 +194,10 @@ def test_make_room_in_a_job_cgroup_does_not_count_ram_charged_elsewhere(
         assert names_in(tier) == ["a", "b"]
 
 
-def test_make_room_evicts_no_more_once_the_engine_refused_after_evicting(
-    tmpfs, tmp_path, shmstage_bin, memory_cgroup
-):
-    """The job's cgroup holds 150 MiB of other tmpfs pages, so make-room takes the RAM of a
-    dataset staged outside it for given back: it evicts "a", and the engine refuses (the
-    cgroup got nothing back).  It then stops: "b" stays (it used to evict "b" too, and
-    refuse: the tier emptied one victim at a time)."""
-    cg = memory_cgroup
+def _job_cgroup_own_tmpfs(tmpfs, tmp_path, shmstage_bin, cg):
+    """a and b (60 MiB each) staged outside the job's cgroup ``cg``, which then holds
+    150 MiB of tmpfs pages of its own (scratch in /dev/shm) and has 20 MiB usable left.
+    Returns (tier, stage arguments)."""
     tier = tmpfs("512M", name="ram") / "shmstage"
     junk = tmpfs("256M", name="junk")
     args = ["--dest", str(tier), "--reserve", "1M", "--workers", "1"]
@@ -213,6 +209,41 @@ def test_make_room_evicts_no_more_once_the_engine_refused_after_evicting(
     assert r.returncode == 0, r.stderr
     usable = int(in_cgroup(cg, [sys.executable, "-c", PROBE]).stdout)
     (cg / "memory.limit_in_bytes").write_text(str((1 << 30) - usable + 20 * MIB))
+    return tier, args
+
+
+def test_make_room_does_not_count_a_victim_charged_elsewhere_as_the_jobs_own_tmpfs(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """The job's cgroup holds 150 MiB of its own tmpfs pages; "a" and "b" were staged
+    outside it.  Any shmem of the cgroup is no proof that a victim's pages are charged
+    there: make-room refuses up front, dry run and real run alike, and keeps both (it used
+    to say it would evict "a", evict it, then refuse)."""
+    tier, args = _job_cgroup_own_tmpfs(tmpfs, tmp_path, shmstage_bin, memory_cgroup)
+    c = make_ds(tmp_path / "c", 60)
+    for extra in (["--dry-run"], []):
+        r = in_cgroup(memory_cgroup, [*shmstage_bin, "stage", str(c), *args, "--make-room", *extra])
+        assert r.returncode == 2, (extra, r.stdout, r.stderr)
+        assert "is usable (the memory cgroup limit)" in r.stderr, r.stderr
+        assert "would evict" not in r.stdout
+        assert names_in(tier) == ["a", "b"]
+
+
+def test_make_room_evicts_no_more_once_the_engine_refused_after_evicting(
+    tmpfs, tmp_path, shmstage_bin, memory_cgroup
+):
+    """The records of "a" and "b" claim the job's memory cgroup although their pages are
+    charged elsewhere (a miscount make-room cannot see): it evicts "a", and the engine
+    refuses (the cgroup got nothing back).  It then stops: "b" stays (it used to evict "b"
+    too, and refuse: the tier emptied one victim at a time), and the refusal names "a"."""
+    cg = memory_cgroup
+    tier, args = _job_cgroup_own_tmpfs(tmpfs, tmp_path, shmstage_bin, cg)
+    probe = "from shmstage import system; print(system.memory_cgroup_id())"
+    job = in_cgroup(cg, [sys.executable, "-c", probe]).stdout.strip()
+    assert job.endswith(f"/{cg.name}"), job
+    for n in ("a", "b"):
+        meta = tier / ".shmstage" / "meta" / f"{n}.json"
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "memcg": job}))
     c = make_ds(tmp_path / "c", 60)
     r = in_cgroup(cg, [*shmstage_bin, "stage", str(c), *args, "--make-room"])
     assert r.returncode == 2, (r.stdout, r.stderr)

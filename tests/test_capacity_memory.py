@@ -110,3 +110,31 @@ def test_real_v1_cgroup_page_cache_is_usable_tmpfs_is_not(tmp_path):
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("writer", "mine", "charged"),
+    [
+        ("7:v1:/job", "7:v1:/job", True),  # its own cgroup
+        ("7:v1:/job/step0", "7:v1:/job", True),  # a descendant: charged up to here too
+        ("7:v1:/job", "7:v1:/job/step0", False),  # a parent's pages: not this cgroup's
+        ("7:v1:/", "7:v1:/job", False),  # root's prepare, outside the job
+        ("7:v1:/jobber", "7:v1:/job", False),  # a sibling whose name starts alike
+        ("7:v2:/job", "7:v1:/job", False),  # another hierarchy
+        ("8:v1:/", "7:v1:/", False),  # another cgroup namespace: "/" is another cgroup
+        (None, "7:v1:/job", False),  # a record from before it was kept
+        ("7:v1:/job", None, False),
+    ],
+)
+def test_a_victims_pages_count_only_when_charged_to_the_stagers_cgroup(writer, mine, charged):
+    assert system.charged_to(writer, mine) is charged
+
+
+def test_ram_given_back_under_a_limit_is_only_what_is_charged_here():
+    """The job's cgroup holds 1 GiB of its own tmpfs: evicting 1 GiB charged elsewhere frees
+    nothing under its limit, though any shmem is charged to it (min(freed, shmem) was not)."""
+    cg = system.CgroupMemory(1, "/job", 4 * GIB, 4 * GIB, 0, GIB)
+    mem = system.Memory(64 * GIB, 32 * GIB, cg)
+    assert mem.usable_after_freeing(GIB, charged=0) == 0
+    assert mem.usable_after_freeing(GIB, charged=GIB) == GIB
+    assert mem.usable_after_freeing(2 * GIB, charged=2 * GIB) == GIB  # at most its shmem

@@ -419,3 +419,98 @@ def test_a_stager_waiting_on_a_placing_lock_that_is_removed_locks_the_new_one(
             os.close(fd)
         stop(proc)
         proc.stderr.close()
+
+
+def deep_chain(top: Path, depth: int) -> None:
+    """``depth`` nested directories d/d/d/... under ``top``, a file at the bottom (made
+    through directory fds: the path would be longer than PATH_MAX)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+
+
+@pytest.fixture
+def deep_tmp(tmp_path):
+    """tmp_path, emptied by rm (iterative) afterwards: pytest's own cleanup of a tree deeper
+    than the recursion limit, left by a failed test, would fail in a later session."""
+    yield tmp_path
+    subprocess.run(["rm", "-rf", str(tmp_path)], check=False, timeout=120)
+
+
+def test_evict_and_gc_remove_trees_deeper_than_the_recursion_limit(shmstage_bin, deep_tmp):
+    """A staged dataset grown 1200 directories deep (more than Python's recursion limit):
+    evict removes it (it used to die of RecursionError with a traceback), and gc removes a
+    trash entry as deep (it used to be wedged on it for good)."""
+    dest = deep_tmp / "dest"
+    for name in ("ds", "other"):
+        r = cli(shmstage_bin, "stage", str(make_src(deep_tmp / name)), "--dest", str(dest), "-q")
+        assert r.returncode == 0, r.stderr
+    deep_chain(dest / "ds", 1200)
+    r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert not (dest / "ds").exists()
+    junk = dest / ".shmstage" / "trash" / "other.1-1.1"  # pid 1 started at 1: dead
+    junk.mkdir()
+    deep_chain(junk, 1200)
+    r = cli(shmstage_bin, "gc", "--dest", str(dest))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert list((dest / ".shmstage" / "trash").iterdir()) == []
+    assert (dest / "other").is_dir()
+
+
+def test_a_tree_deeper_than_the_open_file_limit_is_refused_in_one_line(shmstage_bin, deep_tmp):
+    """Removing holds a directory fd per level (never a path): deeper than the hard limit
+    on open files allows, evict says so in one line, exit 1, and the dataset stays listed."""
+    dest = deep_tmp / "dest"
+    r = cli(shmstage_bin, "stage", str(make_src(deep_tmp / "ds")), "--dest", str(dest), "-q")
+    assert r.returncode == 0, r.stderr
+    deep_chain(dest / "ds", 300)
+
+    def low_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    r = subprocess.run(
+        [*shmstage_bin, "evict", "ds", "--dest", str(dest)],
+        capture_output=True, text=True, timeout=120, preexec_fn=low_limit,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "raise the open-file limit (ulimit -n), then run gc" in r.stderr, r.stderr
+    r = cli(shmstage_bin, "gc", "--dest", str(dest))
+    assert r.returncode == 0, r.stderr
+    assert not (dest / "ds").exists()
+
+
+@pytest.mark.root
+def test_evict_never_descends_into_a_mount_inside_the_dataset(shmstage_bin, tmp_path, tmpfs):
+    """A file system mounted on a directory of a staged dataset: evict refuses in one line
+    naming the mount point and removes nothing of the mounted file system (it used to empty
+    it, then fail with "run this again"); once unmounted, gc removes the rest."""
+    dest = tmpfs("16M", name="tier") / "shmstage"
+    r = cli(shmstage_bin, "stage", str(make_src(tmp_path / "ds")), "--dest", str(dest), "-q")
+    assert r.returncode == 0, r.stderr
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep").write_text("keep")
+    subprocess.run(["mount", "--bind", str(precious), str(dest / "ds" / "a")], check=True)
+    try:
+        r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
+        assert r.returncode == 1, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "/a is a mount point inside the dataset: unmount it, then run gc" in r.stderr
+        assert (precious / "keep").read_text() == "keep"
+        mounted = r.stderr.split(": ")[2].removesuffix(" is a mount point inside the dataset")
+    finally:
+        with contextlib.suppress(Exception):
+            subprocess.run(["umount", mounted], check=True)
+        subprocess.run(["umount", str(dest / "ds" / "a")], check=False, capture_output=True)
+    r = cli(shmstage_bin, "gc", "--dest", str(dest))
+    assert r.returncode == 0, r.stderr
+    assert trees(dest) == set() and (precious / "keep").read_text() == "keep"

@@ -580,3 +580,70 @@ def test_evict_of_a_tree_holding_what_the_user_may_not_remove_fails_in_one_line(
     assert line.startswith(f"Error: cannot remove {trash}/src."), line  # where it is left
     assert "Operation not permitted; it holds files you may not remove" in line
     assert [p.name for p in trash.glob("*/d/roots/r")] == ["r"]
+
+
+@pytest.mark.parametrize("max_size", [None, "20M"])
+def test_non_root_new_dataset_on_a_root_store_is_one_clear_line_with_or_without_max_size(
+    world, shmstage_bin, max_size
+):
+    """A non-root user's new dataset on a store root manages: the same "managed by root"
+    line and exit 2 whether the tier has a max_size or not, and --dry-run says the same (with
+    max_size it used to fail on the owner-only max_size lock: "cannot lock .../.capping:
+    Permission denied", exit 1, while the dry run said it would stage, exit 0)."""
+    src, dest = world / "pub", world / "dest"
+    src.mkdir()
+    (src / "f").write_text("hello\n")
+    config = world / "node.yaml"  # every user reads it
+    cache = f"\n    cache: {{max_size: {max_size}, policy: lru}}" if max_size else ""
+    config.write_text(f"version: 1\ndest:\n  - path: {dest}{cache}\n")
+    config.chmod(0o644)
+    env = {**os.environ, "SHMSTAGE_CONFIG": str(config)}
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "-q"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    other = world / "other"
+    other.mkdir()
+    (other / "g").write_text("x\n")
+    managed = f"Error: other is not staged in {dest}; {dest} is managed by root and you (uid"
+    for extra in ([], ["--dry-run"]):
+        new = subprocess.run(
+            [*as_user(NOBODY), *shmstage_bin, "stage", str(other), *extra],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert new.returncode == 2, (extra, new.stdout, new.stderr)
+        assert one_error_line(new).startswith(managed), (extra, new.stderr)
+    assert sorted(p.name for p in dest.iterdir()) == [".shmstage", "pub"]
+
+
+def test_non_root_new_dataset_skips_a_root_tier_with_max_size_for_its_own(world, shmstage_bin):
+    """--dest ROOTSTORE,MINE where root's tier has a max_size: a non-root user's new dataset
+    goes to their own tier, saying why root's was skipped (it used to fail on root's
+    owner-only max_size lock, exit 1), and the dry run says the same."""
+    src, root_tier, mine = world / "pub", world / "dest", world / "mine"
+    src.mkdir()
+    (src / "f").write_text("hello\n")
+    mine.mkdir()
+    os.chown(mine, NOBODY, NOBODY)
+    config = world / "node.yaml"
+    config.write_text(
+        f"version: 1\ndest:\n  - path: {root_tier}\n    cache: {{max_size: 20M, policy: lru}}\n"
+    )
+    config.chmod(0o644)
+    env = {**os.environ, "SHMSTAGE_CONFIG": str(config)}
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "-q"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    other = world / "other"
+    other.mkdir()
+    (other / "g").write_text("x\n")
+    tiers = f"{root_tier},{mine / 's'}"
+    user = [*as_user(NOBODY), *shmstage_bin, "stage", str(other), "--dest", tiers]
+    dry = subprocess.run([*user, "--dry-run"], capture_output=True, text=True, env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert f"would skip tier {root_tier}: other is not staged in {root_tier}; " in dry.stdout
+    assert "would stage" in dry.stdout and f"into tier 2: {mine / 's' / 'other'}" in dry.stdout
+    new = subprocess.run(user, capture_output=True, text=True, env=env, timeout=120)
+    assert (new.returncode, new.stdout) == (0, f"{mine / 's' / 'other'}\n"), new.stderr
+    assert f"skipped tier {root_tier}: other is not staged in {root_tier}; " in new.stderr

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
+from shmstage import system
 from shmstage.capacity import check_fit
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import SizeError, format_size, is_percent, parse_size
@@ -72,6 +73,9 @@ class Victim:
     tier: str
     bytes: int  # what it takes on the tier (whole pages), i.e. what removing it frees
     last_used: float  # epoch seconds
+    # Removing it gives RAM back under this stager's memory cgroup limit too, not only free
+    # space: its pages were written from that cgroup or one below it (system.charged_to).
+    charged: bool = False  # staged from this stager's memory cgroup (its RAM counts as freed)
 
 
 @dataclass(frozen=True)
@@ -120,14 +124,17 @@ def size_of(store: Store, name: str) -> int:
 
 def candidates(store: Store, keep: str | None = None) -> list[Victim]:
     """Published datasets of the tier that no job leases now, least recently used first."""
-    out = []
+    out: list[Victim] = []
     if not os.path.lexists(store.book):
         return out
+    mine = system.memory_cgroup_id()
     for n in store.names():
         r = store.published(n)
         if r is None or n == keep or leases.holders(n, store.dest):
             continue
-        out.append(Victim(n, store.dest, size_of(store, n), max(r.last_used, r.staged_at)))
+        used = max(r.last_used, r.staged_at)
+        charged = system.charged_to(r.memcg, mine)
+        out.append(Victim(n, store.dest, size_of(store, n), used, charged))
     out.sort(key=lambda v: (v.last_used, v.name))
     return out
 
@@ -174,11 +181,12 @@ def plan(
     cached = cached_bytes(store, exclude=name) + flying if cap is not None else 0
     pool = candidates(store, keep=name) if evict else []
     freed = 0
+    charged = 0  # of freed: what is charged to this stager's memory cgroup (Victim.charged)
     chosen: list[Victim] = []
     while True:
         fit = check_fit(
             need.bytes, tier, reserve, inodes=need.inodes, pending=others,
-            freed=need.freed + freed,
+            freed=need.freed + freed, charged=need.freed + charged,
         )  # fmt: skip
         over = cap is not None and cached - freed + need.total > cap
         if fit.fits and not over:
@@ -188,6 +196,7 @@ def plan(
         v = pool.pop(0)
         chosen.append(v)
         freed += v.bytes
+        charged += v.bytes if v.charged else 0
     busy = f", {format_size(flying)} of it by stages in progress" if flying else ""
     why = (
         f"the cache's max_size is {format_size(cap)} and {format_size(cached - freed)} of it "

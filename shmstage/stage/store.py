@@ -20,9 +20,11 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
+from shmstage import system
 from shmstage._libc import load_libc
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 
@@ -87,6 +89,10 @@ class Record:
     # st_dev when published: kept for the format, never compared (a block device's number
     # changes when NVMe is renumbered at boot or a loop device is re-attached; see same_tree)
     root_dev: int
+    # The stager's memory cgroup (system.memory_cgroup_id): the dataset's tmpfs pages are
+    # charged there, so evicting it gives RAM back only to that cgroup and its ancestors
+    # (make-room).  None in a record from before it was kept: counts as charged elsewhere.
+    memcg: str | None = field(default_factory=system.memory_cgroup_id)
 
 
 class Store:
@@ -268,7 +274,7 @@ class Store:
         if not data or data.get("format") != FORMAT:
             return None
         try:
-            record = Record(**{k: data[k] for k in Record.__dataclass_fields__})
+            record = _record_of(data)
         except (KeyError, TypeError):
             return None
         try:
@@ -342,7 +348,7 @@ class Store:
         if not data or data.get("format") != FORMAT:
             return None
         try:
-            return Record(**{k: data[k] for k in Record.__dataclass_fields__})
+            return _record_of(data)
         except (KeyError, TypeError):
             return None
 
@@ -509,7 +515,8 @@ class Store:
         try:
             _rmtree(old)
         except OSError as e:
-            raise OSError(e.errno, e.strerror, old) from None  # where what is left now is
+            e.filename = old  # where what is left now is (its type kept: see cannot_remove)
+            raise
 
     def clear_trash(self) -> None:
         try:
@@ -534,6 +541,13 @@ class Store:
 
 
 _NULL_DEVICE = (1, 3)  # /dev/null's numbers: the LRU stamp (Store.ensure_stamp)
+
+
+def _record_of(data: dict[str, Any]) -> Record:
+    """A record from its JSON; ``memcg`` may be missing (an older record): None, never the
+    reader's own cgroup."""
+    keys = [k for k in Record.__dataclass_fields__ if k != "memcg"]
+    return Record(**{k: data[k] for k in keys}, memcg=data.get("memcg"))
 
 
 def _is_stamp(st: os.stat_result) -> bool:
@@ -718,6 +732,14 @@ def _os_error(e: OSError, what: str) -> ShmstageError:
 
 def cannot_remove(e: OSError, path: str) -> ShmstageError:
     """The one line for a tree ``evict`` or ``gc`` could not remove (_rmtree's OSError)."""
+    if isinstance(e, MountInside):
+        where = os.path.join(path, e.inner) if e.inner else path
+        return ShmstageError(
+            f"cannot remove {path}: {where} is a mount point inside the dataset: unmount it, "
+            "then run gc"
+        )
+    if isinstance(e, TooDeep):
+        return ShmstageError(f"cannot remove {path}: {e.strerror}")
     if e.errno in (errno.EACCES, errno.EPERM):
         return PermissionDenied(
             f"cannot remove {path}: {e.strerror}; it holds files you may not remove: have their "
@@ -921,59 +943,162 @@ def _open_dir(pfd: int, name: str, inside: bool) -> int:
         os.close(path_fd)
 
 
-def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None, swaps: int = 0) -> None:
-    """Remove the entry ``name`` of the open directory ``pfd`` and, for a directory, all
-    below it; every call relative to an open directory fd (see _rmtree)."""
-    if swaps > _SWAPS:
-        raise OSError(errno.EBUSY, "it keeps changing while being removed", name)
-    try:
-        if is_dir is None:
-            st = _in(pfd, inside, lambda: os.stat(name, dir_fd=pfd, follow_symlinks=False))
-            is_dir = stat.S_ISDIR(st.st_mode)
-        if not is_dir:
-            try:
-                _in(pfd, inside, lambda: os.unlink(name, dir_fd=pfd))
-            except IsADirectoryError:  # made a directory since we looked
-                _remove_at(pfd, name, inside, True, swaps + 1)
-            return
-        try:
-            fd = _open_dir(pfd, name, inside)
-        except OSError as e:
-            if e.errno in (errno.ENOTDIR, errno.ELOOP):
-                # swapped for a file or a symlink since we looked: remove that, not its target
-                _remove_at(pfd, name, inside, False, swaps + 1)
-                return
-            raise
-        try:
-            for _ in range(_SWAPS):
-                _empty(fd)
-                try:
-                    _in(pfd, inside, lambda: os.rmdir(name, dir_fd=pfd))
-                    return
-                except OSError as e:
-                    if e.errno == errno.ENOTDIR:  # the name now holds a link: our fd does not
-                        _remove_at(pfd, name, inside, False, swaps + 1)
-                        return
-                    if e.errno != errno.ENOTEMPTY:
-                        raise
-            raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), name)
-        finally:
-            os.close(fd)
-    except FileNotFoundError:
+class MountInside(OSError):
+    """A directory inside a tree being removed is another mount: never descended into (its
+    files are another file system's), and the tree is left for gc once it is unmounted.
+    ``inner``: that directory, relative to the tree's top ("" for the top itself)."""
+
+    inner = ""
+
+
+class TooDeep(OSError):
+    """A tree nested deeper than this process may hold directories open (RLIMIT_NOFILE)."""
+
+
+@dataclass
+class _Frame:
+    """A directory being emptied: open as ``fd``, the entry ``name`` of ``pfd``."""
+
+    pfd: int
+    name: str
+    inside: bool
+    fd: int
+    swaps: int
+    entries: list[tuple[str, bool | None]]
+    rounds: int = 1  # listings of it so far
+
+
+_nofile_raised = False
+
+
+def _more_fds() -> None:
+    """Raise this process's soft limit on open files to its hard limit, once: removing a
+    tree holds one fd per level of its depth (never a path: see _rmtree)."""
+    global _nofile_raised
+    if _nofile_raised:
         return
+    _nofile_raised = True
+    with suppress(ValueError, OSError):
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _empty(fd: int) -> None:
+def _listing(fd: int) -> list[tuple[str, bool | None]]:
+    entries: list[tuple[str, bool | None]] = []
     with os.scandir(fd) as it:
-        entries = []
         for entry in it:
             try:
                 is_dir: bool | None = entry.is_dir(follow_symlinks=False)
             except OSError:
                 is_dir = None  # no d_type here and no search permission yet: stat it later
             entries.append((entry.name, is_dir))
-    for name, is_dir in entries:
-        _remove_at(fd, name, True, is_dir)
+    entries.reverse()  # popped from the end: in listing order
+    return entries
+
+
+def _enter(
+    stack: list[_Frame],
+    pfd: int,
+    name: str,
+    inside: bool,
+    is_dir: bool | None,
+    dev: int | None,
+    swaps: int = 0,
+) -> None:
+    """Remove the entry ``name`` of ``pfd`` when it is not a directory; else open it and push
+    it on ``stack`` to be emptied.  ``dev``: the tree's file system (None: the tree's top);
+    ``swaps``: how often this entry changed kind under us already."""
+    while True:
+        if swaps > _SWAPS:
+            raise OSError(errno.EBUSY, "it keeps changing while being removed", name)
+        try:
+            if is_dir is None:
+                st = _in(pfd, inside, lambda: os.stat(name, dir_fd=pfd, follow_symlinks=False))
+                is_dir = stat.S_ISDIR(st.st_mode)
+            if not is_dir:
+                try:
+                    _in(pfd, inside, lambda: os.unlink(name, dir_fd=pfd))
+                except IsADirectoryError:  # made a directory since we looked
+                    is_dir, swaps = True, swaps + 1
+                    continue
+                return
+            try:
+                fd = _open_dir(pfd, name, inside)
+            except OSError as e:
+                if e.errno in (errno.ENOTDIR, errno.ELOOP):
+                    # swapped for a file or a symlink since we looked: remove that, not its target
+                    is_dir, swaps = False, swaps + 1
+                    continue
+                raise
+        except FileNotFoundError:
+            return
+        try:
+            if dev is not None and os.fstat(fd).st_dev != dev:
+                e = MountInside(
+                    errno.EBUSY, "a mount point inside the dataset: unmount it, then run gc"
+                )
+                e.inner = os.path.join(*(f.name for f in stack[1:]), name)
+                raise e
+            entries = _listing(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        stack.append(_Frame(pfd, name, inside, fd, swaps, entries))
+        return
+
+
+def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None) -> None:
+    """Remove the entry ``name`` of the open directory ``pfd`` and, for a directory, all
+    below it; every call relative to an open directory fd (see _rmtree).  Iterative (an
+    explicit stack of open directories), so a tree of any depth is no RecursionError; never
+    descends into another file system (a mount inside the tree: MountInside)."""
+    stack: list[_Frame] = []
+    try:
+        _enter(stack, pfd, name, inside, is_dir, None)
+        if not stack:
+            return
+        dev = os.fstat(stack[0].fd).st_dev
+        if dev != os.fstat(pfd).st_dev:
+            raise MountInside(errno.EBUSY, "a mount point: unmount it, then run gc")
+        while stack:
+            top = stack[-1]
+            if top.entries:
+                child, child_is_dir = top.entries.pop()
+                _enter(stack, top.fd, child, True, child_is_dir, dev)
+                continue
+            try:
+                _in(top.pfd, top.inside, partial(os.rmdir, top.name, dir_fd=top.pfd))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno == errno.ENOTDIR:  # the name now holds a link: our fd does not
+                    stack.pop()
+                    os.close(top.fd)
+                    _enter(stack, top.pfd, top.name, top.inside, False, dev, top.swaps + 1)
+                    continue
+                if e.errno != errno.ENOTEMPTY:
+                    raise
+                if top.rounds >= _SWAPS:  # refilled as fast as it is emptied
+                    raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), top.name) from None
+                top.rounds += 1
+                top.entries = _listing(top.fd)
+                continue
+            stack.pop()
+            os.close(top.fd)
+    except OSError as e:
+        if e.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise TooDeep(
+            e.errno,
+            f"it is nested deeper ({len(stack)} levels) than this process may hold "
+            "directories open: raise the open-file limit (ulimit -n), then run gc",
+        ) from None
+    finally:
+        for frame in stack:
+            os.close(frame.fd)
 
 
 def _rmtree(path: str) -> None:
@@ -992,8 +1117,17 @@ def _rmtree(path: str) -> None:
         pfd = os.open(parent or os.curdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return
+    _more_fds()
     try:
         _remove_at(pfd, name, False, None)
+    except MountInside as e:
+        e.filename = (
+            os.path.join(path, e.inner) if e.inner else path
+        )  # for callers' "{strerror}: {filename}"
+        raise
+    except TooDeep as e:
+        e.filename = path
+        raise
     finally:
         os.close(pfd)
 

@@ -26,6 +26,7 @@ from shmstage.stage.store import (
     DEFAULT_DEST,
     Store,
     check_name,
+    managed_by,
     name_for,
     resolve_dest,
 )
@@ -164,6 +165,12 @@ def stage(
         for tier in order:
             index = tiers.index(tier)
             policy = policies.get(tier)
+            not_ours = _not_ours(tier, name) if tier != home else None  # home: the engine says
+            if not_ours is not None:
+                if len(order) == 1:
+                    raise RefusedError(not_ours)
+                skipped.append(Skipped(tier, not_ours))
+                continue
             roomy = _roomy(make_room, policy)
             capped = makeroom.max_bytes(policy, tier) is not None
             evicted: list[Victim] = []
@@ -189,7 +196,9 @@ def stage(
                         with makeroom.capping(store) if capped else nullcontext():
                             room = makeroom.plan(est, name, tier, reserve, policy)
                             if not room.fits:
-                                skipped.append(Skipped(tier, room.reason or "does not fit"))
+                                # After evicting for it: say what went, not "all 0 evicted"
+                                why = refused[0] if refused else room.reason or "does not fit"
+                                skipped.append(Skipped(tier, why))
                                 break
                             if room.victims and refused:
                                 skipped.append(Skipped(tier, refused[0]))
@@ -228,8 +237,34 @@ def stage(
     raise refusal(name, skipped)
 
 
-def refusal(name: str, skipped: list[Skipped] | tuple[Skipped, ...]) -> CapacityError:
+def _not_ours(tier: str, name: str) -> str | None:
+    """The one line when ``tier``'s store is someone else's that this user may not write
+    (root's): a new dataset cannot go there.  Checked before anything locks in it (the
+    max_size lock is owner-only), so the answer is this line, with or without max_size,
+    dry run or not; None when it is ours or not made yet (the engine then says the rest)."""
+    store = Store(tier)
+    try:
+        owner = os.lstat(store.book).st_uid
+    except OSError:
+        # Not made yet: may we make it?  (A root-made path to a tier, e.g. a disk's mount.)
+        here = store.book
+        while not os.path.lexists(here) and os.path.dirname(here) != here:
+            here = os.path.dirname(here)
+        if os.access(here, os.W_OK | os.X_OK, effective_ids=True):
+            return None
+        return f"cannot create {store.dest}: {here} is not yours to write: pick a --dest you can write to"
+    if owner == os.geteuid() or store.writable():
+        return None
+    return f"{name} is not staged in {store.dest}; {managed_by(store.dest, owner)}"  # the engine's
+
+
+def refusal(name: str, skipped: list[Skipped] | tuple[Skipped, ...]) -> RefusedError:
     """Why no tier took ``name``: the one error ``stage`` and ``stage --dry-run`` give."""
+    if skipped and all(s.reason == _not_ours(s.tier, name) for s in skipped):
+        if len(skipped) == 1:  # not a question of room
+            return RefusedError(skipped[0].reason)
+        detail = "; ".join(f"{s.tier}: {s.reason}" for s in skipped)
+        return RefusedError(f"{name} cannot be staged in any tier: {detail}")
     if len(skipped) == 1:
         return CapacityError(f"dataset does not fit: {skipped[0].reason}")  # the engine's words
     detail = "; ".join(f"{s.tier}: {s.reason}" for s in skipped)
@@ -267,7 +302,8 @@ def _admitter(
             with makeroom.capping(store) if capped else nullcontext():
                 room = makeroom.plan(need, name, tier, reserve, policy)
                 if not room.fits:
-                    raise makeroom.NoRoom(f"dataset does not fit: {room.reason}")
+                    why = refused[0] if refused else room.reason
+                    raise makeroom.NoRoom(f"dataset does not fit: {why}")
                 if room.victims and refused:  # see stage(): evict nothing more
                     raise makeroom.NoRoom(f"dataset does not fit: {refused[0]}")
                 if not _evict(room, tier, evicted, notes):
@@ -322,6 +358,10 @@ def plan(
     skipped: list[Skipped] = []
     sized: dict[int, Estimate] = {}
     for tier in tiers:
+        not_ours = _not_ours(tier, name)
+        if not_ours is not None:  # the real run's refusal (stage), before any max_size lock
+            skipped.append(Skipped(tier, not_ours))
+            continue
         policy = policies.get(tier)
         roomy = _roomy(make_room, policy)
         est = _sized(sized, src, tier)
