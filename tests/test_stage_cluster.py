@@ -460,6 +460,24 @@ def _shmstage_of(node) -> int:
 
 
 @pytest.mark.root
+def test_ctrl_c_on_one_node_is_named_as_such_on_the_other(cluster) -> None:
+    """--nodes 2, ^C on node 1 mid-copy: node 1 dies of SIGINT; node 0 says node 1 was
+    interrupted by SIGINT (not "KeyboardInterrupt: "), in one line, and publishes nothing."""
+    body = (
+        "$STAGE --timeout 60 >/dev/null; echo rc=$?; "
+        f"test -e {cluster.dest}/data && echo published; true"
+    )
+    nodes = cluster.start(body, nodes=2, env={"SHMSTAGE_TEST_SLOW_COPY": "0.2"})
+    os.kill(_when_writing(cluster, nodes[1]), signal.SIGINT)
+    (_, out0, err0), (_, out1, _) = _wait_all(nodes, timeout=100)
+    assert out1 == "rc=130\n", out1  # died of SIGINT: the shell's 128+2
+    assert out0 == "rc=1\n", (out0, err0)
+    assert _one_line(err0) == (
+        "Error: node 1 of 2 failed: interrupted by SIGINT; nothing was published"
+    ), err0
+
+
+@pytest.mark.root
 def test_a_frozen_node_0_makes_every_other_node_fail_within_the_timeout(cluster) -> None:
     """SIGSTOP node 0 (the rendezvous' host) mid-exchange: its store answers nothing, its
     links stay open; every other node gives up after --timeout with one line naming node
