@@ -489,6 +489,42 @@ def test_a_tree_deeper_than_the_open_file_limit_is_refused_in_one_line(shmstage_
 
 
 @pytest.mark.root
+@pytest.mark.root
+def test_evict_without_dac_override_leaves_a_mounted_private_directory_as_it_was(
+    shmstage_bin, tmp_path, tmpfs
+):
+    """Root without CAP_DAC_OVERRIDE/DAC_READ_SEARCH evicts a dataset with another user's
+    0700 directory bind-mounted inside: the mount's owner and mode stay (removal used to take
+    it over, chown and chmod 0700, before noticing it was another file system)."""
+    dest = tmpfs("16M", name="tier") / "shmstage"
+    r = cli(shmstage_bin, "stage", str(make_src(tmp_path / "ds")), "--dest", str(dest), "-q")
+    assert r.returncode == 0, r.stderr
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "keep").write_text("keep")
+    os.chown(private, 4242, 4242)
+    os.chmod(private, 0o700)
+    target = dest / "ds" / "a"
+    subprocess.run(["mount", "--bind", str(private), str(target)], check=True)
+    caps = "-dac_override,-dac_read_search"
+    try:
+        r = subprocess.run(
+            ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}",
+             *shmstage_bin, "evict", "ds", "--dest", str(dest)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert r.returncode == 1, r.stderr
+        assert "is a mount point inside the dataset" in r.stderr, r.stderr
+        st = os.stat(private)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (4242, 4242, 0o700)
+        assert (private / "keep").read_text() == "keep"
+    finally:
+        for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+            point = line.split()[1]
+            if point.startswith(str(dest)) and point != str(dest.parent):
+                subprocess.run(["umount", point], check=False, capture_output=True)
+
+
 def test_evict_never_descends_into_a_mount_inside_the_dataset(shmstage_bin, tmp_path, tmpfs):
     """A file system mounted on a directory of a staged dataset: evict refuses in one line
     naming the mount point and removes nothing of the mounted file system (it used to empty

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shmstage import errors
@@ -416,6 +416,10 @@ def _stage_locked(
             root.st_ino,
             root.st_dev,
         )
+        if built.copied < built.bytes and (record is None or record.memcg != new.memcg):
+            # Kept or linked files stay charged to whoever wrote them (a killed run, the old
+            # version's stager): make-room must not count them as ours (None: counts 0).
+            new = replace(new, memcg=None)
         _publish(store, name, new, marker)
         return _dataset(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:

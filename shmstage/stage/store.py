@@ -920,9 +920,10 @@ def _in(fd: int, inside: bool, op: Callable[[], T]) -> T:
         return op()
 
 
-def _open_dir(pfd: int, name: str, inside: bool) -> int:
+def _open_dir(pfd: int, name: str, inside: bool, dev: int | None = None) -> int:
     """Open the directory ``name`` in ``pfd`` for listing, without following a link; take it
-    first when we may not read it (a 0000 directory, someone else's)."""
+    first when we may not read it (a 0000 directory, someone else's), but never one on
+    another file system than ``dev`` (a mount inside the tree: left as it is)."""
     try:
         return _in(pfd, inside, lambda: os.open(name, _DIR_OPEN, dir_fd=pfd))
     except PermissionError:
@@ -932,8 +933,11 @@ def _open_dir(pfd: int, name: str, inside: bool) -> int:
         # An O_PATH fd cannot be fchmod'ed; its /proc link is that very inode (what glibc's
         # fchmodat(AT_SYMLINK_NOFOLLOW) does), not a name the tree's owner could swap.
         via = f"/proc/self/fd/{path_fd}"
+        st = os.fstat(path_fd)
+        if dev is not None and st.st_dev != dev:  # the caller names the mount: no chown
+            return os.dup(path_fd)
         try:
-            if os.fstat(path_fd).st_uid != os.geteuid():
+            if st.st_uid != os.geteuid():
                 os.chown(via, os.geteuid(), os.getegid())
             os.chmod(via, 0o700)
             return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1026,7 +1030,7 @@ def _enter(
                     continue
                 return
             try:
-                fd = _open_dir(pfd, name, inside)
+                fd = _open_dir(pfd, name, inside, dev)
             except OSError as e:
                 if e.errno in (errno.ENOTDIR, errno.ELOOP):
                     # swapped for a file or a symlink since we looked: remove that, not its target

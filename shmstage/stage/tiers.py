@@ -232,8 +232,8 @@ def stage(
                     **ds.__dict__, tier=tier, tier_index=index, skipped=tuple(skipped),
                     evicted=tuple(evicted), notes=tuple(notes),
                 )  # fmt: skip
-            else:
-                skipped.append(Skipped(tier, last))
+            else:  # out of tries: say what was evicted for it, as the other refusals do
+                skipped.append(Skipped(tier, refused[0] if refused else last))
     raise refusal(name, skipped)
 
 
