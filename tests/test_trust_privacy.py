@@ -577,6 +577,20 @@ def test_cluster_file_turned_into_a_fifo_mid_exchange_fails_instead_of_hanging(
         assert not (world / f"shm{rank}" / "data").exists()
 
 
+def as_node(world: Path, rank: int, owner: int = 0) -> list[str]:
+    """Run the rest as node ``rank``: in a mount namespace of its own where world/shm (the
+    one --dest path every node of a job names) is world/shm<rank> (made ``owner``'s), seen
+    from outside."""
+    (world / f"shm{rank}").mkdir(exist_ok=True)
+    os.chown(world / f"shm{rank}", owner, -1)
+    (world / "shm").mkdir(exist_ok=True)
+    script = 'mount --bind "$1" "$2" || exit 90; shift 2; exec "$@"'
+    return [
+        "unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+        str(world / f"shm{rank}"), str(world / "shm"),
+    ]  # fmt: skip
+
+
 def start_two_nodes(world: Path, src: Path, shmstage_bin, procs) -> list[subprocess.Popen]:
     """Two nodes (root) staging ``src`` as data into world/shm0 and world/shm1, slowly."""
     sock = __import__("socket").socket()
@@ -587,7 +601,8 @@ def start_two_nodes(world: Path, src: Path, shmstage_bin, procs) -> list[subproc
     nodes = []
     for rank in (0, 1):
         argv = [
-            *shmstage_bin, "stage", str(src), "--name", "data", "--dest", str(world / f"shm{rank}"),
+            *as_node(world, rank), *shmstage_bin, "stage", str(src), "--name", "data",
+            "--dest", str(world / "shm"),
             "--reserve", "0", "--quiet", "--nodes", "2", "--node-rank", str(rank),
             "--rendezvous", f"127.0.0.1:{port}", "--inflight", "8M", "--timeout", "60",
         ]  # fmt: skip
@@ -633,10 +648,10 @@ def test_a_user_in_the_source_group_keeps_it_on_every_node_of_a_cluster_stage(
     sock.close()
     nodes = []
     for rank in (0, 1):
-        dest = world / f"shm{rank}"
         argv = [
-            *as_user(STAGER, PRIMARY, str(PROJECT)), *shmstage_bin, "stage", str(src),
-            "--name", "data", "--dest", str(dest), "--reserve", "0", "--quiet",
+            *as_node(world, rank, STAGER), *as_user(STAGER, PRIMARY, str(PROJECT)), *shmstage_bin,
+            "stage", str(src), "--name", "data", "--dest", str(world / "shm"), "--reserve", "0",
+            "--quiet",
             "--nodes", "2", "--node-rank", str(rank), "--rendezvous", f"127.0.0.1:{port}",
             "--timeout", "60",
         ]  # fmt: skip
