@@ -62,7 +62,7 @@ def emit(result: Any, as_json: bool, render: Callable[[Any], None]) -> None:
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str] | None = None) -> str:
     """A plain left-aligned table; numbers right-aligned.  Cells go through
     :func:`~shmstage.terminal.printable` (a SOURCE path is its owner's choice)."""
-    cells = [[("" if c is None else printable(str(c))) for c in row] for row in rows]
+    cells = [[("" if c is None else printable(str(c), colors=True)) for c in row] for row in rows]
     if headers:
         cells.insert(0, list(headers))
     if not cells:
