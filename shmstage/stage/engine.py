@@ -535,7 +535,9 @@ def _checked_top(
         recorded = (manifest or {}).get(SOURCE_TOP)
         same = stat.S_ISDIR(top.st_mode) and (not recorded or ident(top) == join_ident(recorded))
     else:
-        same = stat.S_ISREG(top.st_mode) and (not archive or top.st_ino == archive[2])
+        same = stat.S_ISREG(top.st_mode) and (
+            not archive or [top.st_size, top.st_mtime_ns, top.st_ino] == list(archive)
+        )
     return top if same else None
 
 
