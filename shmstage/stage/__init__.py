@@ -35,19 +35,18 @@ takes the first where the dataset fits (see :mod:`shmstage.stage.tiers` and
 
 from __future__ import annotations
 
+from shmstage.stage.datasets import Listed, StagedDataset
 from shmstage.stage.engine import (
     Difference,
     EvictReport,
     Interrupted,
     Leased,
-    Listed,
     Progress,
-    StagedDataset,
     VerifyReport,
     summary,
 )
 from shmstage.stage.gc import GcReport, Leftover
-from shmstage.stage.leases import Holder, InUse, describe, holders, lease
+from shmstage.stage.leases import Holder, InUse, describe, holders
 from shmstage.stage.store import DEFAULT_DEST, resolve_dest
 
 # DEST may list tiers (fastest first): these look in, and choose among, all of them.
@@ -60,6 +59,7 @@ from shmstage.stage.tiers import (
     evict_report,
     find,
     gc,
+    lease,
     list_staged,
     plan,
     split,

@@ -23,54 +23,31 @@ from shmstage import errors
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
-from shmstage.stage import access, build, leases, sources
+from shmstage.stage import access, build, leases, s3, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
+from shmstage.stage.datasets import Listed, StagedDataset, dataset_of
 from shmstage.stage.dirsource import DirSource
+from shmstage.stage.gc import gc
 from shmstage.stage.leases import Holder
 from shmstage.stage.plan import walk
 from shmstage.stage.reserve import Claim
 from shmstage.stage.store import (
     Record,
     Store,
-    _rmtree,
     alive,
     cannot_remove,
     check_name,
+    listdir,
     managed_by,
     name_for,
+    rmtree,
     trash_owner,
+    tree_size,
 )
 
 VERIFY_MODES = ("size", "checksum")
-
-
-@dataclass(frozen=True)
-class StagedDataset:
-    """A complete, published copy of a dataset."""
-
-    name: str
-    source: str
-    path: str  # DEST/<name>: exactly the source tree
-    bytes: int
-    files: int
-    staged_at: float  # epoch seconds of the last (re)publish
-    last_used: float  # epoch seconds of the last stage()/find() that returned it
-    changed: bool = False  # this call copied something
-    copied_bytes: int = 0
-    seconds: float = 0.0  # this call's wall time (list(): the last staging's)
-
-
-@dataclass(frozen=True)
-class Listed(StagedDataset):
-    """What ``list_staged`` returns: a dataset, and (with ``unfinished``) the leftovers too."""
-
-    # unfinished: path is the partial tree, bytes/files are so far; trash: an old tree
-    state: str = "staged"  # "staged", "unfinished" (in progress or killed) or "trash"
-    stager_alive: bool = False  # unfinished/trash: a live process owns it
-    stager_pid: int | None = None  # that process
-    leased_by: tuple[int, ...] = ()  # pids holding a lease (see shmstage.stage.leases)
 
 
 @dataclass(frozen=True)
@@ -110,19 +87,6 @@ class Interrupted(errors.Interrupted):
     def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
         super().__init__(signum, f"interrupted by {name}; the partial copy was removed")
-
-
-def _dataset(record: Record, store: Store, **kw: Any) -> StagedDataset:
-    return StagedDataset(
-        name=record.name,
-        source=record.source,
-        path=store.path(record.name),
-        bytes=record.bytes,
-        files=record.files,
-        staged_at=record.staged_at,
-        last_used=record.last_used,
-        **kw,
-    )
 
 
 # --- stage ---------------------------------------------------------------------------
@@ -272,7 +236,7 @@ def _hand_out(
                 "only where you may read all of its source); ask the source's owner for read access"
             ) from None
         if current:
-            return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)
+            return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)
         why = f"{name} in {store.dest} is out of date with {source}"
     raise RefusedError(f"{why}; {managed_by(store.dest, owner)}")
 
@@ -360,7 +324,7 @@ def _stage_locked(
         _drop_leftovers(store, name, marker)
         if kind not in sources.LISTED_KINDS:
             _recheck_access(store, name, source, kind, manifest)
-        return _dataset(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+        return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
 
     try:
         if cold and peers is None and isinstance(src, DirSource):
@@ -421,7 +385,7 @@ def _stage_locked(
             # version's stager): make-room must not count them as ours (None: counts 0).
             new = replace(new, memcg=None)
         _publish(store, name, new, marker)
-        return _dataset(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
+        return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
         if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
@@ -584,14 +548,14 @@ def _publish(store: Store, name: str, new: Record, marker: str) -> None:
         os.unlink(store.next_path(name))
     _remove_marker(marker)
     if old is not None:
-        _rmtree(old)
+        rmtree(old)
 
 
 def _clear_dead_trash(store: Store, name: str) -> None:
-    for entry in _listdir(store.trash_dir):
+    for entry in listdir(store.trash_dir):
         owner, pid, start = trash_owner(entry)
         if owner == name and pid is not None and not alive(pid, start):
-            _rmtree(os.path.join(store.trash_dir, entry))
+            rmtree(os.path.join(store.trash_dir, entry))
 
 
 def _drop_leftovers(store: Store, name: str, marker: str) -> None:
@@ -656,7 +620,7 @@ def find(
                 break
     if record is None:
         return None
-    return _dataset(store.touch(record), store)
+    return dataset_of(store.touch(record), store)
 
 
 def list_staged(
@@ -673,7 +637,7 @@ def list_staged(
         r = store.published(n)
         if r is not None:
             leased = tuple(h.pid for h in leases.holders(n, store.dest))
-            out.append(Listed(**_dataset(r, store, seconds=r.seconds).__dict__, leased_by=leased))
+            out.append(Listed(**dataset_of(r, store, seconds=r.seconds).__dict__, leased_by=leased))
     if unfinished:
         out.extend(_leftovers(store))
     return out
@@ -681,23 +645,23 @@ def list_staged(
 
 def _leftovers(store: Store) -> list[Listed]:
     out = []
-    for entry in _listdir(store.partial_dir):
+    for entry in listdir(store.partial_dir):
         path = os.path.join(store.partial_dir, entry)
         if entry.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
             continue
         source = _read_marker(os.path.join(store.partial_dir, f".{entry}.source")) or ""
         pids = _lock_holders(store, entry)
-        size, files = _tree_size(path)
+        size, files = tree_size(path)
         out.append(
             Listed(
                 entry, source, path, size, files, 0.0, 0.0, state="unfinished",
                 stager_alive=bool(pids), stager_pid=pids[0] if pids else None,
             )
         )  # fmt: skip
-    for entry in _listdir(store.trash_dir):
+    for entry in listdir(store.trash_dir):
         path = os.path.join(store.trash_dir, entry)
         name, pid, start = trash_owner(entry)
-        size, files = _tree_size(path)
+        size, files = tree_size(path)
         live = pid is not None and alive(pid, start)
         out.append(
             Listed(
@@ -708,13 +672,6 @@ def _leftovers(store: Store) -> list[Listed]:
     return out
 
 
-def _listdir(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:  # missing, or partial/ and trash/ (0700) of a store another user owns
-        return []
-
-
 def _lock_holders(store: Store, name: str) -> tuple[int, ...]:
     """Pids holding the dataset's lock (a live stager or evict), from /proc/locks."""
     try:
@@ -722,30 +679,6 @@ def _lock_holders(store: Store, name: str) -> tuple[int, ...]:
     except OSError:
         return ()
     return tuple(h.pid for h in leases.holders_of(st.st_dev, st.st_ino))
-
-
-def _tree_size(path: str) -> tuple[int, int]:
-    """Bytes and files in a tree so far (regular files' sizes)."""
-    size = files = 0
-    stack = [path]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    try:
-                        if e.is_dir(follow_symlinks=False):
-                            stack.append(e.path)
-                        elif e.is_file(follow_symlinks=False):
-                            size += e.stat(follow_symlinks=False).st_size
-                            files += 1
-                    except OSError:
-                        continue
-        except OSError:
-            continue
-    if os.path.isfile(path) and not os.path.islink(path):
-        with suppress(OSError):
-            return os.lstat(path).st_size, 1
-    return size, files
 
 
 # --- verify -------------------------------------------------------------------------------
@@ -791,9 +724,7 @@ def verify(
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
             bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
         elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
-            from shmstage.stage.s3 import compare
-
-            bad = compare(manifest, path)
+            bad = s3.compare(manifest, path)
         else:
             if not os.path.isdir(record.source):
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
@@ -997,8 +928,6 @@ def evict_report(
             continue  # being staged right now: in use, not ours to remove
         evicted.append(n)
     if all and not dry_run:
-        from shmstage.stage.gc import gc
-
         gc(store.dest)  # leftovers of killed runs: partial trees, markers, trash, stale files
     return EvictReport(tuple(evicted), tuple(in_use), tuple(forced), dry_run)
 

@@ -35,7 +35,7 @@ PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <na
 
 # \Z, not "$": "$" also matches before a final newline ("ds\n" is not "ds"); no leading
 # "-" (it reads as an option on the job's command line) or "." (hidden, "..")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")
+NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -54,7 +54,7 @@ def resolve_dest(dest: str | os.PathLike[str] | None) -> str:
 
 
 def check_name(name: str) -> str:
-    if not _NAME_RE.fullmatch(name):
+    if not NAME_RE.fullmatch(name):
         raise RefusedError(
             f"invalid dataset name {name!r}: use letters, digits, '.', '_', '-' or '+' "
             "(at most 200, not starting with '.' or '-')"
@@ -146,7 +146,7 @@ class Store:
             (self.reservation_dir, 0o755),
         ):
             if create:
-                _mkdir_checked(path, mode)
+                mkdir_checked(path, mode)
             elif os.path.lexists(path):
                 _check_dir(path, "bookkeeping directory")
         return self
@@ -165,7 +165,7 @@ class Store:
         record = self.read_record(name) if os.geteuid() == 0 else None
         if record is not None and self.same_tree(st, record.root_ino):
             return st  # root staged it and gave it its source's owner (cp -a; see access.py)
-        _check_owner(self.path(name), st)
+        check_owner(self.path(name), st)
         return st
 
     # --- locks ----------------------------------------------------------------
@@ -513,7 +513,7 @@ class Store:
         except OSError:
             old = path  # e.g. root without CAP_DAC_OVERRIDE: the tree's root is someone else's
         try:
-            _rmtree(old)
+            rmtree(old)
         except OSError as e:
             e.filename = old  # where what is left now is (its type kept: see cannot_remove)
             raise
@@ -521,7 +521,7 @@ class Store:
     def clear_trash(self) -> None:
         try:
             for entry in os.listdir(self.trash_dir):
-                _rmtree(os.path.join(self.trash_dir, entry))
+                rmtree(os.path.join(self.trash_dir, entry))
         except FileNotFoundError:
             pass
 
@@ -612,7 +612,7 @@ def lock_file(
             ) from None
         try:
             st = os.fstat(fd)
-            _check_owner(path, st)
+            check_owner(path, st)
             kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
                 fcntl.flock(fd, kind | fcntl.LOCK_NB)
@@ -731,7 +731,7 @@ def _os_error(e: OSError, what: str) -> ShmstageError:
 
 
 def cannot_remove(e: OSError, path: str) -> ShmstageError:
-    """The one line for a tree ``evict`` or ``gc`` could not remove (_rmtree's OSError)."""
+    """The one line for a tree ``evict`` or ``gc`` could not remove (rmtree's OSError)."""
     if isinstance(e, MountInside):
         where = os.path.join(path, e.inner) if e.inner else path
         return ShmstageError(
@@ -748,7 +748,7 @@ def cannot_remove(e: OSError, path: str) -> ShmstageError:
     return ShmstageError(f"cannot remove {path}: {e.strerror}; run this again")
 
 
-def _check_owner(path: str, st: os.stat_result) -> None:
+def check_owner(path: str, st: os.stat_result) -> None:
     uid = os.geteuid()
     if st.st_uid not in (0, uid):
         raise RefusedError(
@@ -769,7 +769,7 @@ def _check_dir(path: str, what: str, *, shared_ok: bool = False) -> os.stat_resu
         )
     if not stat.S_ISDIR(st.st_mode):
         raise RefusedError(f"{what} {path} is not a directory")
-    _check_owner(path, st)
+    check_owner(path, st)
     # Others may create entries in a sticky DEST (e.g. --dest /dev/shm) but cannot move ours;
     # every entry we use there is checked on its own.  Bookkeeping must be ours alone.
     writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
@@ -781,7 +781,7 @@ def _check_dir(path: str, what: str, *, shared_ok: bool = False) -> os.stat_resu
     return st
 
 
-def _mkdir_checked(path: str, mode: int) -> None:
+def mkdir_checked(path: str, mode: int) -> None:
     try:
         os.mkdir(path, mode)
     except FileExistsError:
@@ -977,7 +977,7 @@ _nofile_raised = False
 
 def _more_fds() -> None:
     """Raise this process's soft limit on open files to its hard limit, once: removing a
-    tree holds one fd per level of its depth (never a path: see _rmtree)."""
+    tree holds one fd per level of its depth (never a path: see rmtree)."""
     global _nofile_raised
     if _nofile_raised:
         return
@@ -1056,7 +1056,7 @@ def _enter(
 
 def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None) -> None:
     """Remove the entry ``name`` of the open directory ``pfd`` and, for a directory, all
-    below it; every call relative to an open directory fd (see _rmtree).  Iterative (an
+    below it; every call relative to an open directory fd (see rmtree).  Iterative (an
     explicit stack of open directories), so a tree of any depth is no RecursionError; never
     descends into another file system (a mount inside the tree: MountInside)."""
     stack: list[_Frame] = []
@@ -1105,7 +1105,7 @@ def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None) -> None:
             os.close(frame.fd)
 
 
-def _rmtree(path: str) -> None:
+def rmtree(path: str) -> None:
     """Remove a tree, including read-only directories (staged trees keep source modes) and,
     for root without CAP_DAC_OVERRIDE, directories its source's owners own.
 
@@ -1137,6 +1137,37 @@ def _rmtree(path: str) -> None:
 
 
 _libc: Any = None
+
+
+def listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:  # missing, or partial/ and trash/ (0700) of a store another user owns
+        return []
+
+
+def tree_size(path: str) -> tuple[int, int]:
+    """Bytes and files in a tree so far (regular files' sizes)."""
+    size = files = 0
+    stack = [path]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            size += e.stat(follow_symlinks=False).st_size
+                            files += 1
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    if os.path.isfile(path) and not os.path.islink(path):
+        with suppress(OSError):
+            return os.lstat(path).st_size, 1
+    return size, files
 
 
 def _renameat2(src: str, dst: str, flags: int) -> bool:

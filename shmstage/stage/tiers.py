@@ -16,14 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import counters, engine, makeroom, sources
+from shmstage.stage import counters, engine, inflight, leases, makeroom, sources
 from shmstage.stage.build import Need
+from shmstage.stage.datasets import Listed, StagedDataset
 from shmstage.stage.estimate import Estimate, estimate, page_size
 from shmstage.stage.gc import GcReport
 from shmstage.stage.gc import gc as gc_one
 from shmstage.stage.makeroom import CachePolicy, Victim
 from shmstage.stage.store import (
     DEFAULT_DEST,
+    NAME_RE,
     Store,
     check_name,
     managed_by,
@@ -85,7 +87,7 @@ def holding(name: str, dest: str | os.PathLike[str] | None = None) -> str | None
     return None
 
 
-def tier_of(ds: engine.StagedDataset) -> str:
+def tier_of(ds: StagedDataset) -> str:
     """The tier a staged dataset lives in (its path is TIER/<name>)."""
     return os.path.dirname(ds.path)
 
@@ -102,7 +104,7 @@ class Skipped:
 
 
 @dataclass(frozen=True)
-class Placed(engine.StagedDataset):
+class Placed(StagedDataset):
     """What ``stage`` returns: the dataset, the tier it is in and how it got there."""
 
     tier: str = ""
@@ -127,7 +129,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class InTier(engine.Listed):
+class InTier(Listed):
     """A ``list`` row, and the tier it is in."""
 
     tier: str = ""
@@ -193,7 +195,7 @@ def stage(
                     elif roomy:
                         est = _sized(sized, src, tier)
                         store = Store(tier).open() if capped else Store(tier)
-                        with makeroom.capping(store) if capped else nullcontext():
+                        with inflight.capping(store) if capped else nullcontext():
                             room = makeroom.plan(est, name, tier, reserve, policy)
                             if not room.fits:
                                 # After evicting for it: say what went, not "all 0 evicted"
@@ -206,7 +208,7 @@ def stage(
                             if not _evict(room, tier, evicted, notes):
                                 continue  # a victim was leased or busy meanwhile
                             if capped:
-                                held.enter_context(makeroom.InFlight(store, name, est.page_bytes))
+                                held.enter_context(inflight.InFlight(store, name, est.page_bytes))
                     try:
                         ds = engine.stage(
                             src, name=name, dest=tier, reserve=reserve, admit=admit, **kw
@@ -299,7 +301,7 @@ def _admitter(
     def admit(need: Need) -> None:
         store = Store(tier)
         for _ in range(3):
-            with makeroom.capping(store) if capped else nullcontext():
+            with inflight.capping(store) if capped else nullcontext():
                 room = makeroom.plan(need, name, tier, reserve, policy)
                 if not room.fits:
                     why = refused[0] if refused else room.reason
@@ -310,7 +312,7 @@ def _admitter(
                     continue  # a victim was leased or busy meanwhile: plan again
                 if capped:
                     grows = need.total - makeroom.size_of(store, name)
-                    held.enter_context(makeroom.InFlight(store, name, grows))
+                    held.enter_context(inflight.InFlight(store, name, grows))
                 return
         raise CapacityError("dataset does not fit: other stagers kept taking the room made")
 
@@ -455,7 +457,7 @@ def _placing_all(
 
 def find(
     name_or_source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
-) -> engine.StagedDataset | None:
+) -> StagedDataset | None:
     """:func:`engine.find` in each tier, fastest first."""
     for tier in split(dest):
         found = engine.find(name_or_source, tier)
@@ -537,6 +539,42 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         tuple(x for r in reports for x in r.removed),
         tuple(x for r in reports for x in r.skipped),
     )
+
+
+# --- leases, by path, name or source, in whichever tier holds the dataset -----------------
+
+
+@contextmanager
+def lease(
+    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
+) -> Iterator[Any]:
+    """Hold a lease on a staged dataset for the ``with`` block; yields its ``StagedDataset``.
+
+    ``path_or_name``: a staged path (``DEST/<name>`` or inside it, e.g. what ``staged_path()``
+    returned), a dataset name, or the source path it was staged from.
+    """
+    held = lease_for(path_or_name, dest)
+    try:
+        yield held.dataset
+    finally:
+        held.release()
+
+
+def lease_for(
+    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None
+) -> leases.Lease:
+    """Resolve ``path_or_name`` like :func:`lease` and acquire; the caller releases."""
+    key = os.fspath(path_or_name)
+    where = leases.locate(key) if os.sep in key else None
+    if where is not None:
+        return leases.acquire(where[1], where[0])
+    tiers = split(dest)  # DEST may list tiers
+    if os.sep not in key and NAME_RE.match(key):
+        return leases.acquire(key, holding(key, ",".join(tiers)) or tiers[0])
+    found = find(key, ",".join(tiers))
+    if found is None:
+        raise ShmstageError(f"{key} is not staged in {','.join(tiers)} (see `shmstage list`)")
+    return leases.acquire(found.name, os.path.dirname(found.path))
 
 
 def configured(
