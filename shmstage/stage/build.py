@@ -30,9 +30,9 @@ from shmstage.errors import ShmstageError
 from shmstage.stage import copy as copier
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Entry, require_fit, walk
-from shmstage.stage.reserve import Claim
 from shmstage.stage.sources import Listing, Source, Want
 from shmstage.stage.store import Store, rmtree
+from shmstage.stage.store.reserve import Claim
 
 
 class Counter:

@@ -23,22 +23,20 @@ from shmstage import errors
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
-from shmstage.stage import access, build, leases, s3, sources
+from shmstage.stage import build, s3, sources
 from shmstage.stage import copy as copier
 from shmstage.stage import tar as tarsrc
 from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
-from shmstage.stage.datasets import Listed, StagedDataset, dataset_of
 from shmstage.stage.dirsource import DirSource
-from shmstage.stage.gc import gc
-from shmstage.stage.leases import Holder
 from shmstage.stage.plan import walk
-from shmstage.stage.reserve import Claim
 from shmstage.stage.store import (
     Record,
     Store,
+    access,
     alive,
     cannot_remove,
     check_name,
+    leases,
     listdir,
     managed_by,
     name_for,
@@ -46,6 +44,10 @@ from shmstage.stage.store import (
     trash_owner,
     tree_size,
 )
+from shmstage.stage.store.datasets import Listed, StagedDataset, dataset_of
+from shmstage.stage.store.gc import gc
+from shmstage.stage.store.leases import Holder
+from shmstage.stage.store.reserve import Claim
 
 VERIFY_MODES = ("size", "checksum")
 
@@ -808,7 +810,7 @@ def _what_changed(want: list[Any], have: list[Any]) -> str:
 
 @dataclass(frozen=True)
 class Leased:
-    """A dataset jobs hold leases on, and who (see :mod:`shmstage.stage.leases`)."""
+    """A dataset jobs hold leases on, and who (see :mod:`shmstage.stage.store.leases`)."""
 
     name: str
     holders: tuple[Holder, ...]  # the processes holding its lease
@@ -850,7 +852,7 @@ def evict_report(
 ) -> EvictReport:
     """Remove staged datasets.  A dataset a job leases is refused by name (``leases.InUse``)
     and skipped by ``all``/``older_than`` (listed in ``in_use``), unless ``force``.
-    ``all`` also runs :func:`shmstage.stage.gc.gc`: only the empty skeleton stays."""
+    ``all`` also runs :func:`shmstage.stage.store.gc.gc`: only the empty skeleton stays."""
     chosen = sum(x for x in (name is not None, bool(all), older_than is not None))
     if chosen != 1:
         raise RefusedError("evict needs exactly one of NAME, --all or --older-than")

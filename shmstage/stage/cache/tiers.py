@@ -16,22 +16,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import counters, engine, inflight, leases, makeroom, sources
+from shmstage.stage import engine, sources
 from shmstage.stage.build import Need
-from shmstage.stage.datasets import Listed, StagedDataset
+from shmstage.stage.cache import makeroom
+from shmstage.stage.cache.makeroom import CachePolicy, Victim
 from shmstage.stage.estimate import Estimate, estimate, page_size
-from shmstage.stage.gc import GcReport
-from shmstage.stage.gc import gc as gc_one
-from shmstage.stage.makeroom import CachePolicy, Victim
 from shmstage.stage.store import (
     DEFAULT_DEST,
     NAME_RE,
     Store,
     check_name,
+    counters,
+    inflight,
+    leases,
     managed_by,
     name_for,
     resolve_dest,
 )
+from shmstage.stage.store.datasets import Listed, StagedDataset
+from shmstage.stage.store.gc import GcReport
+from shmstage.stage.store.gc import gc as gc_one
 
 SEP = ","
 
@@ -528,7 +532,7 @@ def verify(name: str, dest: str | os.PathLike[str] | None = None, **kw: Any) -> 
 
 
 def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> GcReport:
-    """:func:`shmstage.stage.gc.gc` of every tier, as one report."""
+    """:func:`shmstage.stage.store.gc.gc` of every tier, as one report."""
     tiers = split(dest)
     reports = [gc_one(t, dry_run=dry_run) for t in tiers]
     if len(reports) == 1:

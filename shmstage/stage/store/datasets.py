@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shmstage.stage.store import Record, Store
+from shmstage.stage.store.layout import Record, Store
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Listed(StagedDataset):
     state: str = "staged"  # "staged", "unfinished" (in progress or killed) or "trash"
     stager_alive: bool = False  # unfinished/trash: a live process owns it
     stager_pid: int | None = None  # that process
-    leased_by: tuple[int, ...] = ()  # pids holding a lease (see shmstage.stage.leases)
+    leased_by: tuple[int, ...] = ()  # pids holding a lease (see shmstage.stage.store.leases)
 
 
 def dataset_of(record: Record, store: Store, **kw: Any) -> StagedDataset:

@@ -2,7 +2,7 @@
 
 ``DEST/.shmstage/inflight/<name>.<random>``, each flocked for its stager's life, and the
 tier's max_size lock ``inflight/.capping``; make-room plans against them (see
-shmstage.stage.makeroom, NOTE [max_size]) and gc removes the claims of dead stagers.
+shmstage.stage.cache.makeroom, NOTE [max_size]) and gc removes the claims of dead stagers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 from shmstage.errors import ShmstageError
-from shmstage.stage.store import Store
+from shmstage.stage.store.layout import Store
 
 IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<random>: what a live stage adds (max_size)
 CAPPING = ".capping"  # inflight/.capping: the tier's max_size lock (see capping)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.datasets import dataset_of
-from shmstage.stage.store import BOOK, NAME_RE, Store, check_owner, mkdir_checked
+from shmstage.stage.store.datasets import dataset_of
+from shmstage.stage.store.layout import BOOK, NAME_RE, Store, check_owner, mkdir_checked
 from shmstage.terminal import printable
 
 _COMMAND_CHARS = 120

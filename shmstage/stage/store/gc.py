@@ -13,8 +13,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage import inflight, leases
-from shmstage.stage.store import (
+from shmstage.stage.store import inflight, leases
+from shmstage.stage.store.layout import (
     Busy,
     Store,
     alive,
