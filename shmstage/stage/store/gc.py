@@ -14,17 +14,10 @@ from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
 from shmstage.stage.store import inflight, leases
-from shmstage.stage.store.layout import (
-    Busy,
-    Store,
-    alive,
-    cannot_remove,
-    check_name,
-    listdir,
-    rmtree,
-    trash_owner,
-    tree_size,
-)
+from shmstage.stage.store.layout import Store
+from shmstage.stage.store.locks import Busy, alive, trash_owner
+from shmstage.stage.store.names import check_name
+from shmstage.stage.store.trees import cannot_remove, listdir, rmtree, tree_size
 
 
 @dataclass(frozen=True)

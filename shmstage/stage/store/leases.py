@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.stage.store.checks import check_owner, mkdir_checked
 from shmstage.stage.store.datasets import dataset_of
-from shmstage.stage.store.layout import BOOK, NAME_RE, Store, check_owner, mkdir_checked
+from shmstage.stage.store.layout import Store
+from shmstage.stage.store.names import BOOK, NAME_RE
 from shmstage.terminal import printable
 
 _COMMAND_CHARS = 120
