@@ -373,13 +373,7 @@ class _Checker:
         return value
 
     def size(
-        self,
-        key: str,
-        node: _Node,
-        *,
-        percent: bool = False,
-        auto: bool = False,
-        zero: bool = False,
+        self, key: str, node: _Node, *, percent: bool = False, auto: bool = False, zero: bool = False
     ) -> Any:
         value = self.scalar(key, node)
         if value is _MISSING:

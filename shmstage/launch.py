@@ -360,7 +360,9 @@ class SignalHold:
             signal.raise_signal(self.signal)
 
 
-def _terminate(procs: list[psutil.Process], grace: float, held: SignalHold | None = None) -> None:
+def _terminate(
+    procs: list[psutil.Process], grace: float, held: SignalHold | None = None
+) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
@@ -575,7 +577,7 @@ def _stage_leased(
     dest: str | None,
     log: Callable[[str], None] | None,
     peers: Any = None,
-    **room: Any,  # make_room, policies, reserve: see shmstage.stage.cache.tiers.stage
+    **room: Any,  # make_room, policies, reserve: see shmstage.stage.engine.stage
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""

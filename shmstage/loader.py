@@ -472,13 +472,7 @@ def _slot_values(obj: Any) -> Iterator[Any]:
                 continue
 
 
-_NOT_HOLDERS = (
-    type,
-    types.ModuleType,
-    types.FunctionType,
-    types.MethodType,
-    types.BuiltinFunctionType,
-)
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
 
 class _TensorWalk:

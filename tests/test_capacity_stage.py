@@ -202,9 +202,7 @@ def test_first_copy_that_outgrows_the_tmpfs_midway_is_refused_whole(tmpfs, tmp_p
     finally:
         reap(p)
     assert p.returncode == 2, err
-    assert (
-        err.startswith("Error: dataset does not fit: needs 160.0 MiB + ") and err.count("\n") == 1
-    )
+    assert err.startswith("Error: dataset does not fit: needs 160.0 MiB + ") and err.count("\n") == 1
     assert not (dest / "ds").exists()
     assert os.listdir(dest / ".shmstage" / "partial") == []
     assert shutil.disk_usage(mnt).free >= free - MIB  # what it copied is gone again

@@ -423,17 +423,12 @@ def test_auto_size_keeps_a_percentage_reserve_of_the_size_it_computes(monkeypatc
     cfg = parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 20%\n")
     size = prepare.auto_size(cfg)
     assert size == 2 << 20  # 1 MiB of bookkeeping is 80%: 1.25 MiB, rounded up to MiB
-    assert (
-        prepare.auto_size(parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 0\n"))
-        == 1 << 20
-    )
+    assert prepare.auto_size(parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 0\n")) == 1 << 20
 
 
 @pytest.mark.root
 @pytest.mark.parametrize("command", ["stage", "run"])
-def test_stage_and_run_keep_a_percentage_reserve_of_the_tmpfs(
-    tmpfs, tmp_path, shmstage_bin, command
-):
+def test_stage_and_run_keep_a_percentage_reserve_of_the_tmpfs(tmpfs, tmp_path, shmstage_bin, command):
     """A config reserve of 90% refuses 10M on a 64M tmpfs (57.6M kept free), as --reserve 90% does; 10% lets it in."""
     import os
     import subprocess

@@ -299,9 +299,7 @@ def test_a_100_percent_reserve_is_refused_as_the_config_refuses_it(
     the node config's `reserve: 100%` gets, not "does not fit" after looking."""
     src = make_src(tmp_path)
     argv = [str(src) if a == "SRC" else str(tmp_path / "d") if a == "DEST" else a for a in command]
-    r = runner.invoke(
-        cli, [*argv, "--reserve", value] + (["--", "true"] if command == ["run"] else [])
-    )
+    r = runner.invoke(cli, [*argv, "--reserve", value] + (["--", "true"] if command == ["run"] else []))
     assert r.exit_code == 2, r.output
     assert (
         f"invalid reserve '{value}': a percentage must be above 0% and below 100% of the tmpfs "

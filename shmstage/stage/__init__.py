@@ -29,18 +29,16 @@ Readers need no lock: they see either no dataset or a complete one.
     find("imagenet") or find("/nfs/imagenet")
 
 DEST may be an ordered list of tiers, ``/dev/shm/shmstage,/local/nvme/shmstage``: ``stage``
-takes the first where the dataset fits (see :mod:`shmstage.stage.cache.tiers` and
-:mod:`shmstage.stage.cache.makeroom`, docs/cache.md).
+takes the first where the dataset fits (see :mod:`shmstage.stage.engine`, :mod:`shmstage.stage.cache.tiers`
+and :mod:`shmstage.stage.cache.makeroom`, docs/cache.md).
 """
 
 from __future__ import annotations
 
+from shmstage.stage.cache.tiers import InTier, Placed, Plan, Skipped, split
+
 # DEST may list tiers (fastest first): these look in, and choose among, all of them.
-from shmstage.stage.cache.tiers import (
-    InTier,
-    Placed,
-    Plan,
-    Skipped,
+from shmstage.stage.engine import (
     evict,
     evict_report,
     find,
@@ -48,23 +46,18 @@ from shmstage.stage.cache.tiers import (
     lease,
     list_staged,
     plan,
-    split,
     stage,
+    summary,
     verify,
 )
-from shmstage.stage.engine import (
-    Difference,
-    EvictReport,
-    Interrupted,
-    Leased,
-    Progress,
-    VerifyReport,
-    summary,
-)
+from shmstage.stage.signals import Interrupted
+from shmstage.stage.staging import Progress
 from shmstage.stage.store import DEFAULT_DEST, resolve_dest
 from shmstage.stage.store.datasets import Listed, StagedDataset
+from shmstage.stage.store.eviction import EvictReport, Leased
 from shmstage.stage.store.gc import GcReport, Leftover
 from shmstage.stage.store.leases import Holder, InUse, describe, holders
+from shmstage.stage.verification import Difference, VerifyReport
 
 __all__ = [
     "DEFAULT_DEST",

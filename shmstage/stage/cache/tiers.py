@@ -1,41 +1,25 @@
 """Storage tiers: DEST may be an ordered list, fastest first (``/dev/shm/shmstage,/nvme/shmstage``).
 
-A layer around the single-DEST engine: ``stage`` puts a dataset in the first tier where it
-fits with its reserve (making room there first with ``make_room`` or a tier's cache policy,
-see makeroom.py) and reports why faster tiers were skipped; a dataset already staged in
-any tier is restaged there, never copied twice.  ``find``, ``list_staged``, ``evict_report``,
-``verify`` and ``gc`` look in every tier.  With one tier each is the engine's own function.
+The cache's placement policy over several stores: which tiers a DEST names (each once,
+whatever it is called), where a dataset already is, which tier is not ours to fill, why a
+tier was skipped, the placing locks that make one tier win, and each tier's cache policy
+from the node config.  The engine (engine.py) runs it; make-room is makeroom.py.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import engine, sources
-from shmstage.stage.build import Need
-from shmstage.stage.cache import makeroom
+from shmstage.stage import sources
 from shmstage.stage.cache.makeroom import CachePolicy, Victim
 from shmstage.stage.estimate import Estimate, estimate, page_size
-from shmstage.stage.store import (
-    DEFAULT_DEST,
-    NAME_RE,
-    Store,
-    check_name,
-    counters,
-    inflight,
-    leases,
-    managed_by,
-    name_for,
-    resolve_dest,
-)
 from shmstage.stage.store.datasets import Listed, StagedDataset
-from shmstage.stage.store.gc import GcReport
-from shmstage.stage.store.gc import gc as gc_one
+from shmstage.stage.store.layout import Store, managed_by
+from shmstage.stage.store.names import DEFAULT_DEST, check_name, name_for, resolve_dest
 
 SEP = ","
 
@@ -96,9 +80,6 @@ def tier_of(ds: StagedDataset) -> str:
     return os.path.dirname(ds.path)
 
 
-# --- results -----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Skipped:
     """A faster tier ``stage`` did not use, and why."""
@@ -139,111 +120,7 @@ class InTier(Listed):
     tier: str = ""
 
 
-# --- stage -------------------------------------------------------------------------------
-
-
-def stage(
-    src: str | os.PathLike[str],
-    *,
-    name: str | None = None,
-    dest: str | os.PathLike[str] | None = None,
-    reserve: int | str | None = None,
-    make_room: bool = False,
-    policies: Mapping[str, CachePolicy] | None = None,
-    **kw: Any,
-) -> Placed:
-    """Stage ``src`` into the first tier where it fits (see the module docstring); ``kw``
-    goes to :func:`shmstage.stage.engine.stage`.  Refuses (CapacityError) before removing
-    anything when no tier can take it."""
-    tiers, policies, name = _request(src, name, dest, policies)
-    if kw.get("peers") is not None and len(tiers) > 1:
-        raise RefusedError(
-            "staging with several nodes takes one destination, not a list of tiers: "
-            "pass --dest with the tier to fill on every node"
-        )
-    progress = kw.get("progress")
-    waiting = (lambda pid: progress(engine.Progress("waiting", holder=pid))) if progress else None
-    with _placing_all(tiers, name, waiting) if len(tiers) > 1 else nullcontext():
-        home = holding(name, joined(tiers))
-        order = [home] if home is not None else list(tiers)
-        skipped: list[Skipped] = []
-        sized: dict[int, Estimate] = {}
-        for tier in order:
-            index = tiers.index(tier)
-            policy = policies.get(tier)
-            not_ours = _not_ours(tier, name) if tier != home else None  # home: the engine says
-            if not_ours is not None:
-                if len(order) == 1:
-                    raise RefusedError(not_ours)
-                skipped.append(Skipped(tier, not_ours))
-                continue
-            roomy = _roomy(make_room, policy)
-            capped = makeroom.max_bytes(policy, tier) is not None
-            evicted: list[Victim] = []
-            notes: list[str] = []
-            last = "other stagers kept taking the room made"
-            # The engine refused after this stage evicted: the room made was not what the
-            # plan counted (or another stager took it); evict nothing more for it, so a
-            # miscount cannot empty the tier one victim at a time.
-            refused: list[str] = []
-            for _attempt in range(3):  # a lease or another stager may win a race: plan again
-                # held: this stage's claim against max_size, until it is published
-                with ExitStack() as held:
-                    admit = None
-                    if roomy and tier == home:
-                        # A restage in place: the engine says what it still writes (only
-                        # what changed), and room is made for that, under its lock.
-                        admit = _admitter(
-                            name, tier, reserve, policy, held, evicted, notes, refused
-                        )
-                    elif roomy:
-                        est = _sized(sized, src, tier)
-                        store = Store(tier).open() if capped else Store(tier)
-                        with inflight.capping(store) if capped else nullcontext():
-                            room = makeroom.plan(est, name, tier, reserve, policy)
-                            if not room.fits:
-                                # After evicting for it: say what went, not "all 0 evicted"
-                                why = refused[0] if refused else room.reason or "does not fit"
-                                skipped.append(Skipped(tier, why))
-                                break
-                            if room.victims and refused:
-                                skipped.append(Skipped(tier, refused[0]))
-                                break
-                            if not _evict(room, tier, evicted, notes):
-                                continue  # a victim was leased or busy meanwhile
-                            if capped:
-                                held.enter_context(inflight.InFlight(store, name, est.page_bytes))
-                    try:
-                        ds = engine.stage(
-                            src, name=name, dest=tier, reserve=reserve, admit=admit, **kw
-                        )
-                    except makeroom.NoRoom as e:  # evicting all that may go is not enough
-                        skipped.append(Skipped(tier, _reason(e)))
-                        break
-                    except CapacityError as e:
-                        if len(order) == 1 and not roomy:
-                            raise  # one tier: the engine's own words
-                        if roomy:
-                            last = _reason(e)
-                            if evicted:
-                                refused[:] = [_after_evicting(last, evicted)]
-                            continue  # another stager took the room first
-                        skipped.append(Skipped(tier, _reason(e)))
-                        break
-                if ds.changed:
-                    counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
-                else:
-                    counters.add(tier, hits=1)
-                return Placed(
-                    **ds.__dict__, tier=tier, tier_index=index, skipped=tuple(skipped),
-                    evicted=tuple(evicted), notes=tuple(notes),
-                )  # fmt: skip
-            else:  # out of tries: say what was evicted for it, as the other refusals do
-                skipped.append(Skipped(tier, refused[0] if refused else last))
-    raise refusal(name, skipped)
-
-
-def _not_ours(tier: str, name: str) -> str | None:
+def why_not_ours(tier: str, name: str) -> str | None:
     """The one line when ``tier``'s store is someone else's that this user may not write
     (root's): a new dataset cannot go there.  Checked before anything locks in it (the
     max_size lock is owner-only), so the answer is this line, with or without max_size,
@@ -266,7 +143,7 @@ def _not_ours(tier: str, name: str) -> str | None:
 
 def refusal(name: str, skipped: list[Skipped] | tuple[Skipped, ...]) -> RefusedError:
     """Why no tier took ``name``: the one error ``stage`` and ``stage --dry-run`` give."""
-    if skipped and all(s.reason == _not_ours(s.tier, name) for s in skipped):
+    if skipped and all(s.reason == why_not_ours(s.tier, name) for s in skipped):
         if len(skipped) == 1:  # not a question of room
             return RefusedError(skipped[0].reason)
         detail = "; ".join(f"{s.tier}: {s.reason}" for s in skipped)
@@ -277,111 +154,17 @@ def refusal(name: str, skipped: list[Skipped] | tuple[Skipped, ...]) -> RefusedE
     return CapacityError(f"{name} does not fit in any tier: {detail}")
 
 
-def _evict(room: makeroom.Room, tier: str, evicted: list[Victim], notes: list[str]) -> bool:
-    """Evict ``room.victims``; False when one was kept (leased or busy meanwhile)."""
-    removed, kept = makeroom.evict(room, engine.evict_report)
-    evicted += removed
-    notes += kept
-    if removed:
-        counters.add(tier, evictions=len(removed))
-    return len(removed) == len(room.victims)
-
-
-def _admitter(
-    name: str,
-    tier: str,
-    reserve: int | str | None,
-    policy: CachePolicy | None,
-    held: ExitStack,
-    evicted: list[Victim],
-    notes: list[str],
-    refused: list[str],
-) -> Callable[[Need], None]:
-    """The engine's ``admit`` for a restage in place: make room for what it still writes
-    (the changed files, next to the old version it replaces), and claim against max_size
-    the growth of the new version over the old (see makeroom.py NOTE [max_size])."""
-    capped = makeroom.max_bytes(policy, tier) is not None
-
-    def admit(need: Need) -> None:
-        store = Store(tier)
-        for _ in range(3):
-            with inflight.capping(store) if capped else nullcontext():
-                room = makeroom.plan(need, name, tier, reserve, policy)
-                if not room.fits:
-                    why = refused[0] if refused else room.reason
-                    raise makeroom.NoRoom(f"dataset does not fit: {why}")
-                if room.victims and refused:  # see stage(): evict nothing more
-                    raise makeroom.NoRoom(f"dataset does not fit: {refused[0]}")
-                if not _evict(room, tier, evicted, notes):
-                    continue  # a victim was leased or busy meanwhile: plan again
-                if capped:
-                    grows = need.total - makeroom.size_of(store, name)
-                    held.enter_context(inflight.InFlight(store, name, grows))
-                return
-        raise CapacityError("dataset does not fit: other stagers kept taking the room made")
-
-    return admit
-
-
-def _after_evicting(reason: str, evicted: list[Victim]) -> str:
+def after_evicting(reason: str, evicted: list[Victim]) -> str:
     names = ", ".join(v.name for v in evicted)
     return f"{reason} (after evicting {names}; not evicting more for it)"
 
 
-def _reason(e: CapacityError) -> str:
+def skip_reason(e: CapacityError) -> str:
     """The engine's refusal without its "dataset does not fit: " (a tier's skip line)."""
     return str(e).removeprefix("dataset does not fit: ")
 
 
-def plan(
-    src: str | os.PathLike[str],
-    *,
-    name: str | None = None,
-    dest: str | os.PathLike[str] | None = None,
-    reserve: int | str | None = None,
-    make_room: bool = False,
-    policies: Mapping[str, CachePolicy] | None = None,
-    force: bool = False,
-    strip_components: int = 0,
-) -> Plan:
-    """Read-only: where ``stage`` would put ``src`` and what it would evict first (``force``
-    and ``strip_components`` as the real run's: a forced restage recopies everything)."""
-    tiers, policies, name = _request(src, name, dest, policies)
-    source = sources.location_of(os.fspath(src))
-    home = holding(name, joined(tiers))
-    if home is not None:  # restaged where it is; the engine copies only what changed
-        policy = policies.get(home)
-        need = engine.restage_need(
-            src, name=name, dest=home, force=force, strip_components=strip_components
-        )
-        if need is None or need == Need(0, 0, 0, 0):  # current: a no-op, nothing to fit
-            return Plan(name, source, home, tiers.index(home), True, 0)
-        # The real run's decision: the engine's fit on what changed, and room made for it.
-        room = makeroom.plan(need, name, home, reserve, policy, evict=_roomy(make_room, policy))
-        if room.fits:
-            return Plan(name, source, home, tiers.index(home), True, room.needed, room.victims)
-        return Plan(name, source, None, None, True, 0, (), (Skipped(home, room.reason or ""),))
-    skipped: list[Skipped] = []
-    sized: dict[int, Estimate] = {}
-    for tier in tiers:
-        not_ours = _not_ours(tier, name)
-        if not_ours is not None:  # the real run's refusal (stage), before any max_size lock
-            skipped.append(Skipped(tier, not_ours))
-            continue
-        policy = policies.get(tier)
-        roomy = _roomy(make_room, policy)
-        est = _sized(sized, src, tier)
-        room = makeroom.plan(est, name, tier, reserve, policy, evict=roomy)
-        if room.fits:
-            return Plan(
-                name, source, tier, tiers.index(tier), False, room.needed, room.victims,
-                tuple(skipped),
-            )  # fmt: skip
-        skipped.append(Skipped(tier, room.reason or "does not fit"))
-    return Plan(name, source, None, None, False, 0, (), tuple(skipped))
-
-
-def _request(
+def check_request(
     src: str | os.PathLike[str],
     name: str | None,
     dest: str | os.PathLike[str] | None,
@@ -394,12 +177,12 @@ def _request(
     return tiers, {resolve_dest(k): v for k, v in (policies or {}).items()}, name
 
 
-def _roomy(make_room: bool, policy: CachePolicy | None) -> bool:
+def may_make_room(make_room: bool, policy: CachePolicy | None) -> bool:
     """May staging evict in this tier: --make-room, or the tier's cache has a max_size."""
     return make_room or (policy is not None and policy.max_size is not None)
 
 
-def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -> Estimate:
+def estimate_for(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -> Estimate:
     """The new dataset's estimate for ``tier`` (one walk per page size, not per tier)."""
     page = page_size(tier)
     if page not in cache:
@@ -408,7 +191,7 @@ def _sized(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -
 
 
 @contextmanager
-def _placing_all(
+def placing_all(
     tiers: tuple[str, ...], name: str, on_wait: Callable[[int | None], None] | None = None
 ) -> Iterator[None]:
     """Hold ``name``'s placing lock in every tier, taken in one order (by the tier's
@@ -454,131 +237,6 @@ def _placing_all(
         if not held and first is not None:
             raise first
         yield
-
-
-# --- find / list / evict / verify / gc across tiers ---------------------------------------
-
-
-def find(
-    name_or_source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
-) -> StagedDataset | None:
-    """:func:`engine.find` in each tier, fastest first."""
-    for tier in split(dest):
-        found = engine.find(name_or_source, tier)
-        if found is not None:
-            return found
-    return None
-
-
-def list_staged(
-    dest: str | os.PathLike[str] | None = None, *, unfinished: bool = False
-) -> list[InTier]:
-    """:func:`engine.list_staged` of every tier, each row with its tier."""
-    return [
-        InTier(**row.__dict__, tier=tier)
-        for tier in split(dest)
-        for row in engine.list_staged(tier, unfinished=unfinished)
-    ]
-
-
-def evict_report(
-    name: str | None = None, *, dest: str | os.PathLike[str] | None = None, **kw: Any
-) -> engine.EvictReport:
-    """:func:`engine.evict_report` in the tier holding ``name``, or in every tier."""
-    tiers = split(dest)
-    if name is not None:
-        check_name(name)
-        tier = next((t for t in tiers if _has_any(Store(t), name)), None)
-        if tier is None:
-            raise ShmstageError(f"{name} is not staged in {joined(tiers)} (see `shmstage list`)")
-        reports = [(tier, engine.evict_report(name, dest=tier, **kw))]
-    else:
-        reports = [(t, engine.evict_report(None, dest=t, **kw)) for t in tiers]
-    for tier, r in reports:
-        if r.evicted and not r.dry_run:
-            counters.add(tier, evictions=len(r.evicted))
-            for t in tiers:  # its placing lock may sit in another tier than its data
-                for n in r.evicted:
-                    Store(t).drop_placing(n)
-    return engine.EvictReport(
-        tuple(n for _, r in reports for n in r.evicted),
-        tuple(x for _, r in reports for x in r.in_use),
-        tuple(x for _, r in reports for x in r.forced),
-        reports[0][1].dry_run,
-    )
-
-
-def evict(
-    name: str | None = None, *, dest: str | os.PathLike[str] | None = None, **kw: Any
-) -> list[str]:
-    return list(evict_report(name, dest=dest, **kw).evicted)
-
-
-def _has_any(store: Store, name: str) -> bool:
-    if not os.path.lexists(store.book):
-        return False
-    return bool(
-        store.read_record(name)
-        or store.read_next(name)
-        or os.path.lexists(store.path(name))
-        or os.path.lexists(store.partial(name))
-    )
-
-
-def verify(name: str, dest: str | os.PathLike[str] | None = None, **kw: Any) -> engine.VerifyReport:
-    """:func:`engine.verify` in the tier holding ``name``."""
-    tiers = split(dest)
-    return engine.verify(name, holding(name, joined(tiers)) or tiers[0], **kw)
-
-
-def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> GcReport:
-    """:func:`shmstage.stage.store.gc.gc` of every tier, as one report."""
-    tiers = split(dest)
-    reports = [gc_one(t, dry_run=dry_run) for t in tiers]
-    if len(reports) == 1:
-        return reports[0]
-    return GcReport(
-        joined(tiers),
-        dry_run,
-        tuple(x for r in reports for x in r.removed),
-        tuple(x for r in reports for x in r.skipped),
-    )
-
-
-# --- leases, by path, name or source, in whichever tier holds the dataset -----------------
-
-
-@contextmanager
-def lease(
-    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
-) -> Iterator[Any]:
-    """Hold a lease on a staged dataset for the ``with`` block; yields its ``StagedDataset``.
-
-    ``path_or_name``: a staged path (``DEST/<name>`` or inside it, e.g. what ``staged_path()``
-    returned), a dataset name, or the source path it was staged from.
-    """
-    held = lease_for(path_or_name, dest)
-    try:
-        yield held.dataset
-    finally:
-        held.release()
-
-
-def lease_for(
-    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None
-) -> leases.Lease:
-    """Resolve ``path_or_name`` like :func:`lease` and acquire; the caller releases."""
-    key = os.fspath(path_or_name)
-    where = leases.locate(key) if os.sep in key else None
-    if where is not None:
-        return leases.acquire(where[1], where[0])
-    tiers = split(dest)  # DEST may list tiers
-    if os.sep not in key and NAME_RE.match(key):
-        return leases.acquire(key, holding(key, ",".join(tiers)) or tiers[0])
-    found = find(key, ",".join(tiers))
-    if found is None:
-        raise ShmstageError(f"{key} is not staged in {','.join(tiers)} (see `shmstage list`)")
-    return leases.acquire(found.name, os.path.dirname(found.path))
 
 
 def configured(
