@@ -73,7 +73,7 @@ def stage(
     :class:`shmstage.cluster.Peers`) stages a directory together with other nodes:
     each reads a share of the source and they exchange the rest.  ``admit(need)`` runs
     once what a restage (or a resume) still writes is known, before its fit is claimed:
-    the cache's policy (tiers.py) makes room there or refuses (CapacityError)."""
+    the cache's policy (engine.py, cache/) makes room there or refuses (CapacityError)."""
     t0 = time.monotonic()
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")

@@ -4,7 +4,7 @@
 the other live stagers' reservations off the free space (reserve.py) and adds victims in
 LRU order until the capacity rule (capacity.check_fit) and the tier's ``max_size`` both
 pass; when even every unleased dataset is not enough it says so and nothing is removed.
-``evict`` removes the chosen victims through ``engine.evict_report`` by name, which takes
+``evict`` removes the chosen victims through ``store.eviction.evict_report`` by name, which takes
 each dataset's lock and its lease file exclusively first: a dataset a job leased after the
 plan chose it, or one being staged right now, is refused there and kept (see NOTE [races]).
 """
@@ -30,12 +30,12 @@ POLICIES = ("lru",)
 # NOTE [races]: make-room against stagers and jobs.
 #
 #   plan (read-only) -> evict victim 1 .. k (each: lock, lease LOCK_EX|NB, remove)
-#                    -> engine.stage (Claim.reserve: the binding fit check)
+#                    -> staging.stage (Claim.reserve: the binding fit check)
 #
 # * A job leases a victim after the plan chose it: evict_report takes the lease file
 #   exclusively and refuses (leases.InUse); the victim stays and the caller plans again.
 # * A victim is being restaged: its lock is held, evict_report refuses (Busy); it stays.
-# * Another stager takes the freed space first: engine.stage's reservation check fails
+# * Another stager takes the freed space first: staging.stage's reservation check fails
 #   with CapacityError before a byte is written; the caller plans again (or moves on).
 # A dataset leased at any instant before its removal is never removed.
 #
@@ -43,7 +43,7 @@ POLICIES = ("lru",)
 #
 #   capping (flock of inflight/.capping) { plan: cached + in flight + this one <= max_size
 #                                  -> evict -> InFlight(what this stage adds) }
-#   -> engine.stage ... publish -> InFlight closed
+#   -> staging.stage ... publish -> InFlight closed
 #
 # Planning and claiming are one step under the tier's flock, so a second stager counts the
 # first one's dataset before it is published (cached_bytes sees only published ones); from
@@ -155,7 +155,7 @@ def plan(
     evict: bool = True,
 ) -> Room:
     """Can ``what`` (a new dataset's estimate, or what restaging ``name`` in place still
-    writes: engine.restage_need) go into ``tier``, and which datasets must go first?  The
+    writes: staging.restage_need) go into ``tier``, and which datasets must go first?  The
     fit is the engine's, on what is written; ``max_size`` counts the whole new version
     (a restage's old version leaves), the other datasets and the stages in flight.
     ``evict=False``: only say whether it fits as things are (still honouring ``max_size``)."""
@@ -212,7 +212,7 @@ def _leased_count(store: Store, keep: str) -> int:
 
 
 def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list[str]]:
-    """Remove ``room.victims`` in order with ``remove(name, dest=tier)`` (engine.evict_report);
+    """Remove ``room.victims`` in order with ``remove(name, dest=tier)`` (store.eviction.evict_report);
     returns (removed, notes on the ones that were kept: leased or busy meanwhile)."""
     removed: list[Victim] = []
     notes: list[str] = []

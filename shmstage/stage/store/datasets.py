@@ -1,6 +1,6 @@
 """What callers get for a dataset: the published copy's view, and a ``list`` row.
 
-Built from a store's record (store.py); the staging engine, leases and the tiers return these.
+Built from a store's record (layout.py); the staging engine, leases and the tiers return these.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         removed.append(Leftover(path, "trash", size))
         if not dry_run:
             _remove(path)
-    for entry in store.placing_names():  # tiers.py's locks: only while a stager places
+    for entry in store.placing_names():  # the tiers' placing locks: only while a stager places
         path = store.placing_path(entry)
         if not store.drop_placing(entry, dry_run=dry_run):
             skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
