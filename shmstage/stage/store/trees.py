@@ -1,7 +1,5 @@
 """Trees under DEST: removing one safely (through directory fds, never a path a tree's owner
 could swap, never into a mount inside it), and listing and measuring what is left of one.
-
-Long because the removal is one careful walk: each step guards against a tree changed under it.
 """
 
 from __future__ import annotations
