@@ -41,6 +41,7 @@ from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
 from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.estimate import rounded
+from shmstage.stage.store.access import copy_owner
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel[, ident]); ``ident`` is the file's
 # ``st_dev << 64 | st_ino`` as the walk saw it (0 or absent: not known, not checked)
@@ -78,20 +79,6 @@ def keeps_owner() -> bool:
     """Root gives each copy its source's owner and group (as `cp -a` does), so the modes
     mean the same users as at the source; anyone else owns what they stage."""
     return os.geteuid() == 0
-
-
-def copy_owner(path: str | int, st: os.stat_result) -> None:
-    """chown ``path`` (or an fd) to ``st``'s owner and group, best effort: root in a user
-    namespace cannot give away to an unmapped uid (EINVAL) or lacks CAP_CHOWN (EPERM); the
-    copy then stays root's, and access.restrict_root judges the owner it really has."""
-    try:
-        if isinstance(path, int):
-            os.fchown(path, st.st_uid, st.st_gid)
-        else:
-            os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EINVAL):
-            raise
 
 
 def stager_groups() -> frozenset[int]:
