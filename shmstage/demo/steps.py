@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from shmstage import system
-from shmstage.bench.stage import Throttle, blkio_throttle
+from shmstage.bench.throttle import Throttle, blkio_throttle
 from shmstage.capacity import check_fit
 from shmstage.demo.dataset import GeneratedDataset, generate
 from shmstage.demo.report import (
