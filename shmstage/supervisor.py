@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import psutil
 
-from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
+from shmstage.libc import load_libc
 
 # Signals a launcher must pass on: torchrun shuts its workers down on INT/TERM, jobs
 # checkpoint on USR1/USR2 (Slurm's --signal), HUP/QUIT for the rest.

@@ -25,8 +25,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from shmstage import system
-from shmstage._libc import load_libc
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+from shmstage.libc import load_libc
 
 DEFAULT_DEST = "/dev/shm/shmstage"
 BOOK = ".shmstage"
