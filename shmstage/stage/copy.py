@@ -37,8 +37,8 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
+from shmstage.libc import load_libc
 from shmstage.stage.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.estimate import rounded
 from shmstage.stage.store.access import copy_owner

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage import system
-from shmstage._libc import load_libc
+from shmstage.libc import load_libc
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.store.checks import (
     check_dir,
