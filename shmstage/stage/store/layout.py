@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage import system
-from shmstage.libc import load_libc
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.libc import load_libc
 from shmstage.stage.store.checks import (
     check_dir,
     check_owner,
