@@ -230,11 +230,11 @@ def _stage_leased(
     dest: str | None,
     log: Callable[[str], None] | None,
     peers: Any = None,
-    **room: Any,  # make_room, policies, reserve: see shmstage.stage.tiers.stage
+    **room: Any,  # make_room, policies, reserve: see shmstage.stage.engine.stage
 ) -> tuple[Any, Any]:
     """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
     it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
-    from shmstage.stage.leases import acquire
+    from shmstage.stage.store.leases import acquire
 
     attempts = (1, 2) if peers is None else (2,)  # peers: every node stages once per source
     for attempt in attempts:
@@ -297,7 +297,7 @@ def run(
     policies: dict[str, Any] = {}
     if requests:
         from shmstage.config import node_reserve
-        from shmstage.stage.tiers import configured
+        from shmstage.stage.cache.tiers import configured
 
         policies = configured(dest, config_path)[1]  # the tiers' cache max_size (docs/cache.md)
         if reserve is None:  # as `stage` and `prepare` do: DataLoader workers need the room

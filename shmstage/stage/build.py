@@ -30,9 +30,9 @@ from shmstage.errors import ShmstageError
 from shmstage.stage import copy as copier
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Entry, require_fit, walk
-from shmstage.stage.reserve import Claim
 from shmstage.stage.sources import Listing, Source, Want
-from shmstage.stage.store import Store, _rmtree
+from shmstage.stage.store import Store, rmtree
+from shmstage.stage.store.reserve import Claim
 
 
 class Counter:
@@ -370,7 +370,7 @@ def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
     copier sets the mtime only after the last byte is written."""
     if not resumable or not os.path.isdir(part) or os.path.islink(part):
         if os.path.lexists(part):
-            _rmtree(part)
+            rmtree(part)
         os.mkdir(part, 0o700)
         os.chmod(part, 0o700)  # never setgid (inherited from DEST): new files get our egid
         return set()
@@ -390,7 +390,7 @@ def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
             keep.add(rel)
             continue
         if kind == "d":
-            _rmtree(path)
+            rmtree(path)
         else:
             os.unlink(path)
     return keep

@@ -19,9 +19,9 @@ from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, split_ident
 from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
 from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
-from shmstage.stage.reserve import Claim
 from shmstage.stage.sources import Listing, Source, Tick, Want
 from shmstage.stage.store import Store
+from shmstage.stage.store.reserve import Claim
 
 FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this
 FIRST_BATCH_FILES = 4096

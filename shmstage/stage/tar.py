@@ -364,9 +364,9 @@ def _remove(path: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        from shmstage.stage.store import _rmtree
+        from shmstage.stage.store import rmtree
 
-        _rmtree(path)
+        rmtree(path)
     else:
         os.unlink(path)
 
