@@ -43,9 +43,9 @@ from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import NotRegular, SourceTree, ident
-from shmstage.stage.copy import SLOW_ENV
+from shmstage.stage.build import copy as copier
+from shmstage.stage.build.copy import SLOW_ENV
+from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
 SLOTS = 8  # buffers per node: read ahead up to 5, send + receive 2, writing 1 (+ queued)

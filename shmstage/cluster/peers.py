@@ -30,8 +30,8 @@ from shmstage.cluster.kv import Mismatch
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SourceTree
+from shmstage.stage.build import copy as copier
+from shmstage.stage.sources.beneath import SourceTree
 
 DEFAULT_TIMEOUT = (
     300.0  # seconds: gloo's own default (30 min) is far too long to notice a dead node

@@ -23,14 +23,16 @@ from shmstage import errors
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
-from shmstage.stage import access, build, leases, sources
-from shmstage.stage import copy as copier
-from shmstage.stage import tar as tarsrc
-from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
-from shmstage.stage.dirsource import DirSource
+from shmstage.stage import access, leases
+from shmstage.stage.build import copy as copier
+from shmstage.stage.build import partial as build
+from shmstage.stage.build import tar as tarsrc
 from shmstage.stage.leases import Holder
-from shmstage.stage.plan import walk
 from shmstage.stage.reserve import Claim
+from shmstage.stage.sources import base as sources
+from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
+from shmstage.stage.sources.directory import DirSource
+from shmstage.stage.sources.walk import walk
 from shmstage.stage.store import (
     Record,
     Store,
@@ -791,7 +793,7 @@ def verify(
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
             bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
         elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
-            from shmstage.stage.s3 import compare
+            from shmstage.stage.sources.s3 import compare
 
             bad = compare(manifest, path)
         else:

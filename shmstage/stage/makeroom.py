@@ -24,8 +24,8 @@ from shmstage.capacity import check_fit
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import SizeError, format_size, is_percent, parse_size
 from shmstage.stage import leases
-from shmstage.stage.build import Need
-from shmstage.stage.estimate import Estimate, estimate
+from shmstage.stage.build.estimate import Estimate, estimate
+from shmstage.stage.build.partial import Need
 from shmstage.stage.reserve import pending
 from shmstage.stage.store import Store
 

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import counters, engine, makeroom, sources
-from shmstage.stage.build import Need
-from shmstage.stage.estimate import Estimate, estimate, page_size
+from shmstage.stage import counters, engine, makeroom
+from shmstage.stage.build.estimate import Estimate, estimate, page_size
+from shmstage.stage.build.partial import Need
 from shmstage.stage.gc import GcReport
 from shmstage.stage.gc import gc as gc_one
 from shmstage.stage.makeroom import CachePolicy, Victim
+from shmstage.stage.sources import base as sources
 from shmstage.stage.store import (
     DEFAULT_DEST,
     Store,

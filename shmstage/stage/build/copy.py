@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
-from shmstage.stage.beneath import NotRegular, SourceTree, ident
-from shmstage.stage.estimate import rounded
+from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
+from shmstage.stage.build.estimate import rounded
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel[, ident]); ``ident`` is the file's
 # ``st_dev << 64 | st_ino`` as the walk saw it (0 or absent: not known, not checked)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from shmstage.errors import RefusedError
-from shmstage.stage import tarformat
+from shmstage.stage.sources import tarformat
 
 # Schemes of object stores (docs/object-stores.md); Azure's other spellings (obstore's and
 # fsspec's: azure, abfs, abfss, adl) are recorded as az://.  A kind is its recorded scheme.
@@ -145,25 +145,25 @@ def location_of(raw: str) -> str:
 def _parse(scheme: str, raw: str) -> Any:
     """The object-store URL (s3.S3Url) in ``raw``, parsed by its store's module."""
     if scheme == "s3":
-        from shmstage.stage.s3 import parse
+        from shmstage.stage.sources.s3 import parse
     elif scheme == "gs":
-        from shmstage.stage.gcs import parse
+        from shmstage.stage.sources.gcs import parse
     else:
-        from shmstage.stage.azure import parse
+        from shmstage.stage.sources.azure import parse
     return parse(raw)
 
 
 def open_listed(kind: str, location: str) -> Source:
     """The ``Source`` behind a listed kind's location."""
     if kind == "gs":
-        from shmstage.stage.gcs import GCSSource
+        from shmstage.stage.sources.gcs import GCSSource
 
         return GCSSource(location)
     if kind == "az":
-        from shmstage.stage.azure import AzureSource
+        from shmstage.stage.sources.azure import AzureSource
 
         return AzureSource(location)
-    from shmstage.stage.s3 import S3Source
+    from shmstage.stage.sources.s3 import S3Source
 
     assert kind == "s3", kind
     return S3Source(location)
@@ -172,11 +172,11 @@ def open_listed(kind: str, location: str) -> Source:
 def open_source(kind: str, location: str, strip_components: int = 0, peers: Any = None) -> Source:
     """The ``Source`` behind ``resolve``'s answer (``peers``: a directory read with other nodes)."""
     if kind == "dir":
-        from shmstage.stage.dirsource import DirSource
+        from shmstage.stage.sources.directory import DirSource
 
         return DirSource(location, peers)
     if kind == "tar":
-        from shmstage.stage.tarsource import TarSource
+        from shmstage.stage.sources.tar import TarSource
 
         return TarSource(location, strip_components)
     return open_listed(kind, location)

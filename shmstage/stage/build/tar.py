@@ -1,6 +1,6 @@
 """Tar archives as sources: a checking pass, then a safe extraction into the partial tree.
 
-The archive's format comes from its content (:mod:`shmstage.stage.tarformat`).
+The archive's format comes from its content (:mod:`shmstage.stage.sources.tarformat`).
 Every member is checked before a byte is written: no absolute paths, no
 ``..``, no device files or FIFOs, no member written through a symlink, no
 hard link to anything but an earlier file of the archive, no symlink whose
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.plan import FILE_MODE_MASK, climbs_out, page_bytes
-from shmstage.stage.tarformat import DamagedArchive, Format, check_end, detect, reading, why
+from shmstage.stage.sources.walk import FILE_MODE_MASK, climbs_out, page_bytes
+from shmstage.stage.sources.tarformat import DamagedArchive, Format, check_end, detect, reading, why
 
 if TYPE_CHECKING:
     import tarfile

@@ -128,7 +128,7 @@ def estimate(
     ``.tar.gz`` is sized by what it extracts to."""
     path = os.fspath(source)
     page = page_size(dest)
-    from shmstage.stage import sources
+    from shmstage.stage.sources import base as sources
 
     if sources.is_url(path):  # an object-store prefix: one LIST, the tree stage would build
         kind, location = sources.resolve(path)
@@ -136,8 +136,8 @@ def estimate(
         return of_entries(location, listing.entries, page, kind)
     if os.path.isdir(path):
         return _walk(path, page)
-    from shmstage.stage import tar as tarsrc
-    from shmstage.stage import tarformat
+    from shmstage.stage.build import tar as tarsrc
+    from shmstage.stage.sources import tarformat
 
     tarformat.detect(path)  # by content, like stage: refuses what is not a readable tar
     return of_archive(tarsrc.scan(path), page)

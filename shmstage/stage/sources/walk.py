@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.sources.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 

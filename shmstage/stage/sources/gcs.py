@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from shmstage.errors import AccessDenied, NoCredentials, NoSuchBucket, ShmstageError
-from shmstage.stage import s3
+from shmstage.stage.sources import s3
 
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 _BUCKET = r"[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]"

@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from shmstage.errors import CapacityError, ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SOURCE_TOP, SourceTree, ident, split_ident
-from shmstage.stage.build import Counter, finish_tree, make_symlink, prepare_manifest
-from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
-from shmstage.stage.plan import Tree, Walker, require_fit, scan_threads, walk
+from shmstage.stage.build import copy as copier
+from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
+from shmstage.stage.build.partial import Counter, finish_tree, make_symlink, prepare_manifest
 from shmstage.stage.reserve import Claim
-from shmstage.stage.sources import Listing, Source, Tick, Want
+from shmstage.stage.sources.base import Listing, Source, Tick, Want
+from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, ident, split_ident
+from shmstage.stage.sources.walk import Tree, Walker, require_fit, scan_threads, walk
 from shmstage.stage.store import Store
 
 FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this

@@ -51,8 +51,8 @@ from shmstage.errors import (
     SourceLost,
     UnknownAccessKey,
 )
-from shmstage.stage.signedget import SignedGets
-from shmstage.stage.sources import Listing, Source, Tick, Want
+from shmstage.stage.sources.base import Listing, Source, Tick, Want
+from shmstage.stage.sources.signedget import SignedGets
 
 PART = 64 << 20  # objects above this are fetched as ranged GETs of this size
 SMALL = 256 << 10  # objects up to this are collected in memory, then written at once

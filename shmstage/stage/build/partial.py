@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
-from shmstage.stage.plan import Entry, require_fit, walk
+from shmstage.stage.build import copy as copier
+from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
+from shmstage.stage.sources.walk import Entry, require_fit, walk
 from shmstage.stage.reserve import Claim
-from shmstage.stage.sources import Listing, Source, Want
+from shmstage.stage.sources.base import Listing, Source, Want
 from shmstage.stage.store import Store, _rmtree
 
 

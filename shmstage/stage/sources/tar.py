@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shmstage.errors import ShmstageError
-from shmstage.stage import tar as tarsrc
-from shmstage.stage.plan import Tree, walk
-from shmstage.stage.sources import Listing, Source, Tick, Want
+from shmstage.stage.build import tar as tarsrc
+from shmstage.stage.sources.base import Listing, Source, Tick, Want
+from shmstage.stage.sources.walk import Tree, walk
 
 
 class TarSource(Source):

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shmstage.errors import AccessDenied, NoCredentials, NoSuchBucket, RefusedError, ShmstageError
-from shmstage.stage import s3
+from shmstage.stage.sources import s3
 
 # The spellings obstore (and fsspec's adlfs) accept for a container: all recorded as az://.
 SCHEMES = ("az", "azure", "abfs", "abfss", "adl")
