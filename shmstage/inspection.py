@@ -247,7 +247,7 @@ def default_dest(path: str) -> str:
 def dataset_info(
     path: str, dest: str, mem: system.Memory, reserve: int | None = None
 ) -> DatasetInfo:
-    from shmstage.stage.sources.base import is_url
+    from shmstage.stage.sources.kinds import is_url
 
     if is_url(path):
         return _object_store_info(path, dest, mem, reserve)
@@ -289,7 +289,7 @@ def dataset_info(
 def _object_store_info(url: str, dest: str, mem: system.Memory, reserve: int | None) -> DatasetInfo:
     """An object-store prefix, measured by one LIST with the estimator stage checks against."""
     from shmstage.stage.build.estimate import estimate
-    from shmstage.stage.sources import base as sources
+    from shmstage.stage.sources import kinds as sources
 
     est = estimate(url, dest)
     endpoint = sources.open_listed(est.kind, est.source).endpoint  # no request: names it
@@ -458,7 +458,7 @@ def check_torch(t: TorchInfo) -> Check:
 
 
 def check_dataset(d: DatasetInfo) -> list[Check]:
-    from shmstage.stage.sources.base import LISTED_KINDS
+    from shmstage.stage.sources.kinds import LISTED_KINDS
 
     kind = []
     if d.kind in LISTED_KINDS:

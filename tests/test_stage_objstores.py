@@ -28,7 +28,7 @@ pytest.importorskip("obstore", reason="the s3 extra is not installed (pip instal
 
 from shmstage.errors import RefusedError, SourceChanged  # noqa: E402
 from shmstage.stage import find, stage, verify  # noqa: E402
-from shmstage.stage.sources import base as sources  # noqa: E402
+from shmstage.stage.sources import kinds as sources  # noqa: E402
 
 BUCKET = "data"
 REPO = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from shmstage.stage.build import partial as build
 from shmstage.stage.build import tar as tarsrc
 from shmstage.stage.leases import Holder
 from shmstage.stage.reserve import Claim
-from shmstage.stage.sources import base as sources
+from shmstage.stage.sources import kinds as sources
 from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
 from shmstage.stage.sources.directory import DirSource
 from shmstage.stage.sources.walk import walk

@@ -22,7 +22,7 @@ from shmstage.stage.build.partial import Need
 from shmstage.stage.gc import GcReport
 from shmstage.stage.gc import gc as gc_one
 from shmstage.stage.makeroom import CachePolicy, Victim
-from shmstage.stage.sources import base as sources
+from shmstage.stage.sources import kinds as sources
 from shmstage.stage.store import (
     DEFAULT_DEST,
     Store,

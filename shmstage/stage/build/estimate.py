@@ -128,7 +128,7 @@ def estimate(
     ``.tar.gz`` is sized by what it extracts to."""
     path = os.fspath(source)
     page = page_size(dest)
-    from shmstage.stage.sources import base as sources
+    from shmstage.stage.sources import kinds as sources
 
     if sources.is_url(path):  # an object-store prefix: one LIST, the tree stage would build
         kind, location = sources.resolve(path)

@@ -26,14 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from shmstage.errors import RefusedError
-from shmstage.stage.sources import tarformat
-
-# Schemes of object stores (docs/object-stores.md); Azure's other spellings (obstore's and
-# fsspec's: azure, abfs, abfss, adl) are recorded as az://.  A kind is its recorded scheme.
-URL_SCHEMES = ("s3", "gs", "az", "azure", "abfs", "abfss", "adl")
-LISTED_KINDS = ("s3", "gs", "az")
-
 Tick = Callable[[int, int], None]  # (bytes, files) just written
 
 
@@ -107,76 +99,3 @@ class Source:
         then).  A source that is not ``incremental`` is handed no ``wants``: it fills the whole
         tree and returns the tree it made (plan.Tree); the others return None."""
         raise NotImplementedError
-
-
-def is_url(raw: str) -> bool:
-    scheme, sep, _ = raw.partition("://")
-    return bool(sep) and scheme.isalnum()
-
-
-def resolve(raw: str) -> tuple[str, str]:
-    """``(kind, location)`` for what the user typed: ``dir`` / ``tar`` with the real path,
-    or an object-store kind with its normalized URL.  Refuses what cannot be a source."""
-    if is_url(raw):
-        scheme = raw.partition("://")[0].lower()
-        if scheme not in URL_SCHEMES:
-            raise RefusedError(
-                f"unknown source scheme {scheme}:// in {raw}: use a path, s3://, gs:// or az://"
-            )
-        where = _parse(scheme, raw)
-        return where.scheme, where.url
-    source = os.path.realpath(raw)
-    if not os.path.exists(source):
-        raise RefusedError(f"source {raw} does not exist")
-    if os.path.isdir(source):
-        return "dir", source
-    tarformat.detect(source, raw)  # by content, not name; says what else the file is
-    return "tar", source
-
-
-def location_of(raw: str) -> str:
-    """What the store records for ``raw`` (no checks): a URL normalized, a path made real."""
-    scheme = raw.partition("://")[0].lower()
-    if is_url(raw) and scheme in URL_SCHEMES:
-        return _parse(scheme, raw).url
-    return os.path.realpath(raw)
-
-
-def _parse(scheme: str, raw: str) -> Any:
-    """The object-store URL (s3.S3Url) in ``raw``, parsed by its store's module."""
-    if scheme == "s3":
-        from shmstage.stage.sources.s3 import parse
-    elif scheme == "gs":
-        from shmstage.stage.sources.gcs import parse
-    else:
-        from shmstage.stage.sources.azure import parse
-    return parse(raw)
-
-
-def open_listed(kind: str, location: str) -> Source:
-    """The ``Source`` behind a listed kind's location."""
-    if kind == "gs":
-        from shmstage.stage.sources.gcs import GCSSource
-
-        return GCSSource(location)
-    if kind == "az":
-        from shmstage.stage.sources.azure import AzureSource
-
-        return AzureSource(location)
-    from shmstage.stage.sources.s3 import S3Source
-
-    assert kind == "s3", kind
-    return S3Source(location)
-
-
-def open_source(kind: str, location: str, strip_components: int = 0, peers: Any = None) -> Source:
-    """The ``Source`` behind ``resolve``'s answer (``peers``: a directory read with other nodes)."""
-    if kind == "dir":
-        from shmstage.stage.sources.directory import DirSource
-
-        return DirSource(location, peers)
-    if kind == "tar":
-        from shmstage.stage.sources.tar import TarSource
-
-        return TarSource(location, strip_components)
-    return open_listed(kind, location)
