@@ -25,11 +25,12 @@ from shmstage.paths import is_within
 from shmstage.sizes import format_size
 from shmstage.stage import access, leases
 from shmstage.stage.build import copy as copier
+from shmstage.stage.build import fromdir
 from shmstage.stage.build import partial as build
-from shmstage.stage.build import tar as tarsrc
 from shmstage.stage.leases import Holder
 from shmstage.stage.reserve import Claim
 from shmstage.stage.sources import kinds as sources
+from shmstage.stage.sources import tar as tarsrc
 from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, ident, join_ident, split_ident
 from shmstage.stage.sources.directory import DirSource
 from shmstage.stage.sources.walk import walk
@@ -368,7 +369,7 @@ def _stage_locked(
         if cold and peers is None and isinstance(src, DirSource):
             _write_marker(marker, source)
             _kill_at("marker")
-            tree = src.build_first(store, name, workers, verify, reserve, report, claim)
+            tree = fromdir.build_first(src, store, name, workers, verify, reserve, report, claim)
             _kill_at("build")
             built = build.Built(tree.bytes, tree.bytes, tree.files)
         else:

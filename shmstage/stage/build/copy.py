@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 from shmstage._libc import load_libc
 from shmstage.errors import ShmstageError
-from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
 from shmstage.stage.build.estimate import rounded
+from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
+from shmstage.stage.sources.owners import keeps_owner, stager_groups
 
 # A job: (src, dst, size, mtime_ns, atime_ns, mode, rel[, ident]); ``ident`` is the file's
 # ``st_dev << 64 | st_ino`` as the walk saw it (0 or absent: not known, not checked)
@@ -73,12 +74,6 @@ _PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-def keeps_owner() -> bool:
-    """Root gives each copy its source's owner and group (as `cp -a` does), so the modes
-    mean the same users as at the source; anyone else owns what they stage."""
-    return os.geteuid() == 0
-
-
 def copy_owner(path: str | int, st: os.stat_result) -> None:
     """chown ``path`` (or an fd) to ``st``'s owner and group, best effort: root in a user
     namespace cannot give away to an unmapped uid (EINVAL) or lacks CAP_CHOWN (EPERM); the
@@ -93,15 +88,8 @@ def copy_owner(path: str | int, st: os.stat_result) -> None:
             raise
 
 
-def stager_groups() -> frozenset[int]:
-    """The groups this process may give what it creates (chgrp to one's own groups needs no
-    privilege).  A user's copy of a file of another group keeps that group only if it is one
-    of these; else the walk clears the group bits (plan.Walker ``groups``)."""
-    return frozenset(os.getgroups()) | {os.getegid()}
-
-
 def copy_group(path: str | int, gid: int) -> None:
-    """A user's copy gets its source's group ``gid``, one of :func:`stager_groups`."""
+    """A user's copy gets its source's group ``gid``, one of :func:`~shmstage.stage.sources.owners.stager_groups`."""
     if isinstance(path, int):
         os.fchown(path, -1, gid)
     else:

@@ -1,22 +1,28 @@
-"""What a dataset is read from: a local directory, a tar archive or an object-store prefix.
+"""The interface every source implements: what a dataset is read from (a local directory, a
+tar archive or an object-store prefix).
 
-Each is a :class:`Source`: ``listing`` says what the tree holds (plan.py's entry tuples, and a
-change key per file where size+mtime+mode is not one) and ``fetch`` fills files into open
-files under partial/<name>.  The engine's steps (lock, fit, partial, publish, manifest) are
-written once above it, in stage/build.py and stage/engine.py; the sources differ only in how
-they list and fill:
+Each is a :class:`Source`: ``listing`` says what the tree holds (walk.py's entry tuples, and
+a change key per file where size+mtime+mode is not one); its files are then filled into
+partial/<name>.  The engine's steps (lock, fit, partial, publish, manifest) are written once
+above it, in stage/build/ and stage/engine.py; the sources differ only in how they list and
+fill:
 
-========== ============================= ======================================= ==============
-source      listing                       fetch                                   per file
-========== ============================= ======================================= ==============
-dir         a threaded walk (plan.py)     forked sendfile workers (copy.py), or   yes
-                                          the cluster exchange (cluster/)
-tar         the archive's checked headers one streaming extraction (tar.py)       no: whole tree
-s3, gs, az  one LIST (s3.py; gcs.py and      GETs from a thread pool, ranged parts   yes
-            azure.py subclass it)
-========== ============================= ======================================= ==============
+========== ============================== ====================================== ==============
+source      listing                        fill                                   per file
+========== ============================== ====================================== ==============
+dir         a threaded walk (walk.py)      forked sendfile workers (build/copy.py  yes
+                                           via build/fromdir.py), or the cluster
+                                           exchange (cluster/)
+tar         the archive's checked headers  one streaming extraction               no: whole tree
+            (tar.py)                       (build/untar.py)
+s3, gs, az  one LIST (s3.py; gcs.py and    GETs from a thread pool, ranged parts  yes
+            azure.py subclass it)          (``Source.fetch``, s3.py)
+========== ============================== ====================================== ==============
 
-``resolve`` turns what the user typed into a kind and the location the store records.
+A source knows nothing of DEST's store or of build/: where build/ writes a kind's files it
+looks up its filler by kind (build/partial.py ``FILLERS``); the other kinds ``fetch`` their
+own.  ``kinds.resolve`` turns what the user typed into a kind and the location the store
+records.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ Tick = Callable[[int, int], None]  # (bytes, files) just written
 class Listing:
     """What a source holds: the tree it stages to and what identifies each file's content.
 
-    ``entries`` are plan.py's tuples ``(path, kind, size, mtime_ns, mode, extra)``, "." first
+    ``entries`` are walk.py's tuples ``(path, kind, size, mtime_ns, mode, extra)``, "." first
     and parents before children; a directory's mtime of 0 means the source has none (it is
     left as made).  ``keys`` maps each file to its change key (equal keys: same bytes); None
     means the entry's size, mtime and mode are the key.  ``record`` is what the manifest keeps
@@ -95,7 +101,9 @@ class Source:
     ) -> Any:
         """Write every wanted file under ``root`` (its directories exist), then set its mode
         and mtime; raise a ShmstageError (nothing half-fetched counts as done) on failure.
+        Kinds that build/ fills (a directory, a tar archive) do not implement it; the same
+        contract holds for their fillers (build/partial.py ``fill``).
         ``meanwhile()`` is called once while the fetch is under way (the manifest is written
         then).  A source that is not ``incremental`` is handed no ``wants``: it fills the whole
-        tree and returns the tree it made (plan.Tree); the others return None."""
+        tree and returns the tree it made (walk.Tree); the others return None."""
         raise NotImplementedError

@@ -167,7 +167,7 @@ def _has_credentials(config: dict[str, str]) -> bool:
 
 
 class S3Source(Source):
-    """A prefix of a bucket as a listed source (see stage/sources.py).
+    """A prefix of a bucket as a listed source (see stage/sources/base.py).
 
     The LIST and fetch machinery of every object store: gcs.py and azure.py subclass it and
     override only the hooks (``parse``, ``endpoint_name``, ``open_store``, ``coded_error``

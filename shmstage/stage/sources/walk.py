@@ -1,4 +1,5 @@
-"""What to copy: a fast walk of the source, its fingerprint, and the capacity check.
+"""A fast walk of a directory: the directory source's listing, and the entry tuples every
+source lists its tree in (the capacity check is build/estimate.py's require_fit).
 
 An entry is a plain tuple ``(path, kind, size, mtime_ns, mode, extra)`` so that
 a 1M-file manifest stays cheap to build, store (JSON) and compare:
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
+from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
 from shmstage.stage.sources.beneath import SourceTree, ident
 
@@ -407,21 +408,3 @@ def scan_threads(path: str) -> int:
 
     mount = system.mount_of(path)
     return 16 if mount is not None and system.is_network_fs(mount.fstype) else 4
-
-
-def require_fit(
-    needed: int,
-    entries: int,
-    dest: str,
-    reserve: int | str | None,
-    *,
-    pending: int = 0,
-    freed: int = 0,
-) -> None:
-    """Raise CapacityError (nothing written yet) unless ``needed`` bytes and ``entries`` inodes
-    + reserve fit under ``dest`` (see :func:`shmstage.capacity.check_fit`)."""
-    from shmstage.capacity import check_fit  # node facts: only when something is to be written
-
-    fit = check_fit(needed, dest, reserve, inodes=entries, pending=pending, freed=freed)
-    if not fit.fits:
-        raise CapacityError(f"dataset does not fit: {fit.reason}")
