@@ -15,8 +15,8 @@ dir         a threaded walk (walk.py)      forked sendfile workers (build/copy.p
                                            exchange (cluster/)
 tar         the archive's checked headers  one streaming extraction               no: whole tree
             (tar.py)                       (build/untar.py)
-s3, gs, az  one LIST (s3.py; gcs.py and    GETs from a thread pool, ranged parts  yes
-            azure.py subclass it)          (``Source.fetch``, s3.py)
+s3, gs, az  one LIST (s3list.py; gcs.py    GETs from a thread pool, ranged parts  yes
+            and azure.py subclass s3.py)   (``Source.fetch``, s3.py)
 ========== ============================== ====================================== ==============
 
 A source knows nothing of DEST's store or of build/: where build/ writes a kind's files it

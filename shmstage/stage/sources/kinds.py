@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from shmstage.errors import RefusedError
-from shmstage.stage.sources import azure, gcs, s3, tarformat
+from shmstage.stage.sources import azure, gcs, s3, s3store, tarformat
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.directory import DirSource
 from shmstage.stage.sources.tar import TarSource
@@ -53,10 +53,10 @@ def location_of(raw: str) -> str:
     return os.path.realpath(raw)
 
 
-def _parse(scheme: str, raw: str) -> s3.S3Url:
+def _parse(scheme: str, raw: str) -> s3store.S3Url:
     """The object-store URL in ``raw``, parsed by its store's module."""
     if scheme == "s3":
-        return s3.parse(raw)
+        return s3store.parse(raw)
     if scheme == "gs":
         return gcs.parse(raw)
     return azure.parse(raw)
