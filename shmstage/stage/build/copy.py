@@ -234,7 +234,7 @@ def run(
     res_r, res_w = os.pipe()
     pids: list[int] = []
     alive: set[int] = set()
-    mismatches: list[str] = []
+    results: Results | None = None
     try:
 
         def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
@@ -252,22 +252,8 @@ def run(
         feed.push()
         if while_running is not None:
             while_running()  # the workers are busy; the parent's own work overlaps theirs
-        done = 0
-        while done < len(tasks):
-            ready, _, _ = select.select([res_r], [], [], 0.2)
-            if not ready:
-                _check_alive(alive)
-                continue
-            status, task, nbytes, nfiles, err, kind, text = _read_record(res_r)
-            if status == _MISMATCH:
-                mismatches.append(text)
-                continue
-            if status == _ERR:
-                raise _failure(jobs, err, kind, text)
-            done += 1
-            if progress is not None:
-                progress(nbytes, nfiles)
-            feed.push()
+        results = Results(res_r, feed, alive, progress)
+        results.wait(len(tasks))
         feed.finish()
         for pid in alive:
             os.waitpid(pid, 0)
@@ -277,7 +263,7 @@ def run(
         for fd in (task_r, task_w, res_r, res_w):
             if fd >= 0:
                 os.close(fd)
-    return mismatches
+    return results.mismatches if results is not None else []
 
 
 # seq, op, jobs offset, jobs span, count, chunk offset, chunk length
@@ -318,7 +304,7 @@ class Stream:
         self.pids: list[int] = []
         self.alive: set[int] = set()
         self.fds: list[int] = []
-        self.sent = self.done = 0
+        self.sent = 0  # tasks handed out (the results count those done)
         self.end = 0  # bytes in the memfd
 
     def __enter__(self) -> Stream:
@@ -355,12 +341,15 @@ class Stream:
             for fd in (task_r, res_w):
                 self.fds.remove(fd)
                 os.close(fd)
-            self.res = res_r
             self.feed = _Feeder(task_w, _REC.size)
+            self.results = Results(res_r, self.feed, self.alive, self.progress, self._landed)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _landed(self, seq: int) -> None:
+        self.landed += self._pages.pop(seq, 0)
 
     def __exit__(self, *exc: object) -> None:
         _kill_workers(self.pids, self.alive)
@@ -404,16 +393,16 @@ class Stream:
             self.sent += 1
         self.feed.add(b"".join(records))
         self.feed.push()
-        self._collect(0)
+        self.results.collect(self.sent, 0)
         return [jobs[i] for i in chunked]
 
     def drain(self) -> None:
         """Wait until every task added so far is done (the workers stay)."""
         while True:
             self.feed.push()
-            if self.done == self.sent and self.feed.pos == len(self.feed.queue):
+            if self.results.done == self.sent and self.feed.pos == len(self.feed.queue):
                 return
-            if not self._collect(0.2):
+            if not self.results.collect(self.sent, 0.2):
                 _check_alive(self.alive)
 
     def finish(self) -> None:
@@ -425,23 +414,52 @@ class Stream:
             os.waitpid(pid, 0)
             self.alive.discard(pid)
 
-    def _collect(self, timeout: float) -> bool:
-        """Read the results that are there (waiting up to ``timeout`` for the first)."""
+class Results:
+    """The one loop that reads the workers' results, for :func:`run` and :class:`Stream`
+    (NOTE [copier lifecycle]): a finished task's progress, a compare's differing paths, the
+    first failure raised; the task pipe is refilled after each read."""
+
+    def __init__(
+        self,
+        fd: int,
+        feed: _Feeder,
+        alive: set[int],
+        progress: Callable[[int, int], None] | None = None,
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
+        self.fd, self.feed, self.alive = fd, feed, alive
+        self.progress = progress
+        self.landed = landed  # called with each finished task's number
+        self.done = 0  # tasks finished
+        self.mismatches: list[str] = []  # compare: paths that differ
+
+    def collect(self, until: int, timeout: float) -> bool:
+        """Read the results that are there (waiting up to ``timeout`` for the first) while
+        fewer than ``until`` tasks are done; False when none came."""
         got = False
         # (once every task is done, the pipe's only news can be the workers' exit: EOF)
-        while self.done < self.sent and select.select([self.res], [], [], timeout)[0]:
-            status, seq, nbytes, nfiles, err, kind, text = _read_record(self.res)
+        while self.done < until and select.select([self.fd], [], [], timeout)[0]:
+            status, seq, nbytes, nfiles, err, kind, text = _read_record(self.fd)
             if status == _ERR:
-                raise _failure((), err, kind, text)
-            if status == _OK:
+                raise _failure(err, kind, text)
+            if status == _MISMATCH:
+                self.mismatches.append(text)
+            elif status == _OK:
                 self.done += 1
-                self.landed += self._pages.pop(seq, 0)
+                if self.landed is not None:
+                    self.landed(seq)
                 if self.progress is not None:
                     self.progress(nbytes, nfiles)
             got, timeout = True, 0
         if got:
             self.feed.push()
         return got
+
+    def wait(self, until: int) -> None:
+        """Until ``until`` tasks are done; a worker's death is noticed within 0.2 s."""
+        while self.done < until:
+            if not self.collect(until, 0.2):
+                _check_alive(self.alive)
 
 
 def _decode_jobs(
@@ -620,7 +638,7 @@ _KINDS = {
 }
 
 
-def _failure(jobs: Sequence[Job], err: int, kind: int, text: str) -> CopyFailed:
+def _failure(err: int, kind: int, text: str) -> CopyFailed:
     f = Failure(_KINDS.get(kind, "internal"), err, text, os.strerror(err) if err else "")
     if f.kind == "vanished":
         msg = f"source file vanished during the copy: {text}; re-run when the source is stable"
