@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shmstage.stage import counters, engine, holders, makeroom
-from shmstage.stage.build import copy as copier
+from shmstage.stage.build import copier
 from shmstage.stage.build.estimate import estimate
 from shmstage.stage.store import Store
 from tests.test_stage_lease import HOLDER, kill, wait_for

@@ -19,7 +19,7 @@ import pytest
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.stage import evict, find, list_staged, stage, verify
-from shmstage.stage.build import copy as copier
+from shmstage.stage.build import copier
 from shmstage.stage.sources.walk import walk
 
 pytestmark = pytest.mark.root

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage.build import copy as copier
+from shmstage.stage.build import copier
 
 
 def make_src(root: Path) -> Path:

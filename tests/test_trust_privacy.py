@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage.build import copy as copier
+from shmstage.stage.build import copier
 from shmstage.stage.sources import beneath
 
 pytestmark = [

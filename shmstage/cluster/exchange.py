@@ -43,9 +43,10 @@ from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.errors import ShmstageError
-from shmstage.stage.build import copy as copier
-from shmstage.stage.build.copy import SLOW_ENV
+from shmstage.stage.build import chown
+from shmstage.stage.build.copier import SLOW_ENV
 from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
+from shmstage.stage.sources.owners import stager_groups
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
 SLOTS = 8  # buffers per node: read ahead up to 5, send + receive 2, writing 1 (+ queued)
@@ -99,7 +100,7 @@ class Ring:
             raise unreadable(tree.root, e) from None
         self.timeout, self.own = timeout, own
         # a user's copies keep the source's group where it is one of the user's (copy.py)
-        self.groups = None if own else copier.stager_groups()
+        self.groups = None if own else stager_groups()
         self.group: Any = None
         self.targets: dict[int, Target] = {}
         self.tick: Callable[[int, int], None] = lambda b, f: None
@@ -368,7 +369,7 @@ def give_owner(
         st = top.stat(t.rel, t.ident)
     except OSError as e:
         raise unreadable(t.src, e) from None
-    if not copier.give_owner(fd, st, t.mode, own, groups):
+    if not chown.give_owner(fd, st, t.mode, own, groups):
         raise ShmstageError(
             f"source file changed during the copy: {t.src} (its group is not the one the scan "
             "found); re-run when the source is stable"

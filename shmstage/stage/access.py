@@ -12,7 +12,7 @@ import os
 import pwd
 import stat
 
-from shmstage.stage.build.copy import copy_owner
+from shmstage.stage.build.chown import copy_owner
 
 _CLASSES = ((stat.S_IRWXU, "owner"), (stat.S_IRWXG, "group"), (stat.S_IRWXO, "other"))
 

@@ -24,8 +24,7 @@ from shmstage.errors import CapacityError, PermissionDenied, RefusedError, Shmst
 from shmstage.paths import is_within
 from shmstage.sizes import format_size
 from shmstage.stage import access, leases
-from shmstage.stage.build import copy as copier
-from shmstage.stage.build import fromdir
+from shmstage.stage.build import copier, fromdir
 from shmstage.stage.build import partial as build
 from shmstage.stage.leases import Holder
 from shmstage.stage.reserve import Claim
