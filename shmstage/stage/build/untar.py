@@ -217,5 +217,3 @@ def _copy_stream(
             n = os.write(out, view)
             view = view[n:]
         done += len(chunk)
-
-
