@@ -101,7 +101,7 @@ def open_archive(path: str, fmt: Format, stream: bool = False, **kw: object) -> 
 def scan(path: str, strip_components: int = 0) -> Archive:
     """Read every header and check it; raises UnsafeArchive naming the first bad member,
     DamagedArchive when the archive cannot be read to its proper end."""
-    import tarfile
+    import tarfile  # only for archive sources (see open_archive)
 
     fmt = detect(path)
     members: list[Member] = []
@@ -224,8 +224,6 @@ def scan(path: str, strip_components: int = 0) -> Archive:
                 f"tree on the way to its target ({target}); nothing was extracted"
             )
     return Archive(path, members, total, nfiles, fmt, strip)
-
-
 
 
 def compare(archive_path: str, root: str, strip_components: int = 0) -> list[str]:

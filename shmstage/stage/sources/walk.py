@@ -406,7 +406,7 @@ def scan_threads(path: str) -> int:
     """Threads for :func:`walk`: many on a network file system (each lstat is a round trip),
     a few on a local one (a cold walk waits on inode-table reads: 4 threads cut the scan of
     a cold 20k-file tree from ~0.8 s to ~0.5 s here; warm, they cost nothing measurable)."""
-    from shmstage import system
+    from shmstage import system  # psutil: loaded only when a directory is walked
 
     mount = system.mount_of(path)
     return 16 if mount is not None and system.is_network_fs(mount.fstype) else 4
