@@ -14,6 +14,7 @@ checking live in shmstage.bench.stage; this script makes the data, the tmpfs and
 from __future__ import annotations
 
 import argparse
+import compileall
 import ctypes
 import datetime as dt
 import json
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import shmstage
 from shmstage.bench.stage import (
     LABELS,
     PEERS,
@@ -262,7 +264,8 @@ def render(
         )
         + "the destination is a tmpfs. MB = 10⁶ bytes. "
         "*shmstage speedup* = the tool's median time / shmstage's (> 1: shmstage is faster); "
-        "`cat` only reads (to /dev/null): it is the read limit, not a peer.",
+        "`cat` only reads (to /dev/null): it is the read limit, not a peer. "
+        "shmstage runs with its bytecode compiled, as an installed package does.",
         "",
     ]
     summary = []
@@ -363,6 +366,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def as_installed(pycache: Path) -> None:
+    """Run shmstage as an installed package runs: with its modules' bytecode cached (kept in
+    ``pycache``, outside the tree).  An editable install under PYTHONDONTWRITEBYTECODE
+    compiles every module at every start (~0.06 s of each run here); the peers are binaries."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(pycache)
+    sys.pycache_prefix = str(pycache)
+    compileall.compile_dir(str(Path(shmstage.__file__).parent), quiet=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     root = os.geteuid() == 0
@@ -394,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if where is not None and where.fstype == "tmpfs":
         usage(f"{args.workdir} is on tmpfs: the datasets must be on a real disk; pass --workdir")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    as_installed(args.workdir / "pycache")
     paths = {s.dataset.name: ensure_dataset(s.dataset, args.workdir) for s in wanted}
 
     results: list[tuple[Shape, StageBenchResult | str]] = []

@@ -29,7 +29,7 @@ import tempfile
 import time
 
 STAGE = (
-    "import sys, shmstage.stage.engine as e; "
+    "import sys, shmstage.stage.staging as e; "
     "ds = e.stage(sys.argv[1], dest=sys.argv[2], name='ds'); print(ds.copied_bytes)"
 )
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from shmstage.errors import ShmstageError  # noqa: E402
 
 if TYPE_CHECKING:
-    from shmstage.stage.leases import lease
+    from shmstage.stage.engine import lease
 
 __all__ = ["ShmstageError", "__version__", "lease"]
 
@@ -20,7 +20,7 @@ __all__ = ["ShmstageError", "__version__", "lease"]
 def __getattr__(name: str) -> Any:
     # ``shmstage.lease`` without importing the staging engine on ``import shmstage``.
     if name == "lease":
-        from shmstage.stage.leases import lease
+        from shmstage.stage.engine import lease
 
         return lease
     raise AttributeError(f"module 'shmstage' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The node cache in Prometheus' text format, for node_exporter's textfile collector.
 
 ``collect`` reads every tier (file system size/used/free, each dataset's bytes, files,
-last use and leases, and the persistent counters of stage/counters.py); ``render`` writes
+last use and leases, and the persistent counters of stage/store/counters.py); ``render`` writes
 the exposition format; ``write_textfile`` replaces ``DIR/shmstage.prom`` by atomic rename,
 as node_exporter asks, so a scrape never reads half a file.
 """
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from shmstage import system
 from shmstage.errors import ShmstageError
-from shmstage.stage import counters, leases, makeroom
-from shmstage.stage.counters import Counters
-from shmstage.stage.makeroom import CachePolicy
-from shmstage.stage.store import Store
-from shmstage.stage.tiers import split
+from shmstage.stage.cache import makeroom
+from shmstage.stage.cache.makeroom import CachePolicy
+from shmstage.stage.cache.tiers import split
+from shmstage.stage.store import Store, counters, leases
+from shmstage.stage.store.counters import Counters
 
 FILENAME = "shmstage.prom"
 
@@ -35,7 +35,7 @@ class TierMetrics:
     free: int  # bytes free on it
     datasets: int  # published datasets in the tier
     max_size: int | None  # the cache's max_size in bytes, when configured
-    counters: Counters  # persistent since the tier was created (stage/counters.py)
+    counters: Counters  # persistent since the tier was created (stage/store/counters.py)
 
 
 @dataclass(frozen=True)

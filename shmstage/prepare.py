@@ -316,7 +316,7 @@ def _stage(
             f"{os.path.join(config.dest, ds.name)} is in use by {describe(leased)}; "
             "not refreshed: run prepare again when the job has finished"
         )
-    from shmstage.stage.makeroom import CachePolicy
+    from shmstage.stage.cache.makeroom import CachePolicy
 
     # The tier's cache max_size holds for prepare too (a claim while copying, LRU eviction
     # of unleased datasets), as for `shmstage stage` with this config.

@@ -2,7 +2,9 @@
 
 All kernel files are read here and nowhere else.  Every reader takes its root
 (``proc``, ``cgroup_root``) as an argument so unit tests can point it at a fake
-tree; the defaults are the real ones.
+tree; the defaults are the real ones.  Long because that one job, reading the kernel's
+files, covers every kind of fact (mounts, cgroups v1 and v2, CPUs, block devices), and
+keeping them in one module is what lets a test fake the whole node in one place.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from shmstage._libc import load_libc
+from shmstage.libc import load_libc
 
 CLONE_NEWNS = 0x00020000
 MS_REC = 16384

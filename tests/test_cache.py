@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage import counters, engine, holders, makeroom
+from shmstage.stage import engine, holders
 from shmstage.stage.build import copier
 from shmstage.stage.build.estimate import estimate
-from shmstage.stage.store import Store
+from shmstage.stage.cache import makeroom
+from shmstage.stage.store import Store, counters
 from tests.test_stage_lease import HOLDER, kill, wait_for
 
 pytestmark = pytest.mark.root
@@ -309,7 +310,7 @@ def test_counters_add_up_under_concurrency(tmp_path):
     dest = tmp_path / "dest"
     Store(dest).open()
     code = (
-        "import sys\nfrom shmstage.stage import counters\n"
+        "import sys\nfrom shmstage.stage.store import counters\n"
         "for _ in range(50): counters.add(sys.argv[1], hits=1, copied_bytes=3)\n"
     )
     ps = [subprocess.Popen([sys.executable, "-c", code, str(dest)]) for _ in range(4)]

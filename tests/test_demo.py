@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.demo import _busy_note, _prepare_dataset, cached_share, evict_from_page_cache
+from shmstage.demo import busy_note as _busy_note
+from shmstage.demo import cached_share, evict_from_page_cache
+from shmstage.demo import prepare_dataset as _prepare_dataset
 from shmstage.demo.dataset import ImageFolder, ImagenetTrain, generate
 from shmstage.errors import ShmstageError
 
@@ -192,7 +194,8 @@ def _run(label: str, images_per_s: float, stall: float, cached: float | None = N
 )
 def test_next_steps_follow_the_measurements(cached, speedup, busy, first) -> None:
     """The first "next" line explains the speed-up from what was measured (cache, load, gain)."""
-    from shmstage.demo import PillowFacts, StagingFacts, _next_steps
+    from shmstage.demo import PillowFacts, StagingFacts
+    from shmstage.demo import suggest_next_steps as _next_steps
 
     pillow = PillowFacts("pillow-simd", "9.5", True, True, True, "nothing to do")
     staging = StagingFacts("/dev/shm/shmstage/x", "tmpfs", None, 1.0, 100, 10, 100.0)
@@ -207,7 +210,8 @@ def test_next_steps_follow_the_measurements(cached, speedup, busy, first) -> Non
 
 def test_next_steps_point_at_decoding_when_the_staged_run_stalls() -> None:
     """A staged run that still stalls, with stock Pillow, leads to bench loader and pillow-simd."""
-    from shmstage.demo import PillowFacts, StagingFacts, _next_steps
+    from shmstage.demo import PillowFacts, StagingFacts
+    from shmstage.demo import suggest_next_steps as _next_steps
 
     pillow = PillowFacts("Pillow", "13.0.0", True, True, False, "replace it: shmstage pillow-simd")
     staging = StagingFacts("/var/tmp/w/staged/x", "ext4", "no room", 1.0, 100, 10, 100.0)
@@ -246,7 +250,8 @@ def test_payback_counts_epochs_from_the_measured_rates() -> None:
 
 def test_next_steps_name_the_throttle() -> None:
     """With --slow-source the first "next" line says the gain was measured through the throttle."""
-    from shmstage.demo import PillowFacts, StagingFacts, _next_steps
+    from shmstage.demo import PillowFacts, StagingFacts
+    from shmstage.demo import suggest_next_steps as _next_steps
 
     pillow = PillowFacts("pillow-simd", "9.5", True, True, True, "nothing to do")
     staging = StagingFacts("/dev/shm/shmstage/x", "tmpfs", None, 1.0, 100, 10, 100.0)

@@ -423,7 +423,7 @@ def test_stripped_away_hard_link_target_is_refused(tmp_path):
 @pytest.mark.parametrize("flag", ["-z", "-J", None])
 def test_archive_cut_between_check_and_extraction_fails_cleanly(tmpfs, tmp_path, monkeypatch, flag):
     """Damage met while extracting (the archive was cut after the check) discards the partial tree."""
-    from shmstage.stage import engine
+    from shmstage.stage import verification as engine
 
     src = make_tree(tmp_path / "src", files=8, size=200_000)
     arc = tar(src, tmp_path / "data.tar", *([flag] if flag else []))

@@ -685,7 +685,7 @@ def test_two_jobs_staging_one_source_under_other_names_do_not_mix(cluster) -> No
 FREEZE_HOOK = """\
 import os, signal, time
 if os.environ.get("SHMSTAGE_TEST_FREEZE_AT"):  # SIGSTOP ourselves at that engine step
-    import shmstage.stage.engine as engine
+    import shmstage.stage.staging as engine
     kill_at = engine._kill_at
     def _freeze_at(step):
         if step == os.environ["SHMSTAGE_TEST_FREEZE_AT"]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from shmstage.stage import find, gc, list_staged, stage, verify
-from shmstage.stage.engine import KILL_STEPS
+from shmstage.stage.staging import KILL_STEPS
 
 STAGER = (
     "import sys; from shmstage.stage import stage; stage(sys.argv[1], dest=sys.argv[2], workers=1)"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shmstage.stage import find, holders, stage
-from shmstage.stage.leases import command_of
+from shmstage.stage.store.leases import command_of
 
 HINT = "wait for the job to finish or pass --force (the job will fail reading files that are gone)"
 

@@ -447,7 +447,7 @@ def fchmod(fd, mode):
         subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c",
                         'mv "$1/x" "$1/s" && ln -s "$2" "$1/x"', "sh", top, farm], check=True, cwd="/")
 os.fchmod = fchmod
-store._rmtree(top)
+store.rmtree(top)
 print("swapped" if swapped else "not swapped")
 """
 

@@ -5,6 +5,7 @@ Real tmpfs, real users through setpriv, real processes stopped and resumed with 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -705,10 +706,14 @@ def set_acl(path: Path, user: int, group: int, other: int, mask: int, named: dic
         pytest.skip(f"no POSIX ACLs here: {e.strerror}")
 
 
-def test_an_acl_that_denies_the_owning_group_is_not_widened_by_the_copy(open_tmpfs, shmstage_bin):
+@pytest.mark.parametrize("crowded", [False, True], ids=["acl", "acl-behind-64k-of-xattr-names"])
+def test_an_acl_that_denies_the_owning_group_is_not_widened_by_the_copy(
+    open_tmpfs, shmstage_bin, crowded
+):
     """Finding 5: alice's file with group::--- and user:bob:r-- shows as 0640 (the mode's group
     bits are the ACL's mask).  The copy has no ACL: its group bits are what the owning group
-    may (none), so carol, in alice's group and denied the source, is denied the copy too."""
+    may (none), so carol, in alice's group and denied the source, is denied the copy too.
+    Crowded: so many user xattrs that listxattr fails (E2BIG): the ACL is still read."""
     alice, bob, carol = MALLORY, VICTIM, COLLEAGUE
     world = open_tmpfs("64M")
     src = world / "asrc"
@@ -719,6 +724,12 @@ def test_an_acl_that_denies_the_owning_group_is_not_widened_by_the_copy(open_tmp
     (src / "d").chmod(0o750)
     set_acl(src / "d" / "f", 6, 0, 0, 4, {bob: 4})
     set_acl(src / "d", 7, 0, 0, 5, {bob: 5})
+    for path in (src / "d" / "f", src / "d") if crowded else ():
+        for i in range(300):  # names past XATTR_LIST_MAX (64 KiB) in all
+            os.setxattr(path, f"user.{i:04d}" + "x" * 240, b"1")
+        with pytest.raises(OSError) as listing:
+            os.listxattr(path)
+        assert listing.value.errno == errno.E2BIG
     assert (src / "d" / "f").stat().st_mode & 0o777 == 0o640
     as_carol = as_user(carol, carol, str(alice))
     assert subprocess.run([*as_carol, "cat", str(src / "d" / "f")]).returncode != 0

@@ -20,9 +20,10 @@ not a peer.
 ``tool_argv(tool, src, dest)`` gives the exact command each tool runs; ``format_markdown(result)``
 renders a result as a Markdown table; ``tree_summary(path)`` counts what a copy must match.
 
-``blkio_throttle(path, bps)`` is a context manager that caps the read bandwidth of the block
-device under ``path`` for the processes put into it (a cgroup v1 ``blkio`` group or a cgroup v2
-``io.max`` rule; root only); ``throttle_bps=N`` runs every tool inside one.
+``blkio_throttle(path, bps)`` (:mod:`shmstage.bench.throttle`, importable from here) is a context
+manager that caps the read bandwidth of the block device under ``path`` for the processes put
+into it (a cgroup v1 ``blkio`` group or a cgroup v2 ``io.max`` rule; root only);
+``throttle_bps=N`` runs every tool inside one.
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from shmstage.bench.throttle import Throttle as Throttle
+from shmstage.bench.throttle import blkio_throttle
+from shmstage.bench.throttle import block_device as block_device
+from shmstage.bench.throttle import whole_disk as whole_disk
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.system import usable_cpus
 
@@ -127,7 +132,7 @@ def run_stage_benchmark(
     dest_base = Path(dest_root).resolve()
     tools = tuple(tools)
     _validate(source, dest_base, tools, runs, drop_caches, throttle_bps)
-    cmd_prefix = list(shmstage_cmd) if shmstage_cmd else _default_shmstage_cmd()
+    cmd_prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
     jobs = cat_jobs or max(8, 4 * usable_cpus())
     summary = tree_summary(source)
     say = progress or (lambda _msg: None)
@@ -242,7 +247,7 @@ def _validate(
             )
 
 
-def _default_shmstage_cmd() -> list[str]:
+def default_shmstage_cmd() -> list[str]:
     exe = shutil.which("shmstage", path=os.path.dirname(sys.executable))
     return [exe] if exe else [sys.executable, "-m", "shmstage"]
 
@@ -278,7 +283,7 @@ def tool_argv(
         return ["bash", "-c", script, "bash", s, str(cat_jobs)]
     if tool != "shmstage":
         raise RefusedError(f"unknown tool '{tool}': choose from {', '.join(TOOLS)}")
-    prefix = list(shmstage_cmd) if shmstage_cmd else _default_shmstage_cmd()
+    prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
     argv = [*prefix, "stage", s, "--dest", d, "--name", "bench", "--quiet"]
     return argv + (["--workers", str(workers)] if workers else [])
 
@@ -355,6 +360,11 @@ def drop_page_cache(proc: str = "/proc") -> None:
         ) from None
 
 
+def _rmdir_quietly(path: Path) -> None:
+    with suppress(OSError):  # not empty: someone else put files there
+        path.rmdir()
+
+
 # --- rendering ----------------------------------------------------------------
 
 
@@ -375,113 +385,3 @@ def format_markdown(result: StageBenchResult) -> str:
 
 def _md(text: str) -> str:
     return text.replace("|", r"\|")  # a bare pipe would split the table cell
-
-
-# --- read throttle ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Throttle:
-    cgroup: Path  # the group's directory
-    device: str  # "MAJ:MIN" of the whole disk
-    bps: int
-    version: int  # cgroup version, 1 (blkio) or 2 (io)
-
-    def add(self, pid: int) -> None:
-        """Move process ``pid`` into the throttled group."""
-        (self.cgroup / "cgroup.procs").write_text(f"{pid}\n")
-
-    def enter(self) -> None:
-        """Move the calling process into the group: a ``preexec_fn`` for subprocess."""
-        self.add(os.getpid())
-
-
-def block_device(path: str | os.PathLike[str], sys_root: str = "/sys") -> str:
-    """``MAJ:MIN`` of the whole disk holding ``path`` (the parent disk when it sits on a partition)."""
-    dev = os.stat(path).st_dev
-    return whole_disk(os.major(dev), os.minor(dev), sys_root, what=str(path))
-
-
-def whole_disk(major: int, minor: int, sys_root: str = "/sys", *, what: str = "the path") -> str:
-    node = Path(sys_root, "dev", "block", f"{major}:{minor}")
-    if not node.exists():
-        raise RefusedError(
-            f"{what} is not on a block device (device {major}:{minor}): a read throttle needs a local disk"
-        )
-    real = node.resolve()
-    if (real / "partition").exists():  # sda1 -> sda: throttle rules apply to whole disks
-        real = real.parent
-    return (real / "dev").read_text().strip()
-
-
-@contextmanager
-def blkio_throttle(
-    path: str | os.PathLike[str],
-    bps: int,
-    *,
-    name: str = "shmstage-bench",
-    cgroup_root: str = "/sys/fs/cgroup",
-    sys_root: str = "/sys",
-) -> Iterator[Throttle]:
-    """A cgroup whose processes read the disk under ``path`` at ``bps`` bytes/s at most; removed on exit."""
-    device = block_device(path, sys_root)
-    root = Path(cgroup_root)
-    controllers = _read(root / "cgroup.controllers")
-    if (root / "blkio" / "blkio.throttle.read_bps_device").exists():
-        version, parent, limit_file, rule = (
-            1,
-            root / "blkio",
-            "blkio.throttle.read_bps_device",
-            f"{device} {bps}",
-        )
-    elif controllers is not None and "io" in controllers.split():
-        version, parent, limit_file, rule = 2, root, "io.max", f"{device} rbps={bps}"
-    else:
-        raise RefusedError(
-            f"no blkio (cgroup v1) or io (cgroup v2) controller under {root}: cannot throttle reads"
-        )
-    group = parent / f"{name}-{os.getpid()}"
-    try:
-        if version == 2 and "io" not in (_read(root / "cgroup.subtree_control") or "").split():
-            (root / "cgroup.subtree_control").write_text("+io\n")
-        group.mkdir()
-    except PermissionError:
-        raise PermissionDenied(f"creating a cgroup under {parent} needs root") from None
-    try:
-        try:
-            (group / limit_file).write_text(f"{rule}\n")
-        except OSError as e:
-            raise RefusedError(
-                f"the kernel refused the throttle rule '{rule}' in {group / limit_file}: {e.strerror}"
-            ) from None
-        yield Throttle(group, device, bps, version)
-    finally:
-        _remove_cgroup(group, parent)
-
-
-def _remove_cgroup(group: Path, parent: Path) -> None:
-    # A process still inside keeps the group busy (EBUSY): move stragglers out first.
-    for pid in (_read(group / "cgroup.procs") or "").split():
-        with suppress(OSError):  # it exited meanwhile
-            (parent / "cgroup.procs").write_text(f"{pid}\n")
-    for _ in range(50):
-        try:
-            group.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.02)  # an exiting child can hold the group for a moment
-    group.rmdir()
-
-
-def _rmdir_quietly(path: Path) -> None:
-    with suppress(OSError):  # not empty: someone else put files there
-        path.rmdir()
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None

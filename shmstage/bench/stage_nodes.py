@@ -35,7 +35,7 @@ from pathlib import Path
 from shmstage.bench.stage import (
     BenchError,
     TreeSummary,
-    _default_shmstage_cmd,
+    default_shmstage_cmd,
     drop_page_cache,
     tree_summary,
 )
@@ -107,7 +107,7 @@ def run_nodes_benchmark(
         raise RefusedError(f"runs must be at least 1, not {runs}")
     if drop_caches and os.geteuid() != 0:
         raise PermissionDenied("dropping the page cache needs root: run as root or without it")
-    cmd = list(shmstage_cmd) if shmstage_cmd else _default_shmstage_cmd()
+    cmd = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
     say = progress or (lambda _msg: None)
     summary = tree_summary(source)
     created = not dest.exists()

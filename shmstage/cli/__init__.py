@@ -19,8 +19,8 @@ from typing import Any, NoReturn
 import click
 
 from shmstage import __version__
-from shmstage._libc import load_libc
 from shmstage.errors import Interrupted, KilledBy, ShmstageError
+from shmstage.libc import load_libc
 from shmstage.terminal import printable
 
 # command name -> "module:attribute" (relative to shmstage.cli)

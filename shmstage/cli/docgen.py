@@ -28,10 +28,10 @@ JSON_RESULTS: dict[str, str] = {
     "bench stage": "shmstage.bench.stage:StageBenchResult",
     "demo": "shmstage.demo:DemoReport",
     "evict": "shmstage.stage.engine:EvictReport",
-    "gc": "shmstage.stage.gc:GcReport",
-    "list": "shmstage.stage.tiers:InTier[]",
+    "gc": "shmstage.stage.store.gc:GcReport",
+    "list": "shmstage.stage.cache.tiers:InTier[]",
     "metrics": "shmstage.metrics:Metrics",
-    "stage": "shmstage.stage.tiers:Placed",
+    "stage": "shmstage.stage.cache.tiers:Placed",
     "verify": "shmstage.stage.engine:VerifyReport",
     "pillow-simd": "shmstage.pillow:PillowStatus",
 }

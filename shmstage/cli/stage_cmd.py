@@ -13,7 +13,7 @@ from shmstage.cli.params import RESERVE, cluster_options, config_option
 from shmstage.config import node_reserve
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
-from shmstage.stage.tiers import configured, refusal
+from shmstage.stage.cache.tiers import configured, refusal
 
 
 class ProgressLine:

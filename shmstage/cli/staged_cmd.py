@@ -21,8 +21,8 @@ from shmstage.stage import (
     list_staged,
     verify,
 )
-from shmstage.stage.leases import describe
-from shmstage.stage.tiers import configured
+from shmstage.stage.cache.tiers import configured
+from shmstage.stage.store.leases import describe
 
 _DEST_HELP = (
     "Where staged datasets live, or tiers separated by commas. "

@@ -7,8 +7,8 @@
 
 ``resolve`` returns None for one node: then ``stage`` runs exactly as on a single node.
 Modules: rendezvous (node 0's store + gloo, failures), kv (that store: a deadline on every
-call), plan (shares and pieces), exchange (the pipelined ring), peers (the hook the staging
-engine calls).
+call), plan (shares and pieces), exchange (the pipelined ring), targets (the files a node
+writes), waits (gloo waits that still see signals), peers (the hook the staging engine calls).
 """
 
 from __future__ import annotations

@@ -37,15 +37,15 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from shmstage.cluster.plan import CRC, Plan, Segment
+from shmstage.cluster.targets import Target, give_owner, unreadable
+from shmstage.cluster.waits import POLL, LinkLost, wait_work
 from shmstage.errors import ShmstageError
-from shmstage.stage.build import chown
 from shmstage.stage.build.copier import SLOW_ENV
-from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
+from shmstage.stage.sources.beneath import SourceTree, ident
 from shmstage.stage.sources.owners import stager_groups
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
@@ -54,25 +54,7 @@ _RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _WR = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 _RANDOM = getattr(os, "POSIX_FADV_RANDOM", 1)
-_POLL = 0.2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-@dataclass
-class Target:
-    """A file this node writes: where, its metadata, and the bytes still to come."""
-
-    dst: str
-    src: str
-    size: int
-    mtime: int
-    atime: int
-    mode: int
-    left: int
-    fd: int = -1
-    crcs: dict[int, int] = field(default_factory=dict)  # offset -> crc (for --verify checksum)
-    rel: str = ""  # below the source's top
-    ident: int = 0  # the source file the walk found (beneath.ident; 0: not checked)
 
 
 class Damaged(ShmstageError):
@@ -156,7 +138,7 @@ class Ring:
             self._ring()
             self._put(self.written, None)  # no more pieces
             while writer.is_alive():
-                writer.join(_POLL)
+                writer.join(POLL)
                 self._raise_from(self.errors)
             self._raise_from(self.errors)
         finally:
@@ -192,10 +174,10 @@ class Ring:
                     got = self.group.recv([inbox], prev, tag)
                     wait_work(sent, wait, nxt)
                     wait_work(got, wait, prev)
-                except (_Lost, ShmstageError):  # a signal (Interrupted): as it is
+                except (LinkLost, ShmstageError):  # a signal (Interrupted): as it is
                     raise
                 except Exception as e:
-                    raise _Lost(e, None) from None
+                    raise LinkLost(e, None) from None
                 tag += 1
                 self._put(self.written, (share, k, cur))
                 cur, share = buf, src_share
@@ -205,7 +187,7 @@ class Ring:
         while True:
             self._raise_from(self.errors)
             try:
-                return q.get(timeout=_POLL)
+                return q.get(timeout=POLL)
             except queue.Empty:
                 continue
 
@@ -213,7 +195,7 @@ class Ring:
         while True:
             self._raise_from(self.errors)
             try:
-                q.put(item, timeout=_POLL)
+                q.put(item, timeout=POLL)
                 return
             except queue.Full:
                 continue
@@ -232,7 +214,7 @@ class Ring:
                     buf = None
                     while buf is None and not self.stop.is_set():
                         try:
-                            buf = self.pool.get(timeout=_POLL)
+                            buf = self.pool.get(timeout=POLL)
                         except queue.Empty:
                             continue
                     if buf is None:
@@ -240,7 +222,7 @@ class Ring:
                     self._read_piece(k, buf, pool)
                     while not self.stop.is_set():
                         try:
-                            self.ahead.put(buf, timeout=_POLL)
+                            self.ahead.put(buf, timeout=POLL)
                             break
                         except queue.Full:
                             continue
@@ -296,7 +278,7 @@ class Ring:
                 item = None
                 while item is None and not self.stop.is_set():
                     try:
-                        item = self.written.get(timeout=_POLL)
+                        item = self.written.get(timeout=POLL)
                     except queue.Empty:
                         continue
                     if item is None:
@@ -358,40 +340,6 @@ class Ring:
                 t.fd = -1
 
 
-def give_owner(
-    t: Target, fd: int, top: SourceTree, own: bool, groups: frozenset[int] | None
-) -> None:
-    """``t``'s copy (``fd``) gets its owner and group by the copier's rule, from the walked
-    file's own stat below ``top`` (never a path's: the top may have been swapped since)."""
-    if not own and groups is None:
-        return
-    try:
-        st = top.stat(t.rel, t.ident)
-    except OSError as e:
-        raise unreadable(t.src, e) from None
-    if not chown.give_owner(fd, st, t.mode, own, groups):
-        raise ShmstageError(
-            f"source file changed during the copy: {t.src} (its group is not the one the scan "
-            "found); re-run when the source is stable"
-        )
-
-
-def unreadable(path: str, e: OSError) -> ShmstageError:
-    """A source file that cannot be read, or is not the one the walk found."""
-    if isinstance(e, NotRegular):
-        return ShmstageError(
-            f"source file {path} is not a regular file any more (replaced since the scan, by "
-            "a named pipe or a device?); nothing was published: re-run when the source is stable"
-        )
-    if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
-        return ShmstageError(
-            f"source file {path} is not the file the scan found: it or a directory on its path "
-            "was replaced (by a symlink or another file) since; nothing was published: re-run "
-            "when the source is stable, and check who can change it"
-        )
-    return ShmstageError(f"cannot read source file {path}: {e.strerror}")
-
-
 class _Preads:
     """The reader's helper threads: daemons, unlike a ThreadPoolExecutor's, which the
     interpreter joins without a timeout on its way out, so a read that never returns (a
@@ -427,63 +375,3 @@ class _Preads:
     def __exit__(self, *exc: object) -> None:
         for _ in range(self.n):  # each ends after what it has queued: nobody waits for it
             self.jobs.put(None)
-
-
-class _Lost(Exception):
-    """A gloo send/recv failed or timed out; ``peer`` is the node it was with."""
-
-    def __init__(self, error: BaseException, peer: int | None) -> None:
-        super().__init__(str(error))
-        self.error, self.peer = error, peer
-
-
-def wait_work(work: Any, timeout: timedelta, peer: int | None) -> None:
-    """Wait for a gloo operation, up to ``timeout``; ``_Lost`` if it fails or times out.
-
-    The wait runs in a helper thread and this one joins it in short slices: a signal
-    (SIGTERM) is acted on at once, not after the peer answers or ``timeout`` (a gloo wait
-    holds the thread in C++, and one cut short by its own timeout closes the link).  On a
-    signal the helper is left behind, as a daemon; the exit closes its links."""
-    box: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            work.wait(timeout)
-        except BaseException as e:  # handed to the caller as a value
-            box.append(e)
-
-    helper = threading.Thread(target=wait, name="shmstage-gloo-wait", daemon=True)
-    helper.start()
-    while helper.is_alive():
-        helper.join(_POLL)
-    if box:
-        raise _Lost(box[0], peer)
-
-
-def verify_written(targets: dict[int, Target], plan: Plan) -> list[str]:
-    """Re-read every written range and compare it with the owner's checksum; the bad paths."""
-    bad = []
-    for i, t in targets.items():
-        fd = os.open(t.dst, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for offset, want in t.crcs.items():
-                end = plan.starts[i] + plan.files[i][1]
-                length = _segment_length(plan, i, offset, end)
-                if zlib.crc32(os.pread(fd, length, offset)) != want:
-                    bad.append(plan.files[i][0])
-                    break
-        finally:
-            os.close(fd)
-    return sorted(bad)
-
-
-def _segment_length(plan: Plan, i: int, offset: int, end: int) -> int:
-    """A segment of file i from ``offset`` ends at the next share or piece boundary."""
-    start = plan.starts[i] + offset
-    for r in range(plan.nodes):
-        s, e = plan.share(r)
-        if s <= start < e:
-            k = (start - s) // plan.piece
-            _, b = plan.piece_range(r, k)
-            return min(b, end) - start
-    return end - start

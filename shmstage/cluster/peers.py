@@ -16,19 +16,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from shmstage.cluster.exchange import (
-    SLOTS,
-    Ring,
-    Target,
-    _Lost,
-    give_owner,
-    unreadable,
-    verify_written,
-    wait_work,
-)
+from shmstage.cluster.exchange import SLOTS, Ring
 from shmstage.cluster.kv import Mismatch
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
+from shmstage.cluster.targets import Target, give_owner, unreadable, verify_written
+from shmstage.cluster.waits import LinkLost, wait_work
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.sources.beneath import SourceTree
 from shmstage.stage.sources.owners import stager_groups
@@ -174,7 +167,7 @@ class Peers:
         group = self.rv.gloo()
         try:
             ring.run(group, targets, tick, checksum)
-        except _Lost as e:
+        except LinkLost as e:
             raise self.rv.lost(e.error, e.peer) from None
         if checksum:
             bad = verify_written(targets, plan)
@@ -198,7 +191,7 @@ class Peers:
                     raise self.rv.lost(e) from None
                 try:
                     wait_work(work, timedelta(seconds=self.spec.timeout), None)
-                except _Lost as e:
+                except LinkLost as e:
                     raise self.rv.lost(e.error) from None
         except BaseException:
             self.rv.give_up()  # node 0 has not committed: it waits for this node's ack

@@ -18,16 +18,16 @@ from shmstage.demo.report import (
     SlowSource,
     StagingFacts,
     TrainResult,
-    _busy_note,
-    _next_steps,
+    busy_note,
     payback,
+    suggest_next_steps,
 )
 from shmstage.demo.run import DEFAULT_BATCH, DEFAULT_IMAGES, DEFAULT_STEPS, WORKDIR_BASE, run_demo
 from shmstage.demo.steps import (
     DEFAULT_SLOW_SOURCE_MBPS,
     MB,
-    _prepare_dataset,
     choose_dest,
+    prepare_dataset,
     slow_source_throttle,
 )
 
@@ -47,9 +47,9 @@ __all__ = [
     "SlowSource",
     "StagingFacts",
     "TrainResult",
-    "_busy_note",
-    "_next_steps",
-    "_prepare_dataset",
+    "busy_note",
+    "suggest_next_steps",
+    "prepare_dataset",
     "cached_share",
     "choose_dest",
     "evict_from_page_cache",

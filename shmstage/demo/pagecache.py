@@ -7,7 +7,7 @@ import ctypes
 import os
 from collections.abc import Sequence
 
-from shmstage._libc import load_libc
+from shmstage.libc import load_libc
 
 
 def _libc() -> ctypes.CDLL:

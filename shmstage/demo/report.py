@@ -120,7 +120,7 @@ def payback(images: int, original: TrainResult, staged: TrainResult, staging_s: 
     return Payback(images, orig_s, staged_s, staging_s, epochs)
 
 
-def _next_steps(
+def suggest_next_steps(
     original: DemoRun,
     staged: DemoRun,
     speedup: float,
@@ -190,7 +190,7 @@ def _workers(n: int) -> str:
     return f"{n} loader worker" if n == 1 else f"{n} loader workers"
 
 
-def _busy_note(load: float, cpus: int) -> str | None:
+def busy_note(load: float, cpus: int) -> str | None:
     """A note when other processes competed for the CPU during the runs (timings are then noisy)."""
     # The demo itself keeps about two CPUs busy (the trainer and one loader worker).
     if load <= 1.5 * cpus + 1:

@@ -15,21 +15,21 @@ from pathlib import Path
 
 from shmstage.capacity import MEMORY_BACKED
 from shmstage.demo.pagecache import cached_share, evict_from_page_cache
-from shmstage.demo.report import DemoReport, DemoRun, _busy_note, _next_steps, payback
+from shmstage.demo.report import DemoReport, DemoRun, busy_note, payback, suggest_next_steps
 from shmstage.demo.steps import (
-    _MARKER,
+    MARKER,
     MB,
-    _fstype,
-    _prepare_dataset,
-    _signals_unwind,
-    _writable_dir,
     choose_dest,
+    fstype_of,
     inspect_facts,
     node_facts,
     pillow_facts,
+    prepare_dataset,
+    signals_unwind,
     slow_source_throttle,
     stage_through_cli,
     train_through_run,
+    writable_dir,
 )
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.sizes import format_size
@@ -81,7 +81,7 @@ def run_demo(
 
     created = workdir is None
     if workdir is None:
-        base = WORKDIR_BASE if _writable_dir(WORKDIR_BASE) else tempfile.gettempdir()
+        base = WORKDIR_BASE if writable_dir(WORKDIR_BASE) else tempfile.gettempdir()
         workdir = tempfile.mkdtemp(prefix="shmstage-demo-", dir=base)
     else:
         workdir = os.path.abspath(workdir)
@@ -93,16 +93,16 @@ def run_demo(
     owned: list[str] = []  # what this run created (the rest of a given --workdir stays)
     notes: list[str] = []
     # the throttle's cgroup is removed when the stack closes, also on Ctrl-C (KeyboardInterrupt)
-    # and SIGTERM/SIGHUP (_signals_unwind)
-    with _signals_unwind(), contextlib.ExitStack() as stack:
+    # and SIGTERM/SIGHUP (signals_unwind)
+    with signals_unwind(), contextlib.ExitStack() as stack:
         try:
             throttle, slow = slow_source_throttle(stack, workdir, slow_source, cold)
             preexec = throttle.enter if throttle else None
             node = node_facts()
             log(f"demo: node: {node.cpus} CPUs, {format_size(node.memory_usable)} RAM usable")
             pillow = pillow_facts()
-            dataset = _prepare_dataset(workdir, images, log)
-            owned += [dataset.path, os.path.join(workdir, _MARKER)]
+            dataset = prepare_dataset(workdir, images, log)
+            owned += [dataset.path, os.path.join(workdir, MARKER)]
             owned += [
                 os.path.join(workdir, f"train-{label}.json") for label in ("original", "staged")
             ]
@@ -110,7 +110,7 @@ def run_demo(
                 f"demo: inspecting the node and the dataset (shmstage inspect --dataset {dataset.path})"
             )
             inspection = inspect_facts(dataset.path)
-            source_fstype = _fstype(dataset.path)
+            source_fstype = fstype_of(dataset.path)
             if source_fstype in MEMORY_BACKED:
                 notes.append(
                     f"the work directory is on {source_fstype} (RAM), so the original is read from RAM too"
@@ -190,7 +190,7 @@ def run_demo(
             speedup = (
                 staged.images_per_s / original.images_per_s if original.images_per_s > 0 else 0.0
             )
-            busy = _busy_note(max(load, os.getloadavg()[0]), node.cpus)
+            busy = busy_note(max(load, os.getloadavg()[0]), node.cpus)
             if busy:
                 notes.append(busy)
             if not node.root:
@@ -216,7 +216,7 @@ def run_demo(
                 payback=payback(dataset.images, original, staged, staging.seconds),
                 notes=tuple(notes),
                 next_steps=tuple(
-                    _next_steps(
+                    suggest_next_steps(
                         original_run,
                         staged_run,
                         speedup,

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from shmstage import system
-from shmstage.bench.stage import Throttle, blkio_throttle
+from shmstage.bench.throttle import Throttle, blkio_throttle
 from shmstage.capacity import check_fit
 from shmstage.demo.dataset import GeneratedDataset, generate
 from shmstage.demo.report import (
@@ -34,7 +34,7 @@ from shmstage.errors import KilledBy, RefusedError, ShmstageError
 # that staging the default ~107 MB takes ~13 s and the whole demo stays near a minute.
 DEFAULT_SLOW_SOURCE_MBPS = 8.0
 MB = 1_000_000
-_MARKER = ".shmstage-demo.json"
+MARKER = ".shmstage-demo.json"
 
 
 def node_facts() -> NodeFacts:
@@ -73,12 +73,12 @@ def pillow_facts() -> PillowFacts:
     return PillowFacts(s.flavor, s.version, s.libjpeg_turbo, s.cpu_avx2, s.ok, s.next_step)
 
 
-def _fstype(path: str) -> str:
+def fstype_of(path: str) -> str:
     mount = system.mount_of(path)
     return mount.fstype if mount else "unknown"
 
 
-def _writable_dir(path: str) -> bool:
+def writable_dir(path: str) -> bool:
     """Could we create ``path`` (or write into it, if it exists)?"""
     probe = path
     while not os.path.exists(probe):
@@ -87,6 +87,10 @@ def _writable_dir(path: str) -> bool:
             return False
         probe = parent
     return os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
+
+
+# choose_dest looks it up by this name, so that a test can stand in for the file system.
+_writable_dir = writable_dir
 
 
 def choose_dest(needed: int, workdir: str) -> tuple[str, str | None]:
@@ -215,7 +219,7 @@ def stage_through_cli(
         ) from None
     return StagingFacts(
         dest=path,
-        dest_fstype=_fstype(path),
+        dest_fstype=fstype_of(path),
         fallback=fallback,
         seconds=seconds,
         bytes=nbytes,
@@ -251,7 +255,7 @@ def slow_source_throttle(
 
 
 @contextlib.contextmanager
-def _signals_unwind() -> Iterator[None]:
+def signals_unwind() -> Iterator[None]:
     """SIGTERM/SIGHUP end the demo by unwinding (SystemExit), so cleanup and the cgroup removal run."""
     if threading.current_thread() is not threading.main_thread():  # signal() needs the main thread
         yield
@@ -268,10 +272,10 @@ def _signals_unwind() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _prepare_dataset(workdir: str, images: int, log: Callable[[str], None]) -> GeneratedDataset:
+def prepare_dataset(workdir: str, images: int, log: Callable[[str], None]) -> GeneratedDataset:
     """Generate the dataset, or reuse one a previous ``--keep`` run left in this workdir."""
     path = os.path.join(workdir, "dataset")
-    marker = os.path.join(workdir, _MARKER)
+    marker = os.path.join(workdir, MARKER)
     with contextlib.suppress(OSError, ValueError, TypeError):
         with open(marker) as f:
             saved = GeneratedDataset(**json.load(f))

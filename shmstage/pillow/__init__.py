@@ -18,11 +18,11 @@ from shmstage.pillow.install import (
     PAUSE_ENV,
     InstallInterrupted,
     InstallResult,
-    _backup,  # noqa: F401  (tests reach these through the package)
-    _verify,  # noqa: F401
-    _write_record,  # noqa: F401
+    backup_pil,
     install,
     run_step,
+    verify_pil,
+    write_record,
 )
 from shmstage.pillow.plan import (
     WORK,
@@ -38,11 +38,14 @@ from shmstage.pillow.probe import (
     RECORD_NAME,
     BuildRecord,
     PillowStatus,
-    _run_probe,
     check,
     probe_source,
+    run_probe,
     status_from_facts,
 )
+
+# The names the install steps had when they were private: tests reach them through the package.
+_backup, _verify, _write_record = backup_pil, verify_pil, write_record
 
 __all__ = [
     "NOT_SCANNED",
@@ -81,7 +84,7 @@ def plan_install(
 ) -> InstallPlan:
     """Look at this machine and the target interpreter and plan the install (changes nothing)."""
     target = os.path.abspath(os.fspath(python)) if python is not None else sys.executable
-    facts = _run_probe(target)
+    facts = run_probe(target)
     refuse_unmanageable(facts)
     before = status_from_facts(
         facts,

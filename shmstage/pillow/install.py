@@ -27,11 +27,11 @@ from shmstage.pillow.probe import (
     RECORD_NAME,
     BuildRecord,
     PillowStatus,
-    _clip,
-    _run_probe,
-    _tail,
     check,
+    clip_line,
+    output_tail,
     probe_source,
+    run_probe,
     status_from_facts,
 )
 
@@ -61,15 +61,15 @@ def run_step(step: Step, work: str, *, timeout: float | None = None) -> str:
         raise ShmstageError(f"{step.what} failed: {argv[0]} not found") from None
     except subprocess.TimeoutExpired as e:
         raise ShmstageError(
-            f"{step.what} timed out after {timeout:.0f} s: {step.command()}\n{_tail(e.output)}"
+            f"{step.what} timed out after {timeout:.0f} s: {step.command()}\n{output_tail(e.output)}"
         ) from None
     if proc.returncode != 0:
         lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
         last = lines[-1].strip() if lines else "no output"
         raise ShmstageError(
-            f"{step.what} failed (exit {proc.returncode}): {_clip(last)}\n"
+            f"{step.what} failed (exit {proc.returncode}): {clip_line(last)}\n"
             f"  command: {step.command().replace(WORK, work)}\n"
-            f"  last lines of its output:\n{_tail(proc.stdout, indent='    ')}"
+            f"  last lines of its output:\n{output_tail(proc.stdout, indent='    ')}"
         )
     return proc.stdout
 
@@ -84,7 +84,7 @@ assert _Image.open(_buf).convert("RGB").size == (224, 224)
 """
 
 
-def _verify(python: str, avx2: bool = False) -> dict:
+def verify_pil(python: str, avx2: bool = False) -> dict:
     """Probe the new PIL in ``python`` after a real resize/JPEG round trip; raise unless it is
     pillow-simd with libjpeg-turbo (and, for an AVX2 build, AVX2 code in its ``_imaging``)."""
     source = probe_source().replace(
@@ -102,7 +102,7 @@ def _verify(python: str, avx2: bool = False) -> dict:
             )
         )
     if proc.returncode != 0:
-        raise ShmstageError(f"verification failed in {python}:\n{_tail(proc.stderr)}")
+        raise ShmstageError(f"verification failed in {python}:\n{output_tail(proc.stderr)}")
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
     scan = scan_avx2(facts.get("imaging_path"))
     after = status_from_facts(facts, system.has_avx2(), scan=scan)
@@ -121,7 +121,7 @@ def _verify(python: str, avx2: bool = False) -> dict:
     return facts
 
 
-def _backup(facts: Mapping[str, Any], dest: Path) -> list[tuple[Path, Path]]:
+def backup_pil(facts: Mapping[str, Any], dest: Path) -> list[tuple[Path, Path]]:
     """Copy the installed Pillow/pillow-simd files aside; returns (original, copy) pairs."""
     refuse_unmanageable(facts)
     pairs: list[tuple[Path, Path]] = []
@@ -152,7 +152,7 @@ def _restore(plan: InstallPlan, pairs: list[tuple[Path, Path]], work: str) -> st
         for src, copy in pairs:
             src.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(copy, src)
-        facts = _run_probe(plan.python)
+        facts = run_probe(plan.python)
     except (OSError, ShmstageError) as e:
         return f"restoring the previous PIL FAILED ({e}); the backup is in {work}/backup"
     if facts.get("import_error"):
@@ -263,11 +263,11 @@ def install(plan: InstallPlan, log: Callable[[str], None] = lambda _: None) -> I
                     touched = touched or step.action == "swap"
                     run_step(step, work)
                 elif step.action == "backup":
-                    pairs = _backup(_run_probe(plan.python), Path(work, "backup"))
+                    pairs = backup_pil(run_probe(plan.python), Path(work, "backup"))
                 elif step.action == "verify":
-                    facts = _verify(plan.python, plan.avx2)
+                    facts = verify_pil(plan.python, plan.avx2)
                 elif step.action == "record":
-                    _write_record(plan, facts)
+                    write_record(plan, facts)
                 _pause_for_tests(_step_name(step), log)
         except (ShmstageError, OSError) as e:
             message = str(e) if isinstance(e, ShmstageError) else f"install failed: {e}"
@@ -288,7 +288,7 @@ def install(plan: InstallPlan, log: Callable[[str], None] = lambda _: None) -> I
     return InstallResult(True, plan, after, round(time.monotonic() - start, 1))
 
 
-def _write_record(plan: InstallPlan, facts: Mapping[str, Any]) -> None:
+def write_record(plan: InstallPlan, facts: Mapping[str, Any]) -> None:
     record = BuildRecord(
         version=facts["dists"]["pillow-simd"],
         avx2=plan.avx2,

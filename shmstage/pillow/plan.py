@@ -16,7 +16,7 @@ from typing import Any
 
 from shmstage import system
 from shmstage.errors import RefusedError
-from shmstage.pillow.probe import RECORD_NAME, PillowStatus, _require
+from shmstage.pillow.probe import RECORD_NAME, PillowStatus, require_phrase
 
 X86_64 = ("x86_64", "amd64")
 WORK = "$WORK"  # stands for the install's temporary directory in printed commands
@@ -198,7 +198,7 @@ def build_plan(
         )
     if before.dependents:
         warnings.append(
-            f"{_require(before.dependents)} `pillow`: installing or upgrading them "
+            f"{require_phrase(before.dependents)} `pillow`: installing or upgrading them "
             "later with pip puts stock Pillow back over pillow-simd (see docs/pillow-simd.md)"
         )
     cc = "cc -mavx2" if use_avx2 else "cc"

@@ -136,7 +136,7 @@ def probe_source() -> str:
     return f"{_PROBE_SOURCE}\nimport json as _json\nprint(_json.dumps(_probe()))\n"
 
 
-def _run_probe(python: str) -> dict:
+def run_probe(python: str) -> dict:
     try:
         proc = subprocess.run(
             [python, "-c", probe_source()], capture_output=True, text=True, timeout=120
@@ -152,12 +152,12 @@ def _run_probe(python: str) -> dict:
         # interpreter itself does not work (not Python, too old, broken).
         raise RefusedError(
             f"{python} is not a working Python 3.9+ interpreter "
-            f"(exit {proc.returncode}: {_clip(_tail(proc.stderr or proc.stdout, 1), 160) or 'no output'})"
+            f"(exit {proc.returncode}: {clip_line(output_tail(proc.stderr or proc.stdout, 1), 160) or 'no output'})"
         )
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise ShmstageError(f"{python} printed no probe result: {_tail(proc.stdout, 3)}") from None
+        raise ShmstageError(f"{python} printed no probe result: {output_tail(proc.stdout, 3)}") from None
 
 
 def _record_from(facts: Mapping[str, Any]) -> BuildRecord | None:
@@ -223,7 +223,7 @@ def status_from_facts(
         else:
             step = "nothing to do"
     if ok and facts.get("dependents"):
-        step += f" (note: {_require(facts['dependents'])} `pillow`; see docs/pillow-simd.md)"
+        step += f" (note: {require_phrase(facts['dependents'])} `pillow`; see docs/pillow-simd.md)"
 
     return PillowStatus(
         python=facts.get("python", ""),
@@ -250,7 +250,7 @@ def status_from_facts(
     )
 
 
-def _require(names: Sequence[str]) -> str:
+def require_phrase(names: Sequence[str]) -> str:
     return f"{', '.join(sorted(names))} {'requires' if len(names) == 1 else 'require'}"
 
 
@@ -260,18 +260,18 @@ def check(python: str | os.PathLike[str] | None = None) -> PillowStatus:
         facts = _probe()
         hint = ""
     else:
-        facts = _run_probe(os.fspath(python))
+        facts = run_probe(os.fspath(python))
         hint = f" --python {python}"
     return status_from_facts(facts, system.has_avx2(), hint, scan_avx2(facts.get("imaging_path")))
 
 
-def _clip(line: str, width: int = 300) -> str:
+def clip_line(line: str, width: int = 300) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def _tail(text: str | bytes | None, lines: int = OUTPUT_TAIL_LINES, indent: str = "") -> str:
+def output_tail(text: str | bytes | None, lines: int = OUTPUT_TAIL_LINES, indent: str = "") -> str:
     """The last ``lines`` lines of a command's output (joined with " | " when 3 or fewer)."""
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
-    kept = [_clip(line) for line in (text or "").strip().splitlines()[-lines:]]
+    kept = [clip_line(line) for line in (text or "").strip().splitlines()[-lines:]]
     return " | ".join(kept) if lines <= 3 else "\n".join(indent + line for line in kept)

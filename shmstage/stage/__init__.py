@@ -13,12 +13,12 @@ Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
                                           a crash, removed on any handled failure)
     DEST/.shmstage/trash/                 old versions on their way out
     DEST/.shmstage/leases/<name>.lease    shared flock held by each job reading <name>
-                                          (see :mod:`shmstage.stage.leases`)
+                                          (see :mod:`shmstage.stage.store.leases`)
     DEST/.shmstage/reservations/<name>    bytes a live stager still has to write, flocked
-                                          while it runs (see :mod:`shmstage.stage.reserve`)
+                                          while it runs (see :mod:`shmstage.stage.store.reserve`)
     DEST/.shmstage/meta/.<name>.used      last used (its mtime; any job may set it to now)
     DEST/.shmstage/inflight/<name>.<id>   what a live stage adds to a tier with max_size
-                                          (see :mod:`shmstage.stage.makeroom`)
+                                          (see :mod:`shmstage.stage.cache.makeroom`)
 
 A dataset is published when DEST/<name> exists and its inode (on DEST's file system,
 whatever that device's number is now) matches the one in its meta record; :func:`find` and :func:`list_staged` return only such copies.
@@ -29,43 +29,35 @@ Readers need no lock: they see either no dataset or a complete one.
     find("imagenet") or find("/nfs/imagenet")
 
 DEST may be an ordered list of tiers, ``/dev/shm/shmstage,/local/nvme/shmstage``: ``stage``
-takes the first where the dataset fits (see :mod:`shmstage.stage.tiers` and
-:mod:`shmstage.stage.makeroom`, docs/cache.md).
+takes the first where the dataset fits (see :mod:`shmstage.stage.engine`, :mod:`shmstage.stage.cache.tiers`
+and :mod:`shmstage.stage.cache.makeroom`, docs/cache.md).
 """
 
 from __future__ import annotations
 
-from shmstage.stage.engine import (
-    Difference,
-    EvictReport,
-    Interrupted,
-    Leased,
-    Listed,
-    Progress,
-    StagedDataset,
-    VerifyReport,
-    summary,
-)
-from shmstage.stage.gc import GcReport, Leftover
-from shmstage.stage.leases import Holder, InUse, describe, holders, lease
-from shmstage.stage.store import DEFAULT_DEST, resolve_dest
+from shmstage.stage.cache.tiers import InTier, Placed, Plan, Skipped, split
 
 # DEST may list tiers (fastest first): these look in, and choose among, all of them.
-from shmstage.stage.tiers import (
-    InTier,
-    Placed,
-    Plan,
-    Skipped,
+from shmstage.stage.engine import (
     evict,
     evict_report,
     find,
     gc,
+    lease,
     list_staged,
     plan,
-    split,
     stage,
+    summary,
     verify,
 )
+from shmstage.stage.signals import Interrupted
+from shmstage.stage.staging import Progress
+from shmstage.stage.store import DEFAULT_DEST, resolve_dest
+from shmstage.stage.store.datasets import Listed, StagedDataset
+from shmstage.stage.store.eviction import EvictReport, Leased
+from shmstage.stage.store.gc import GcReport, Leftover
+from shmstage.stage.store.leases import Holder, InUse, describe, holders
+from shmstage.stage.verification import Difference, VerifyReport
 
 __all__ = [
     "DEFAULT_DEST",

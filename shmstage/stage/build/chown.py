@@ -5,22 +5,9 @@ source's owner (like ``cp -a``); a user keeps a source's group only where it is 
 
 from __future__ import annotations
 
-import errno
 import os
 
-
-def copy_owner(path: str | int, st: os.stat_result) -> None:
-    """chown ``path`` (or an fd) to ``st``'s owner and group, best effort: root in a user
-    namespace cannot give away to an unmapped uid (EINVAL) or lacks CAP_CHOWN (EPERM); the
-    copy then stays root's, and access.restrict_root judges the owner it really has."""
-    try:
-        if isinstance(path, int):
-            os.fchown(path, st.st_uid, st.st_gid)
-        else:
-            os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.EINVAL):
-            raise
+from shmstage.stage.store.access import copy_owner
 
 
 def copy_group(path: str | int, gid: int) -> None:

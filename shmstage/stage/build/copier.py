@@ -34,9 +34,6 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from shmstage.stage.build.copy import worker
-
-# What run and Stream raise on a worker's failure: callers catch copier.CopyFailed.
-from shmstage.stage.build.copypipe import CopyFailed as CopyFailed
 from shmstage.stage.build.copypipe import (
     COMPARE,
     COPY,
@@ -48,6 +45,9 @@ from shmstage.stage.build.copypipe import (
     check_alive,
     read_exact,
 )
+
+# What run and Stream raise on a worker's failure: callers catch copier.CopyFailed.
+from shmstage.stage.build.copypipe import CopyFailed as CopyFailed
 from shmstage.stage.build.estimate import rounded
 
 BATCH_FILES = 256

@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from shmstage._libc import load_libc
+from shmstage.libc import load_libc
 from shmstage.stage.build.chown import give_owner
 from shmstage.stage.build.copypipe import (
     COPY,

@@ -18,12 +18,12 @@ from shmstage.stage.build.chown import give_owner
 from shmstage.stage.build.copypipe import Job
 from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
 from shmstage.stage.build.tree import Counter, finish_tree, make_symlink, prepare_manifest
-from shmstage.stage.reserve import Claim
 from shmstage.stage.sources.base import Tick, Want
 from shmstage.stage.sources.beneath import SOURCE_TOP, ident, split_ident
 from shmstage.stage.sources.directory import DirSource, replaced
 from shmstage.stage.sources.walk import Tree, Walker, scan_threads
 from shmstage.stage.store import Store
+from shmstage.stage.store.reserve import Claim
 
 FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this
 FIRST_BATCH_FILES = 4096

@@ -36,10 +36,10 @@ from shmstage.stage.build.tree import (
     make_symlink,
     prepare_manifest,
 )
-from shmstage.stage.reserve import Claim
 from shmstage.stage.sources.base import Listing, Source, Tick, Want
 from shmstage.stage.sources.walk import Entry, walk
-from shmstage.stage.store import Store, _rmtree
+from shmstage.stage.store import Store, rmtree
+from shmstage.stage.store.reserve import Claim
 
 # The sources whose files build/ writes, by kind; every other kind (an object store) fetches
 # its own through ``Source.fetch``.  A source knows nothing of build/: the lookup is here.
@@ -300,7 +300,7 @@ def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
     copier sets the mtime only after the last byte is written."""
     if not resumable or not os.path.isdir(part) or os.path.islink(part):
         if os.path.lexists(part):
-            _rmtree(part)
+            rmtree(part)
         os.mkdir(part, 0o700)
         os.chmod(part, 0o700)  # never setgid (inherited from DEST): new files get our egid
         return set()
@@ -320,7 +320,7 @@ def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
             keep.add(rel)
             continue
         if kind == "d":
-            _rmtree(path)
+            rmtree(path)
         else:
             os.unlink(path)
     return keep

@@ -20,7 +20,7 @@ from shmstage.stage.sources.base import Tick, Want
 from shmstage.stage.sources.tar import BUF, Archive, Member, TarSource, open_archive
 from shmstage.stage.sources.tarformat import DamagedArchive, reading
 from shmstage.stage.sources.walk import Tree, walk
-from shmstage.stage.store import _rmtree
+from shmstage.stage.store import rmtree
 
 if TYPE_CHECKING:
     import tarfile
@@ -182,7 +182,7 @@ def _remove(path: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        _rmtree(path)
+        rmtree(path)
     else:
         os.unlink(path)
 

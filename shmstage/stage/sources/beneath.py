@@ -18,7 +18,7 @@ import stat
 import sys
 from collections.abc import Callable
 
-from shmstage._libc import load_libc
+from shmstage.libc import load_libc
 
 
 def ident(st: os.stat_result) -> int:

@@ -124,10 +124,14 @@ def acl_group(path: str, mode: int) -> int:
     if not mode & 0o070:
         return 0o070  # nothing to narrow (most files: one syscall saved)
     try:  # listxattr first: most files have no ACL, and a raised ENODATA costs twice as much
-        if _ACL not in os.listxattr(path, follow_symlinks=False):
-            return 0o070
+        listed = _ACL in os.listxattr(path, follow_symlinks=False)
+    except OSError:  # E2BIG (more names than a listing holds), or none listable: ask for it
+        listed = True
+    if not listed:
+        return 0o070
+    try:
         raw = os.getxattr(path, _ACL, follow_symlinks=False)
-    except OSError:  # none supported, or gone (the stat tells)
+    except OSError:  # no ACL (ENODATA), none supported, or gone (the stat tells)
         return 0o070
     for off in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
         tag, perm, _ = _ACL_ENTRY.unpack_from(raw, off)

@@ -4,44 +4,38 @@
 the other live stagers' reservations off the free space (reserve.py) and adds victims in
 LRU order until the capacity rule (capacity.check_fit) and the tier's ``max_size`` both
 pass; when even every unleased dataset is not enough it says so and nothing is removed.
-``evict`` removes the chosen victims through ``engine.evict_report`` by name, which takes
+``evict`` removes the chosen victims through ``store.eviction.evict_report`` by name, which takes
 each dataset's lock and its lease file exclusively first: a dataset a job leased after the
 plan chose it, or one being staged right now, is refused there and kept (see NOTE [races]).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import secrets
-import stat
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shmstage import system
 from shmstage.capacity import check_fit
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import SizeError, format_size, is_percent, parse_size
-from shmstage.stage import leases
 from shmstage.stage.build.estimate import Estimate, estimate
 from shmstage.stage.build.partial import Need
-from shmstage.stage.reserve import pending
-from shmstage.stage.store import Store
+from shmstage.stage.store import Store, leases
+from shmstage.stage.store.inflight import in_flight
+from shmstage.stage.store.reserve import pending
 
 POLICIES = ("lru",)
-IN_FLIGHT = "inflight"  # DEST/.shmstage/inflight/<name>.<random>: what a live stage adds (max_size)
-CAPPING = ".capping"  # inflight/.capping: the tier's max_size lock (see capping)
 
 # NOTE [races]: make-room against stagers and jobs.
 #
 #   plan (read-only) -> evict victim 1 .. k (each: lock, lease LOCK_EX|NB, remove)
-#                    -> engine.stage (Claim.reserve: the binding fit check)
+#                    -> staging.stage (Claim.reserve: the binding fit check)
 #
 # * A job leases a victim after the plan chose it: evict_report takes the lease file
 #   exclusively and refuses (leases.InUse); the victim stays and the caller plans again.
 # * A victim is being restaged: its lock is held, evict_report refuses (Busy); it stays.
-# * Another stager takes the freed space first: engine.stage's reservation check fails
+# * Another stager takes the freed space first: staging.stage's reservation check fails
 #   with CapacityError before a byte is written; the caller plans again (or moves on).
 # A dataset leased at any instant before its removal is never removed.
 #
@@ -49,7 +43,7 @@ CAPPING = ".capping"  # inflight/.capping: the tier's max_size lock (see capping
 #
 #   capping (flock of inflight/.capping) { plan: cached + in flight + this one <= max_size
 #                                  -> evict -> InFlight(what this stage adds) }
-#   -> engine.stage ... publish -> InFlight closed
+#   -> staging.stage ... publish -> InFlight closed
 #
 # Planning and claiming are one step under the tier's flock, so a second stager counts the
 # first one's dataset before it is published (cached_bytes sees only published ones); from
@@ -109,8 +103,6 @@ def max_bytes(policy: CachePolicy | None, tier: str) -> int | None:
 
 
 def _fs_total(tier: str) -> int:
-    from shmstage import system
-
     where = tier
     while not os.path.exists(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where)
@@ -163,7 +155,7 @@ def plan(
     evict: bool = True,
 ) -> Room:
     """Can ``what`` (a new dataset's estimate, or what restaging ``name`` in place still
-    writes: engine.restage_need) go into ``tier``, and which datasets must go first?  The
+    writes: staging.restage_need) go into ``tier``, and which datasets must go first?  The
     fit is the engine's, on what is written; ``max_size`` counts the whole new version
     (a restage's old version leaves), the other datasets and the stages in flight.
     ``evict=False``: only say whether it fits as things are (still honouring ``max_size``)."""
@@ -220,7 +212,7 @@ def _leased_count(store: Store, keep: str) -> int:
 
 
 def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list[str]]:
-    """Remove ``room.victims`` in order with ``remove(name, dest=tier)`` (engine.evict_report);
+    """Remove ``room.victims`` in order with ``remove(name, dest=tier)`` (store.eviction.evict_report);
     returns (removed, notes on the ones that were kept: leased or busy meanwhile)."""
     removed: list[Victim] = []
     notes: list[str] = []
@@ -236,161 +228,3 @@ def evict(room: Room, remove: Callable[..., object]) -> tuple[list[Victim], list
             continue  # gone: another make-room or evict removed it first
         removed.append(v)
     return removed, notes
-
-
-# --- stages in flight against max_size (see NOTE [max_size]) -----------------------------
-
-
-def _in_flight_dir(store: Store, *, create: bool = False) -> str:
-    """DEST/.shmstage/inflight/, 0700: a lock file in it can be opened, so flocked, by its
-    owner only (a user who could flock the tier's capping lock or a claim could stop every
-    stage into the tier, or keep a dead stager's claim counting forever)."""
-    where = os.path.join(store.book, IN_FLIGHT)
-    if not create:
-        return where
-    try:
-        with suppress(FileExistsError):
-            os.mkdir(where, 0o700)
-        st = os.lstat(where)
-        if not stat.S_ISDIR(st.st_mode):
-            raise ShmstageError(f"cannot lock {where}: not a directory")
-        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
-            os.chmod(where, 0o700)  # made 0755 by an earlier version
-    except OSError as e:
-        raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
-    return where
-
-
-@contextmanager
-def capping(store: Store) -> Iterator[None]:
-    """Hold the tier's max_size lock (inflight/.capping, in the owner-only directory) while
-    planning against max_size and claiming what this stage adds."""
-    path = os.path.join(_in_flight_dir(store, create=True), CAPPING)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise ShmstageError(f"cannot lock {path}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        _claims(store, reap=True)  # only here: a claim is made under this lock
-        yield
-    finally:
-        os.close(fd)
-
-
-def in_flight(store: Store, exclude: str | None = None) -> int:
-    """Bytes the live stages of the tier will add once published (their claims); a dead
-    stager's claim counts nothing.  ``exclude``: the dataset being planned, whose whole new
-    version the plan counts already (another stager of the same dataset adds nothing more:
-    one of them copies it, the other then finds it up to date)."""
-    return _claims(store, exclude=exclude)[0]
-
-
-def reap_claims(store: Store, *, dry_run: bool = False) -> tuple[list[str], bool]:
-    """gc: remove the claims of dead stagers (``dry_run``: only list them).  Returns (their
-    paths, False when a stager holds the tier's max_size lock now: nothing was looked at)."""
-    where = _in_flight_dir(store)
-    if not os.path.isdir(where):
-        return [], True
-    # Created when missing (not by a dry run, which removes nothing): a stager that made
-    # it meanwhile could otherwise make a claim under it that looks dead here before its flock.
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if dry_run else os.O_CREAT)
-    try:
-        fd = os.open(os.path.join(where, CAPPING), flags, 0o600)
-    except FileNotFoundError:
-        fd = -1  # a dry run: it only lists
-    except OSError:
-        return [], True  # not ours to clean (another user's tier)
-    try:
-        if fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return [], False
-        return _claims(store, reap=not dry_run)[1], True
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _claims(
-    store: Store, *, reap: bool = False, exclude: str | None = None
-) -> tuple[int, list[str]]:
-    """Sum the live claims (but ``exclude``'s), and list the dead ones; ``reap``: remove
-    those (held under :func:`capping`, where no claim is between its creation and its
-    flock)."""
-    where = _in_flight_dir(store)
-    try:
-        entries = os.listdir(where)
-    except OSError:
-        return 0, []
-    total = 0
-    dead: list[str] = []
-    for entry in entries:
-        path = os.path.join(where, entry)
-        if entry.startswith("."):
-            continue  # the capping lock
-        if exclude is not None and entry.rpartition(".")[0] == exclude:
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # finished and removed meanwhile
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: its stager is alive
-                with suppress(ValueError, OSError):
-                    total += max(0, int(os.pread(fd, 32, 0).decode().strip() or 0))
-                continue
-            dead.append(path)  # nobody holds it: its stager died
-            if reap:
-                with suppress(OSError):
-                    os.unlink(path)
-        finally:
-            os.close(fd)
-    return total, dead
-
-
-class InFlight:
-    """What this stage will add to a capped tier, counted by the others' plans until it is
-    published and this is closed (take it under :func:`capping`)."""
-
-    def __init__(self, store: Store, name: str, nbytes: int) -> None:
-        # A name no other stager can have (a pid is not: containers share the store, each
-        # with its own pid 1), made with O_EXCL: a claim is never another's, so flocking it
-        # cannot wait on another stager while the tier's max_size lock is held.
-        where = _in_flight_dir(store, create=True)
-        while True:
-            self.path = os.path.join(where, f"{name}.{secrets.token_hex(8)}")
-            try:
-                self.fd = os.open(
-                    self.path,
-                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    0o600,  # only its stager may hold it: held is what keeps it counting
-                )
-                break
-            except FileExistsError:
-                continue
-            except OSError as e:
-                raise ShmstageError(f"cannot create {self.path}: {e.strerror}") from None
-        fcntl.flock(self.fd, fcntl.LOCK_EX)  # new: only a scan's instant LOCK_SH can delay it
-        try:
-            os.pwrite(self.fd, f"{max(0, nbytes)}\n".encode(), 0)
-        except OSError as e:
-            self.close()
-            raise ShmstageError(f"cannot write {self.path}: {e.strerror}") from None
-
-    def close(self) -> None:
-        if self.fd < 0:
-            return
-        with suppress(OSError):
-            os.unlink(self.path)
-        os.close(self.fd)
-        self.fd = -1
-
-    def __enter__(self) -> InFlight:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,190 +1,34 @@
-"""The YAML node config (``/etc/shmstage.yaml``): one declarative description of a node.
-
-``load_config`` reads and validates the whole file before anything runs; every problem is
-reported with its key path (``datasets[1].verify``) and line.  The schema is in docs/config.md.
+"""Validating the node config's YAML into a ``NodeConfig``: every problem found in one pass,
+each with its key path (``datasets[1].verify``) and line.  The schema is in docs/config.md.
+Long because every key of the file has its own check, all on one checker that keeps going
+after a problem so that a single run lists them all.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import yaml
 
-from shmstage.errors import RefusedError
+from shmstage.config.model import (
+    VERIFY_MODES,
+    VERSION,
+    ConfigError,
+    DatasetConfig,
+    LoaderConfig,
+    NodeConfig,
+    PillowSimdConfig,
+    Problem,
+    ShmConfig,
+    TierConfig,
+)
 from shmstage.sizes import SizeError, check_reserve, is_percent, parse_size
 from shmstage.stage.store import name_for
 
-DEFAULT_PATH = "/etc/shmstage.yaml"
-ENV_VAR = "SHMSTAGE_CONFIG"
-VERSION = 1
-VERIFY_MODES = ("size", "checksum")
 # The staging engine's dataset names (shmstage.stage.store): no leading dot or dash, at most 200.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")  # \Z: no final newline
-
-
-@dataclass(frozen=True)
-class Problem:
-    key: str  # key path, e.g. "datasets[1].verify" ("" for the document itself)
-    line: int | None  # 1-based line in the file
-    reason: str
-
-    def format(self, path: str) -> str:
-        where = f"{path}:{self.line}" if self.line else path
-        return f"{where}: {self.key}: {self.reason}" if self.key else f"{where}: {self.reason}"
-
-
-class ConfigError(RefusedError):
-    """The node config is missing or invalid; nothing was run (exit 2)."""
-
-    def __init__(self, message: str, problems: tuple[Problem, ...] = ()) -> None:
-        super().__init__(message)
-        self.problems = problems
-
-
-@dataclass(frozen=True)
-class ShmConfig:
-    path: str = "/dev/shm"
-    size: int | str | None = None  # bytes, "N%", "auto", or None = leave the size alone
-    persist: bool = False
-    fstab: str = "/etc/fstab"
-
-
-@dataclass(frozen=True)
-class DatasetConfig:
-    source: str
-    name: str
-    verify: str = "size"
-
-
-@dataclass(frozen=True)
-class PillowSimdConfig:
-    enabled: bool = False
-    python: str | None = (
-        None  # interpreter whose environment gets pillow-simd; None = shmstage's own
-    )
-    version: str | None = None
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    num_workers: int | str | None = None  # an int or "auto"
-    pin_memory: bool | None = None
-    prefetch_factor: int | None = None
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """One storage tier of ``dest`` (fastest first) and its cache settings (docs/cache.md)."""
-
-    path: str
-    max_size: int | str | None = None  # bytes or "N%" of the tier's file system; None: no cap
-    policy: str = "lru"
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    path: str | None  # the file it was read from
-    version: int = VERSION
-    shm: ShmConfig = field(default_factory=ShmConfig)
-    dest: str = "/dev/shm/shmstage"  # the first (fastest) tier: where `prepare` stages
-    # bytes or "N%" (of the tmpfs staged into), as --reserve takes; None = the default
-    # reserve (10% of the tmpfs, at most 4 GiB)
-    reserve: int | str | None = None
-    datasets: tuple[DatasetConfig, ...] = ()
-    pillow_simd: PillowSimdConfig = field(default_factory=PillowSimdConfig)
-    loader: LoaderConfig = field(default_factory=LoaderConfig)
-    tiers: tuple[TierConfig, ...] = ()  # every tier of `dest`, fastest first
-
-    @property
-    def dest_tiers(self) -> str:
-        """``dest`` as ``stage --dest`` takes it: the tiers joined by commas."""
-        return ",".join(t.path for t in self.tiers) if self.tiers else self.dest
-
-
-def config_path(path: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
-    """The file to read and whether the user chose it (``--config``/``$SHMSTAGE_CONFIG``)."""
-    if path is not None:
-        return os.fspath(path), True
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return env, True
-    return DEFAULT_PATH, False
-
-
-def load_config(path: str | os.PathLike[str] | None = None) -> NodeConfig:
-    """Read and validate the node config; raise ConfigError listing every problem."""
-    file, explicit = config_path(path)
-    try:
-        with open(file, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        if explicit:
-            raise ConfigError(
-                f"config file {file} does not exist; check --config / ${ENV_VAR}"
-            ) from None
-        raise ConfigError(
-            f"no node config at {DEFAULT_PATH}; write one (see docs/config.md) or pass --config PATH"
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(
-            f"config path {file} is a directory; pass the YAML file with --config"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config {file}: {e}") from None
-    return parse_config(text, file)
-
-
-def loader_env(path: str | os.PathLike[str] | None = None) -> dict[str, str]:
-    """SHMSTAGE_* loader variables from the config's ``loader`` section.
-
-    ``{}`` when no config was asked for and the default file does not exist; an invalid
-    config, or a missing file named by ``path``/``$SHMSTAGE_CONFIG``, raises ConfigError.
-    """
-    file, explicit = config_path(path)
-    if not explicit and not os.path.exists(file):
-        return {}
-    loader = load_config(file).loader
-    env: dict[str, str] = {}
-    if loader.num_workers is not None:
-        env["SHMSTAGE_NUM_WORKERS"] = str(loader.num_workers)
-    if loader.pin_memory is not None:
-        env["SHMSTAGE_PIN_MEMORY"] = "1" if loader.pin_memory else "0"
-    if loader.prefetch_factor is not None:
-        env["SHMSTAGE_PREFETCH_FACTOR"] = str(loader.prefetch_factor)
-    return env
-
-
-def node_dest(path: str | os.PathLike[str] | None = None) -> str | None:
-    """The node's staging destination from its config; None when there is no config file.
-
-    ``shmstage run`` stages there by default, so a job finds what ``prepare`` staged.
-    """
-    file, explicit = config_path(path)
-    if not explicit and not os.path.exists(file):
-        return None
-    return load_config(file).dest_tiers
-
-
-def node_reserve(path: str | os.PathLike[str] | None = None) -> int | None:
-    """The node config's ``reserve`` (bytes); None when there is no config file or it sets none.
-
-    ``stage`` and ``run`` keep it free as ``prepare`` does, so the recipe that stages from the
-    job leaves DataLoader workers the room the node's owner asked for."""
-    file, explicit = config_path(path)
-    if not explicit and not os.path.exists(file):
-        return None
-    return load_config(file).reserve
-
-
-def node_tiers(path: str | os.PathLike[str] | None = None) -> tuple[TierConfig, ...]:
-    """The tiers (with their cache settings) of the node config; () when there is none."""
-    file, explicit = config_path(path)
-    if not explicit and not os.path.exists(file):
-        return ()
-    return load_config(file).tiers
 
 
 def parse_config(text: str, path: str = "<config>") -> NodeConfig:

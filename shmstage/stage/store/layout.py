@@ -1,10 +1,9 @@
-"""The layout under DEST: published datasets, and the bookkeeping beside them.
+"""The Store: the layout under DEST (published datasets, and the bookkeeping beside them in
+``DEST/.shmstage/``, see the package docstring of shmstage.stage for the map), its records
+and manifests, and atomic publish, trash and recovery.
 
-Everything that is not dataset data lives in ``DEST/.shmstage/`` (see the
-package docstring for the map).  This module owns the safety checks for a
-DEST inside a world-writable sticky directory such as /dev/shm, the
-per-dataset locks, the JSON records, atomic publish and removal.  Long because every
-write under DEST goes through here: locks (and who holds them), records, publish, removal.
+Long because the Store is one object that every write under DEST goes through: opening and
+checking the tree, locks, records, manifests, publish and removal share its paths and checks.
 """
 
 from __future__ import annotations
@@ -12,65 +11,34 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import json
 import os
-import re
 import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from shmstage import system
-from shmstage._libc import load_libc
-from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+from shmstage.errors import RefusedError, ShmstageError
+from shmstage.libc import load_libc
+from shmstage.stage.store.checks import (
+    check_dir,
+    check_owner,
+    makedirs_checked,
+    mkdir_checked,
+    os_error,
+)
+from shmstage.stage.store.locks import Busy, drop_unheld, lock_file, me
+from shmstage.stage.store.names import BOOK, resolve_dest
+from shmstage.stage.store.trees import rmtree
 
-DEFAULT_DEST = "/dev/shm/shmstage"
-BOOK = ".shmstage"
 FORMAT = 1
 PLACING = "placing"  # DEST/.shmstage/placing/<name>: flocked while choosing <name>'s tier
-
-# \Z, not "$": "$" also matches before a final newline ("ds\n" is not "ds"); no leading
-# "-" (it reads as an option on the job's command line) or "." (hidden, "..")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_+][A-Za-z0-9._+-]{0,199}\Z")
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-T = TypeVar("T")
-
-
-def resolve_dest(dest: str | os.PathLike[str] | None) -> str:
-    """``dest``, else ``$SHMSTAGE_DEST``, else /dev/shm/shmstage, as an absolute path
-    (of a list of tiers, the first)."""
-    chosen = (
-        os.fspath(dest) if dest is not None else os.environ.get("SHMSTAGE_DEST") or DEFAULT_DEST
-    )
-    # A comma separates storage tiers (tiers.py); an operation on one DEST takes the first.
-    chosen = chosen.split(",", 1)[0].strip() or DEFAULT_DEST
-    return os.path.abspath(os.path.expanduser(chosen))
-
-
-def check_name(name: str) -> str:
-    if not _NAME_RE.fullmatch(name):
-        raise RefusedError(
-            f"invalid dataset name {name!r}: use letters, digits, '.', '_', '-' or '+' "
-            "(at most 200, not starting with '.' or '-')"
-        )
-    return name
-
-
-def name_for(source: str) -> str:
-    """The default name: the source's base name without an archive suffix, made safe."""
-    base = os.path.basename(source.rstrip("/")) or "root"
-    for suffix in (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tar"):
-        if base.endswith(suffix) and len(base) > len(suffix):
-            base = base[: -len(suffix)]
-            break
-    base = re.sub(r"[^A-Za-z0-9._+-]", "_", base).lstrip(".-") or "dataset"
-    return base[:200]
 
 
 @dataclass(frozen=True)
@@ -131,8 +99,8 @@ class Store:
     def open(self, *, create: bool = True) -> Store:
         """Check DEST and the bookkeeping directories (creating them when ``create``)."""
         if create:
-            _makedirs_checked(self.dest)
-        _check_dir(self.dest, "destination", shared_ok=True)
+            makedirs_checked(self.dest)
+        check_dir(self.dest, "destination", shared_ok=True)
         if not create and not os.path.lexists(self.book):
             return self
         for path, mode in (
@@ -146,9 +114,9 @@ class Store:
             (self.reservation_dir, 0o755),
         ):
             if create:
-                _mkdir_checked(path, mode)
+                mkdir_checked(path, mode)
             elif os.path.lexists(path):
-                _check_dir(path, "bookkeeping directory")
+                check_dir(path, "bookkeeping directory")
         return self
 
     def check_published(self, name: str) -> os.stat_result | None:
@@ -165,7 +133,7 @@ class Store:
         record = self.read_record(name) if os.geteuid() == 0 else None
         if record is not None and self.same_tree(st, record.root_ino):
             return st  # root staged it and gave it its source's owner (cp -a; see access.py)
-        _check_owner(self.path(name), st)
+        check_owner(self.path(name), st)
         return st
 
     # --- locks ----------------------------------------------------------------
@@ -221,7 +189,7 @@ class Store:
         except OSError:
             owner = os.geteuid()
         if e.errno not in (errno.EACCES, errno.EPERM) or owner == os.geteuid():
-            return _os_error(e, what)
+            return os_error(e, what)
         return RefusedError(managed_by(self.dest, owner))
 
     # --- placing ----------------------------------------------------------------
@@ -513,7 +481,7 @@ class Store:
         except OSError:
             old = path  # e.g. root without CAP_DAC_OVERRIDE: the tree's root is someone else's
         try:
-            _rmtree(old)
+            rmtree(old)
         except OSError as e:
             e.filename = old  # where what is left now is (its type kept: see cannot_remove)
             raise
@@ -521,7 +489,7 @@ class Store:
     def clear_trash(self) -> None:
         try:
             for entry in os.listdir(self.trash_dir):
-                _rmtree(os.path.join(self.trash_dir, entry))
+                rmtree(os.path.join(self.trash_dir, entry))
         except FileNotFoundError:
             pass
 
@@ -558,10 +526,6 @@ def _is_stamp(st: os.stat_result) -> bool:
     )
 
 
-class Busy(RefusedError):
-    """Another process holds the dataset's lock."""
-
-
 def managed_by(dest: str, owner: int) -> str:
     """What a user may do on a store someone else manages (the one line every refusal gives)."""
     who = "root" if owner == 0 else f"uid {owner}"
@@ -571,256 +535,6 @@ def managed_by(dest: str, owner: int) -> str:
         f"hand them out), but not stage, restage or remove any; ask {who} to, or use your own "
         "--dest, e.g. --dest /dev/shm/shmstage-$USER"
     )
-
-
-# --- locks on files that may be unlinked ---------------------------------------------------
-
-
-@contextmanager
-def lock_file(
-    path: str,
-    *,
-    shared: bool = False,
-    wait: bool = True,
-    on_wait: Callable[[int | None], None] | None = None,
-    busy: Callable[[int | None], ShmstageError] | None = None,
-    refused: Callable[[OSError], ShmstageError] | None = None,
-) -> Iterator[None]:
-    """Hold a flock on ``path`` (created unless ``shared``), writing our pid into it.
-
-    Lock files are unlinked while held (evict, gc), so a waiter may end up holding a file
-    that is gone while a newcomer locks a new one: after each flock we check the path still
-    names the file we locked and start over if it does not.  ``shared``: read-only, not
-    created (no lock when the file does not exist) and no pid written."""
-    while True:
-        flags = os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            if shared:
-                fd = os.open(path, flags | os.O_RDONLY)
-            else:
-                fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:
-            if not shared:
-                raise ShmstageError(
-                    f"cannot open lock file {path}: its directory is gone"
-                ) from None
-            yield
-            return
-        except OSError as e:
-            raise (
-                refused(e) if refused else _os_error(e, f"cannot open lock file {path}")
-            ) from None
-        try:
-            st = os.fstat(fd)
-            _check_owner(path, st)
-            kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-            try:
-                fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_pid(fd)
-                if not wait:
-                    raise (busy(holder) if busy else Busy(f"{path} is locked")) from None
-                if on_wait is not None:
-                    on_wait(holder)
-                fcntl.flock(fd, kind)
-            try:
-                now = os.lstat(path)
-            except FileNotFoundError:
-                now = None
-            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                continue  # unlinked while we waited: lock the new file
-            if not shared:
-                # Only says who holds it: a full tmpfs (ENOSPC) must not stop a no-op.
-                with suppress(OSError):
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"{me(' ')}\n".encode(), 0)
-            yield
-            return
-        finally:
-            os.close(fd)
-
-
-def drop_unheld(path: str, *, dry_run: bool = False) -> bool:
-    """Unlink the lock file ``path`` if nobody holds it (True when it is gone; ``dry_run``:
-    would be).  Taken without waiting: a holder or waiter re-checks the path after its
-    flock (``lock_file``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        try:
-            st, now = os.fstat(fd), os.lstat(path)
-        except FileNotFoundError:
-            return True
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            return False  # replaced meanwhile: someone else's now
-        if dry_run:
-            return True
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False
-        return True
-    finally:
-        os.close(fd)
-
-
-# --- who is alive ---------------------------------------------------------------------------
-#
-# A pid alone is reused (containers start at 1: "being removed by pid 18" forever): every
-# record that names a process names it by pid and start time (/proc/PID/stat field 22, in
-# clock ticks since boot), and a process is that one only if both match.
-
-
-def start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat; None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: the fields after the last ')' are 3...
-    try:
-        return int(raw[raw.rindex(b")") + 2 :].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
-def me(sep: str = "-") -> str:
-    """This process as ``<pid><sep><start time>`` (``<pid>`` where /proc does not say)."""
-    pid = os.getpid()
-    start = start_time(pid)
-    return f"{pid}{sep}{start}" if start is not None else str(pid)
-
-
-def alive(pid: int, start: int | None = None) -> bool:
-    """Whether process ``pid`` lives and, when ``start`` is known, is the one that started
-    then (not a later process given the same pid).  No start: a record of the old format."""
-    if start is None:
-        return os.path.exists(f"/proc/{pid}")
-    return start_time(pid) == start
-
-
-def trash_owner(entry: str) -> tuple[str, int | None, int | None]:
-    """trash/<name>.<pid>-<start>.<ns> -> (name, pid, start); <name>.<pid>.<ns> (the old
-    format) -> (name, pid, None)."""
-    parts = entry.rsplit(".", 2)
-    if len(parts) == 3:
-        pid, _, start = parts[1].partition("-")
-        if pid.isdigit() and (start.isdigit() or not start):
-            return parts[0], int(pid), int(start) if start else None
-    return entry, None, None
-
-
-# --- helpers ---------------------------------------------------------------------
-
-
-def _os_error(e: OSError, what: str) -> ShmstageError:
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PermissionDenied(f"{what}: {e.strerror}; pick a --dest you can write to")
-    return ShmstageError(f"{what}: {e.strerror}")
-
-
-def cannot_remove(e: OSError, path: str) -> ShmstageError:
-    """The one line for a tree ``evict`` or ``gc`` could not remove (_rmtree's OSError)."""
-    if isinstance(e, MountInside):
-        where = os.path.join(path, e.inner) if e.inner else path
-        return ShmstageError(
-            f"cannot remove {path}: {where} is a mount point inside the dataset: unmount it, "
-            "then run gc"
-        )
-    if isinstance(e, TooDeep):
-        return ShmstageError(f"cannot remove {path}: {e.strerror}")
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return PermissionDenied(
-            f"cannot remove {path}: {e.strerror}; it holds files you may not remove: have their "
-            "owner or root remove it"
-        )
-    return ShmstageError(f"cannot remove {path}: {e.strerror}; run this again")
-
-
-def _check_owner(path: str, st: os.stat_result) -> None:
-    uid = os.geteuid()
-    if st.st_uid not in (0, uid):
-        raise RefusedError(
-            f"{path} is owned by uid {st.st_uid}, not by you or root; refusing to use it "
-            "(pick another --dest, e.g. /dev/shm/shmstage-$USER)"
-        )
-
-
-def _check_dir(path: str, what: str, *, shared_ok: bool = False) -> os.stat_result:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise ShmstageError(f"{what} {path} does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise RefusedError(
-            f"{what} {path} is a symlink; refusing to follow it (it may have been planted): "
-            "remove it or pick another --dest"
-        )
-    if not stat.S_ISDIR(st.st_mode):
-        raise RefusedError(f"{what} {path} is not a directory")
-    _check_owner(path, st)
-    # Others may create entries in a sticky DEST (e.g. --dest /dev/shm) but cannot move ours;
-    # every entry we use there is checked on its own.  Bookkeeping must be ours alone.
-    writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable_by_others and not (shared_ok and st.st_mode & stat.S_ISVTX):
-        raise RefusedError(
-            f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-            "refusing to use it: chmod go-w it or pick another --dest"
-        )
-    return st
-
-
-def _mkdir_checked(path: str, mode: int) -> None:
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise _os_error(e, f"cannot create {path}") from None
-    else:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fchmod(fd, mode)  # exact mode whatever the umask
-        finally:
-            os.close(fd)
-    _check_dir(path, "bookkeeping directory")
-
-
-def _makedirs_checked(path: str) -> None:
-    if os.path.lexists(path):
-        return
-    parent = os.path.dirname(path)
-    if parent != path and not os.path.lexists(parent):
-        _makedirs_checked(parent)
-    try:
-        os.mkdir(path, 0o755)
-    except FileExistsError:
-        pass  # checked by the caller: a planted entry is refused there
-    except OSError as e:
-        raise _os_error(e, f"cannot create {path}") from None
-
-
-def _read_pid(fd: int) -> int | None:
-    """The pid a lock file names (``<pid> <start>``, or ``<pid>`` in the old format), if that
-    process still lives."""
-    try:
-        fields = os.pread(fd, 64, 0).decode().split()
-        pid = int(fields[0]) if fields else 0
-        start = int(fields[1]) if len(fields) > 1 else None
-    except (OSError, ValueError):
-        return None
-    return pid if pid > 0 and alive(pid, start) else None
 
 
 def _root_ino(manifest: dict[str, Any]) -> int | None:
@@ -857,7 +571,7 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
     except OSError as e:
         with suppress(OSError):
             os.unlink(tmp)
-        raise _os_error(e, f"cannot write {path}") from None
+        raise os_error(e, f"cannot write {path}") from None
 
 
 @contextmanager
@@ -892,248 +606,6 @@ def _movable(path: str, *, restore: bool) -> Iterator[None]:
             put_back()
     finally:
         os.close(fd)
-
-
-_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_SWAPS = 3  # how often an entry may change kind under us, or a directory refill, before we give up
-
-
-def _take(fd: int) -> None:
-    """Make the open directory ``fd`` (inside a tree being removed) ours and 0700, so its
-    entries can be removed: a tree root without CAP_DAC_OVERRIDE copied keeps its source's
-    owners and modes.  Through the fd: the inode we hold, whatever its name points to now."""
-    if os.fstat(fd).st_uid != os.geteuid():
-        os.fchown(fd, os.geteuid(), os.getegid())
-    os.fchmod(fd, 0o700)
-
-
-def _in(fd: int, inside: bool, op: Callable[[], T]) -> T:
-    """Run ``op`` (an ``*at`` call in the directory ``fd``); on a permission error take ``fd``
-    and retry, but only when ``fd`` is part of the tree: the directory holding the tree
-    (DEST, trash, the tmpfs root) is never chowned or chmodded."""
-    try:
-        return op()
-    except PermissionError:
-        if not inside:
-            raise
-        _take(fd)
-        return op()
-
-
-def _open_dir(pfd: int, name: str, inside: bool, dev: int | None = None) -> int:
-    """Open the directory ``name`` in ``pfd`` for listing, without following a link; take it
-    first when we may not read it (a 0000 directory, someone else's), but never one on
-    another file system than ``dev`` (a mount inside the tree: left as it is)."""
-    try:
-        return _in(pfd, inside, lambda: os.open(name, _DIR_OPEN, dir_fd=pfd))
-    except PermissionError:
-        pass
-    path_fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-    try:
-        # An O_PATH fd cannot be fchmod'ed; its /proc link is that very inode (what glibc's
-        # fchmodat(AT_SYMLINK_NOFOLLOW) does), not a name the tree's owner could swap.
-        via = f"/proc/self/fd/{path_fd}"
-        st = os.fstat(path_fd)
-        if dev is not None and st.st_dev != dev:  # the caller names the mount: no chown
-            return os.dup(path_fd)
-        try:
-            if st.st_uid != os.geteuid():
-                os.chown(via, os.geteuid(), os.getegid())
-            os.chmod(via, 0o700)
-            return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:  # no /proc: not "gone", which would skip it silently
-            raise OSError(errno.EACCES, "cannot take it back without /proc", name) from None
-    finally:
-        os.close(path_fd)
-
-
-class MountInside(OSError):
-    """A directory inside a tree being removed is another mount: never descended into (its
-    files are another file system's), and the tree is left for gc once it is unmounted.
-    ``inner``: that directory, relative to the tree's top ("" for the top itself)."""
-
-    inner = ""
-
-
-class TooDeep(OSError):
-    """A tree nested deeper than this process may hold directories open (RLIMIT_NOFILE)."""
-
-
-@dataclass
-class _Frame:
-    """A directory being emptied: open as ``fd``, the entry ``name`` of ``pfd``."""
-
-    pfd: int
-    name: str
-    inside: bool
-    fd: int
-    swaps: int
-    entries: list[tuple[str, bool | None]]
-    rounds: int = 1  # listings of it so far
-
-
-_nofile_raised = False
-
-
-def _more_fds() -> None:
-    """Raise this process's soft limit on open files to its hard limit, once: removing a
-    tree holds one fd per level of its depth (never a path: see _rmtree)."""
-    global _nofile_raised
-    if _nofile_raised:
-        return
-    _nofile_raised = True
-    with suppress(ValueError, OSError):
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _listing(fd: int) -> list[tuple[str, bool | None]]:
-    entries: list[tuple[str, bool | None]] = []
-    with os.scandir(fd) as it:
-        for entry in it:
-            try:
-                is_dir: bool | None = entry.is_dir(follow_symlinks=False)
-            except OSError:
-                is_dir = None  # no d_type here and no search permission yet: stat it later
-            entries.append((entry.name, is_dir))
-    entries.reverse()  # popped from the end: in listing order
-    return entries
-
-
-def _enter(
-    stack: list[_Frame],
-    pfd: int,
-    name: str,
-    inside: bool,
-    is_dir: bool | None,
-    dev: int | None,
-    swaps: int = 0,
-) -> None:
-    """Remove the entry ``name`` of ``pfd`` when it is not a directory; else open it and push
-    it on ``stack`` to be emptied.  ``dev``: the tree's file system (None: the tree's top);
-    ``swaps``: how often this entry changed kind under us already."""
-    while True:
-        if swaps > _SWAPS:
-            raise OSError(errno.EBUSY, "it keeps changing while being removed", name)
-        try:
-            if is_dir is None:
-                st = _in(pfd, inside, lambda: os.stat(name, dir_fd=pfd, follow_symlinks=False))
-                is_dir = stat.S_ISDIR(st.st_mode)
-            if not is_dir:
-                try:
-                    _in(pfd, inside, lambda: os.unlink(name, dir_fd=pfd))
-                except IsADirectoryError:  # made a directory since we looked
-                    is_dir, swaps = True, swaps + 1
-                    continue
-                return
-            try:
-                fd = _open_dir(pfd, name, inside, dev)
-            except OSError as e:
-                if e.errno in (errno.ENOTDIR, errno.ELOOP):
-                    # swapped for a file or a symlink since we looked: remove that, not its target
-                    is_dir, swaps = False, swaps + 1
-                    continue
-                raise
-        except FileNotFoundError:
-            return
-        try:
-            if dev is not None and os.fstat(fd).st_dev != dev:
-                e = MountInside(
-                    errno.EBUSY, "a mount point inside the dataset: unmount it, then run gc"
-                )
-                e.inner = os.path.join(*(f.name for f in stack[1:]), name)
-                raise e
-            entries = _listing(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        stack.append(_Frame(pfd, name, inside, fd, swaps, entries))
-        return
-
-
-def _remove_at(pfd: int, name: str, inside: bool, is_dir: bool | None) -> None:
-    """Remove the entry ``name`` of the open directory ``pfd`` and, for a directory, all
-    below it; every call relative to an open directory fd (see _rmtree).  Iterative (an
-    explicit stack of open directories), so a tree of any depth is no RecursionError; never
-    descends into another file system (a mount inside the tree: MountInside)."""
-    stack: list[_Frame] = []
-    try:
-        _enter(stack, pfd, name, inside, is_dir, None)
-        if not stack:
-            return
-        dev = os.fstat(stack[0].fd).st_dev
-        if dev != os.fstat(pfd).st_dev:
-            raise MountInside(errno.EBUSY, "a mount point: unmount it, then run gc")
-        while stack:
-            top = stack[-1]
-            if top.entries:
-                child, child_is_dir = top.entries.pop()
-                _enter(stack, top.fd, child, True, child_is_dir, dev)
-                continue
-            try:
-                _in(top.pfd, top.inside, partial(os.rmdir, top.name, dir_fd=top.pfd))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                if e.errno == errno.ENOTDIR:  # the name now holds a link: our fd does not
-                    stack.pop()
-                    os.close(top.fd)
-                    _enter(stack, top.pfd, top.name, top.inside, False, dev, top.swaps + 1)
-                    continue
-                if e.errno != errno.ENOTEMPTY:
-                    raise
-                if top.rounds >= _SWAPS:  # refilled as fast as it is emptied
-                    raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), top.name) from None
-                top.rounds += 1
-                top.entries = _listing(top.fd)
-                continue
-            stack.pop()
-            os.close(top.fd)
-    except OSError as e:
-        if e.errno not in (errno.EMFILE, errno.ENFILE):
-            raise
-        raise TooDeep(
-            e.errno,
-            f"it is nested deeper ({len(stack)} levels) than this process may hold "
-            "directories open: raise the open-file limit (ulimit -n), then run gc",
-        ) from None
-    finally:
-        for frame in stack:
-            os.close(frame.fd)
-
-
-def _rmtree(path: str) -> None:
-    """Remove a tree, including read-only directories (staged trees keep source modes) and,
-    for root without CAP_DAC_OVERRIDE, directories its source's owners own.
-
-    Every step is relative to an open directory fd, never a path: the owner of a staged tree
-    may still reach it (when it could not be renamed into trash first) and swap a directory
-    of it for a symlink while we work; by path, root would follow that link out of the tree.
-    Only what is inside the tree is ever chowned or chmodded: never the directory holding it,
-    which may be DEST or the tmpfs root itself."""
-    parent, name = os.path.split(os.path.normpath(path))
-    if name in ("", os.curdir, os.pardir):
-        raise ValueError(f"refusing to remove {path!r}")
-    try:
-        pfd = os.open(parent or os.curdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    _more_fds()
-    try:
-        _remove_at(pfd, name, False, None)
-    except MountInside as e:
-        e.filename = (
-            os.path.join(path, e.inner) if e.inner else path
-        )  # for callers' "{strerror}: {filename}"
-        raise
-    except TooDeep as e:
-        e.filename = path
-        raise
-    finally:
-        os.close(pfd)
 
 
 _libc: Any = None

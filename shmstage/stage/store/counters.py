@@ -14,7 +14,7 @@ import os
 from contextlib import suppress
 from dataclasses import dataclass
 
-from shmstage.stage.store import Store
+from shmstage.stage.store.layout import Store
 
 FILENAME = "counters.json"
 

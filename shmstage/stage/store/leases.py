@@ -12,13 +12,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.store import _NAME_RE, BOOK, Store, _check_owner, _mkdir_checked
+from shmstage.stage.store.checks import check_owner, mkdir_checked
+from shmstage.stage.store.datasets import dataset_of
+from shmstage.stage.store.layout import Store
+from shmstage.stage.store.names import BOOK, NAME_RE
 from shmstage.terminal import printable
 
 _COMMAND_CHARS = 120
@@ -78,7 +80,7 @@ def ensure_file(store: Store, name: str) -> None:
     """Create the lease file (0644) so readers who cannot write DEST can lease it."""
     if not os.path.isdir(store.lease_dir):  # a store from before leases
         with suppress(ShmstageError):
-            _mkdir_checked(store.lease_dir, 0o755)
+            mkdir_checked(store.lease_dir, 0o755)
     try:
         fd = _open(lease_path(store, name), create=True)
     except (OSError, ShmstageError):
@@ -119,8 +121,6 @@ class Lease:
 
 def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
     """Take a shared lease on the published dataset ``name`` (waits while an evict removes it)."""
-    from shmstage.stage.engine import _dataset  # engine imports this module
-
     store = Store(dest)
     not_staged = ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
     if not os.path.lexists(store.book):
@@ -139,7 +139,7 @@ def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
             )
         try:
             st = os.fstat(fd)
-            _check_owner(path, st)
+            check_owner(path, st)
             fcntl.flock(fd, fcntl.LOCK_SH)  # blocks only while an evict is removing it
             try:
                 now = os.lstat(path)
@@ -154,7 +154,7 @@ def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
         except BaseException:
             os.close(fd)
             raise
-        return Lease(store, name, fd, _dataset(store.touch(record), store))
+        return Lease(store, name, fd, dataset_of(store.touch(record), store))
 
 
 def locate(path_or_name: str | os.PathLike[str]) -> tuple[str, str] | None:
@@ -167,43 +167,10 @@ def locate(path_or_name: str | os.PathLike[str]) -> tuple[str, str] | None:
             if parent == p:
                 break
             base = os.path.basename(p)
-            if _NAME_RE.match(base) and os.path.isdir(os.path.join(parent, BOOK, "meta")):
+            if NAME_RE.match(base) and os.path.isdir(os.path.join(parent, BOOK, "meta")):
                 return parent, base
             p = parent
     return None
-
-
-@contextmanager
-def lease(
-    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
-) -> Iterator[Any]:
-    """Hold a lease on a staged dataset for the ``with`` block; yields its ``StagedDataset``.
-
-    ``path_or_name``: a staged path (``DEST/<name>`` or inside it, e.g. what ``staged_path()``
-    returned), a dataset name, or the source path it was staged from.
-    """
-    held = lease_for(path_or_name, dest)
-    try:
-        yield held.dataset
-    finally:
-        held.release()
-
-
-def lease_for(path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None) -> Lease:
-    """Resolve ``path_or_name`` like :func:`lease` and acquire; the caller releases."""
-    key = os.fspath(path_or_name)
-    where = locate(key) if os.sep in key else None
-    if where is not None:
-        return acquire(where[1], where[0])
-    from shmstage.stage.tiers import find, holding, split
-
-    tiers = split(dest)  # DEST may list tiers
-    if os.sep not in key and _NAME_RE.match(key):
-        return acquire(key, holding(key, ",".join(tiers)) or tiers[0])
-    found = find(key, ",".join(tiers))
-    if found is None:
-        raise ShmstageError(f"{key} is not staged in {','.join(tiers)} (see `shmstage list`)")
-    return acquire(found.name, os.path.dirname(found.path))
 
 
 def try_exclusive(store: Store, name: str) -> tuple[int | None, tuple[Holder, ...]]:

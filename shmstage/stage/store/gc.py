@@ -13,17 +13,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage import leases, makeroom
-from shmstage.stage.engine import _listdir, _tree_size
-from shmstage.stage.store import (
-    Busy,
-    Store,
-    _rmtree,
-    alive,
-    cannot_remove,
-    check_name,
-    trash_owner,
-)
+from shmstage.stage.store import inflight, leases
+from shmstage.stage.store.layout import Store
+from shmstage.stage.store.locks import Busy, alive, trash_owner
+from shmstage.stage.store.names import check_name
+from shmstage.stage.store.trees import cannot_remove, listdir, rmtree, tree_size
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                         continue
                     if dry_run and published and what in ("next record", "next manifest"):
                         continue  # a real run finishes this publish instead
-                    size = _tree_size(path)[0] if what.endswith("tree") else 0
+                    size = tree_size(path)[0] if what.endswith("tree") else 0
                     removed.append(Leftover(path, what, size))
                     if not dry_run:
                         _remove(path)
@@ -104,26 +98,26 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
             for path, what in items:
                 if what not in ("record", "manifest", "used", "lease", "lock"):
                     skipped.append(Leftover(path, what, 0, str(e)))
-    for entry in _listdir(store.trash_dir):
+    for entry in listdir(store.trash_dir):
         path = os.path.join(store.trash_dir, entry)
         _, pid, start = trash_owner(entry)
-        size = _tree_size(path)[0]
+        size = tree_size(path)[0]
         if pid is not None and pid != os.getpid() and alive(pid, start):
             skipped.append(Leftover(path, "trash", size, f"being removed by pid {pid}"))
             continue
         removed.append(Leftover(path, "trash", size))
         if not dry_run:
             _remove(path)
-    for entry in store.placing_names():  # tiers.py's locks: only while a stager places
+    for entry in store.placing_names():  # the tiers' placing locks: only while a stager places
         path = store.placing_path(entry)
         if not store.drop_placing(entry, dry_run=dry_run):
             skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
         else:
             removed.append(Leftover(path, "placing lock", 0))
-    dead, looked = makeroom.reap_claims(store, dry_run=dry_run)
+    dead, looked = inflight.reap_claims(store, dry_run=dry_run)
     removed += [Leftover(path, "max_size claim", 0) for path in dead]
     if not looked:
-        path = os.path.join(store.book, makeroom.IN_FLIGHT)
+        path = os.path.join(store.book, inflight.IN_FLIGHT)
         skipped.append(
             Leftover(path, "max_size claims", 0, "a stager is planning against max_size")
         )
@@ -133,17 +127,17 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
 def _names(store: Store) -> set[str]:
     """Every name any bookkeeping file or tree refers to."""
     names: set[str] = set(store.names())
-    for entry in _listdir(store.partial_dir):
+    for entry in listdir(store.partial_dir):
         names.add(entry[1 : -len(".source")] if entry.endswith(".source") else entry)
-    for entry in _listdir(store.manifest_dir):
+    for entry in listdir(store.manifest_dir):
         names.add(_strip(entry))
-    for entry in _listdir(store.meta_dir):
+    for entry in listdir(store.meta_dir):
         names.add(_strip(entry))
-    for entry in _listdir(store.lock_dir):
+    for entry in listdir(store.lock_dir):
         names.add(entry.removesuffix(".lock"))
-    for entry in _listdir(store.lease_dir):
+    for entry in listdir(store.lease_dir):
         names.add(entry.removesuffix(".lease"))
-    names.update(_listdir(store.reservation_dir))
+    names.update(listdir(store.reservation_dir))
     out = set()
     for n in names:
         with suppress(RefusedError):
@@ -181,7 +175,7 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
     add(store.new_manifest_path(name), "next manifest")
     add(store.next_path(name), "next record")
     for d in (store.meta_dir, store.manifest_dir):
-        for entry in _listdir(d):
+        for entry in listdir(d):
             # half-written JSON: <file>.<pid>.tmp (writes happen under the dataset's lock)
             if entry.endswith(".tmp") and _strip(entry) == name:
                 found.append((os.path.join(d, entry), "temporary file"))
@@ -199,7 +193,7 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         try:
-            _rmtree(path)
+            rmtree(path)
         except OSError as e:
             raise cannot_remove(e, path) from None
     else:

@@ -8,13 +8,26 @@ have.  ``restrict_root`` clears, on the published root, the permission class
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import stat
 
-from shmstage.stage.build.chown import copy_owner
-
 _CLASSES = ((stat.S_IRWXU, "owner"), (stat.S_IRWXG, "group"), (stat.S_IRWXO, "other"))
+
+
+def copy_owner(path: str | int, st: os.stat_result) -> None:
+    """chown ``path`` (or an fd) to ``st``'s owner and group, best effort: root in a user
+    namespace cannot give away to an unmapped uid (EINVAL) or lacks CAP_CHOWN (EPERM); the
+    copy then stays root's, and access.restrict_root judges the owner it really has."""
+    try:
+        if isinstance(path, int):
+            os.fchown(path, st.st_uid, st.st_gid)
+        else:
+            os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EINVAL):
+            raise
 
 
 def _may(st: os.stat_result, uid: int | None, gids: frozenset[int], want: int) -> bool:

@@ -1,0 +1,42 @@
+"""Waiting for a gloo send or receive without losing signals: ``wait_work`` joins a helper
+thread in short slices, and raises ``LinkLost`` (naming the peer) when the operation fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+POLL = 0.2  # seconds between two looks at a stop flag or a signal (the ring's loops too)
+
+
+class LinkLost(Exception):
+    """A gloo send/recv failed or timed out; ``peer`` is the node it was with."""
+
+    def __init__(self, error: BaseException, peer: int | None) -> None:
+        super().__init__(str(error))
+        self.error, self.peer = error, peer
+
+
+def wait_work(work: Any, timeout: timedelta, peer: int | None) -> None:
+    """Wait for a gloo operation, up to ``timeout``; ``LinkLost`` if it fails or times out.
+
+    The wait runs in a helper thread and this one joins it in short slices: a signal
+    (SIGTERM) is acted on at once, not after the peer answers or ``timeout`` (a gloo wait
+    holds the thread in C++, and one cut short by its own timeout closes the link).  On a
+    signal the helper is left behind, as a daemon; the exit closes its links."""
+    box: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait(timeout)
+        except BaseException as e:  # handed to the caller as a value
+            box.append(e)
+
+    helper = threading.Thread(target=wait, name="shmstage-gloo-wait", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(POLL)
+    if box:
+        raise LinkLost(box[0], peer)

@@ -1,0 +1,450 @@
+"""Staging one dataset into one store: its lock, the source asked whether the copy is
+current, the new version built in ``partial/<name>`` (stage/build/partial.py), and its atomic
+publish (NOTE [publish]).  engine.py chooses the store (the tier) and calls ``stage``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
+from shmstage.paths import is_within
+from shmstage.stage.build import copier, fromdir
+from shmstage.stage.build import partial as build
+from shmstage.stage.signals import signals_raise
+from shmstage.stage.sources import kinds as sources
+from shmstage.stage.sources.beneath import SOURCE_TOP, ident, join_ident, split_ident
+from shmstage.stage.store import access, leases
+from shmstage.stage.store.datasets import StagedDataset, dataset_of
+from shmstage.stage.store.layout import Record, Store, managed_by
+from shmstage.stage.store.names import check_name, name_for
+from shmstage.stage.store.partial import (
+    clear_dead_trash,
+    drop_leftovers,
+    drop_unused_lock,
+    read_marker,
+    remove_marker,
+    restore_marker,
+    write_marker,
+)
+from shmstage.stage.store.reserve import Claim
+from shmstage.stage.store.trees import rmtree
+from shmstage.stage.verification import VERIFY_MODES
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What ``stage`` is doing; passed to the ``progress`` callback."""
+
+    phase: str  # "waiting", "scanning", "copying", "publishing", "verifying"
+    bytes_done: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    files_total: int = 0
+    elapsed: float = 0.0
+    holder: int | None = None  # "waiting": pid holding the lock
+
+
+def stage(
+    src: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    workers: int | None = None,
+    verify: str = "size",
+    reserve: int | str | None = None,
+    force: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+    strip_components: int = 0,
+    peers: Any = None,
+    admit: Callable[[build.Need], None] | None = None,
+) -> StagedDataset:
+    """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
+
+    ``strip_components`` drops that many leading path components of an archive's
+    members, like ``tar --strip-components``.  ``peers`` (a
+    :class:`shmstage.cluster.Peers`) stages a directory together with other nodes:
+    each reads a share of the source and they exchange the rest.  ``admit(need)`` runs
+    once what a restage (or a resume) still writes is known, before its fit is claimed:
+    the cache's policy (engine.py, cache/) makes room there or refuses (CapacityError)."""
+    t0 = time.monotonic()
+    if verify not in VERIFY_MODES:
+        raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
+    if workers is not None and workers < 1:
+        raise RefusedError(f"invalid number of workers {workers}: must be at least 1")
+    raw = os.fspath(src)
+    if peers is not None:  # before anything fails: a failure is reported to this job only
+        peers.identify(os.path.abspath(raw), name, None if dest is None else os.path.abspath(dest))
+    if strip_components < 0:
+        raise RefusedError(f"invalid --strip-components {strip_components}: must be 0 or more")
+    kind, source = sources.resolve(raw)
+    if kind != "tar" and strip_components:
+        raise RefusedError(
+            f"--strip-components applies to tar archives, and {raw} is a "
+            f"{'directory' if kind == 'dir' else 'prefix'}; stage the subdirectory you want instead"
+        )
+    if kind != "dir" and peers is not None:
+        raise RefusedError(
+            f"{raw} is not a directory: staging with several nodes reads directories only; "
+            "stage it on each node alone (without --nodes), or unpack it on the share"
+        )
+    name = check_name(name) if name is not None else name_for(source)
+    store = Store(dest)
+    real_dest = os.path.realpath(store.dest)
+    if kind in sources.LISTED_KINDS:
+        pass  # not a path on this machine: nothing to overlap
+    elif is_within(real_dest, source) or (kind == "dir" and is_within(source, real_dest)):
+        raise RefusedError(
+            f"source {raw} and destination {store.dest} overlap; stage to a separate directory"
+        )
+
+    def report(phase: str, **kw: Any) -> None:
+        if progress is not None:
+            progress(Progress(phase, elapsed=time.monotonic() - t0, **kw))
+
+    waiting = lambda pid: report("waiting", holder=pid)  # noqa: E731
+    if os.path.lexists(store.book) and not store.writable():
+        # A store root (or another user) manages: a current copy needs no write.
+        store.open(create=False)
+        with signals_raise(), store.lock(name, on_wait=waiting, shared=True):
+            return _hand_out(store, source, kind, name, force, strip_components, t0)
+    store.open()
+    # The claim is this stager's share of DEST's free space (reserve.py).
+    with signals_raise(), store.lock(name, on_wait=waiting), Claim(store.book, name) as claim:
+        try:
+            return _stage_locked(
+                store,
+                source,
+                kind,
+                name,
+                workers,
+                verify,
+                reserve,
+                force,
+                report,
+                t0,
+                claim,
+                strip_components,
+                peers,
+                admit,
+            )
+        except BaseException:
+            drop_unused_lock(store, name)
+            raise
+
+
+def _hand_out(
+    store: Store,
+    source: str,
+    kind: str,
+    name: str,
+    force: bool,
+    strip_components: int,
+    t0: float,
+) -> StagedDataset:
+    """``stage`` for a user who may not write DEST: the published copy if it is current,
+    else one line saying what they can do (exit 2).  Reads only."""
+    try:
+        owner = os.lstat(store.book).st_uid
+    except OSError:
+        owner = -1
+    record = store.published(name)
+    manifest = store.manifest_for(record) if record else None
+    if record is None or manifest is None:
+        why = f"{name} is not staged in {store.dest}"
+    elif record.source != source:
+        why = f"{store.path(name)} holds {record.source}, not {source}"
+    elif force:
+        why = f"--force restages {name}"
+    else:
+        try:
+            src = sources.open_source(kind, source, strip_components, None)
+            stamp = src.stamp()
+            if stamp is not None:
+                current = all(manifest.get(k) == v for k, v in stamp.items())
+            else:
+                current = build.current(manifest, src.listing())
+        except PermissionDenied as e:
+            # Only what the user could read at its source is handed out (a 0700 directory
+            # in it shuts them out of the copy too): refused, not failed.
+            raise RefusedError(
+                f"{name} in {store.dest} is not handed out to you: {e} (you get a staged copy "
+                "only where you may read all of its source); ask the source's owner for read access"
+            ) from None
+        if current:
+            return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)
+        why = f"{name} in {store.dest} is out of date with {source}"
+    raise RefusedError(f"{why}; {managed_by(store.dest, owner)}")
+
+
+def _stage_locked(
+    store: Store,
+    source: str,
+    kind: str,
+    name: str,
+    workers: int | None,
+    verify: str,
+    reserve: int | None,
+    force: bool,
+    report: Callable[..., None],
+    t0: float,
+    claim: Claim,
+    strip_components: int = 0,
+    peers: Any = None,
+    admit: Callable[[build.Need], None] | None = None,
+) -> StagedDataset:
+    store.check_published(name)  # DEST/<name> must be our own directory if it exists
+    store.recover(name)  # finish a publish a kill interrupted
+    clear_dead_trash(store, name)  # an old version whose remover was killed
+    record = store.published(name)
+    manifest = store.manifest_for(record) if record else None
+    if record is not None and record.source != source and not force:
+        raise RefusedError(
+            f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
+            "or pass --force to replace it"
+        )
+    same = record is not None and manifest is not None and record.source == source and not force
+    src = sources.open_source(kind, source, strip_components, peers)
+    report("scanning")
+    part = store.partial(name)
+    marker = os.path.join(store.partial_dir, f".{name}.source")
+    prev_marker = read_marker(marker)  # put back if the fit check refuses
+    # A first copy with no peers copies while its walk runs; with peers each reads a share.
+    cold = record is None and not os.path.lexists(part)
+
+    def unchanged() -> StagedDataset:
+        drop_leftovers(store, name, marker)
+        if kind not in sources.LISTED_KINDS:
+            _recheck_access(store, name, source, kind, manifest)
+        return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
+
+    try:
+        if cold and peers is None and src.kind == "dir":  # a DirSource (build/fromdir.py)
+            write_marker(marker, source)
+            _kill_at("marker")
+            tree = fromdir.build_first(src, store, name, workers, verify, reserve, report, claim)
+            _kill_at("build")
+            built = build.Built(tree.bytes, tree.bytes, tree.files)
+        else:
+            stamp = src.stamp()  # a tar archive: its size, mtime and inode, without a read
+            if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
+                return unchanged()
+            listing = src.listing()  # a walk, an archive's headers, one LIST
+            current = same and stamp is None and build.current(manifest, listing)
+            if peers is not None and not peers.agree(src.tree, current, cold) and current:
+                peers.fill([], lambda b, f: None, False)  # the others need our share
+                peers.barrier()
+            if current:
+                return unchanged()
+            resumable = not force and prev_marker == source
+            write_marker(marker, source)
+            _kill_at("marker")
+            built = build.build(
+                store, name, src, listing, manifest if same else None, workers, verify,
+                reserve, resumable, report, claim, admit,
+            )  # fmt: skip
+            _kill_at("build")
+        _kill_at("manifest")
+        if peers is not None:
+            peers.barrier()  # all or nothing: publish only once every node has every byte
+        report("publishing")
+        if kind not in sources.LISTED_KINDS:  # no reader the source path shuts out
+            walked = getattr(src, "tree", None)
+            top = _checked_top(
+                source,
+                kind,
+                {SOURCE_TOP: split_ident(walked.top)} if walked is not None else {},
+                getattr(src, "fingerprint", None),
+            )
+            access.restrict_root(part, source, kind, owner=top)
+        root = os.lstat(part)
+        now = time.time()
+        seconds = time.monotonic() - t0
+        new = Record(
+            name,
+            source,
+            kind,
+            built.bytes,
+            built.files,
+            now,
+            now,
+            seconds,
+            root.st_ino,
+            root.st_dev,
+        )
+        if built.copied < built.bytes and (record is None or record.memcg != new.memcg):
+            # Kept or linked files stay charged to whoever wrote them (a killed run, the old
+            # version's stager): make-room must not count them as ours (None: counts 0).
+            new = replace(new, memcg=None)
+        _publish(store, name, new, marker)
+        return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
+    except BaseException as e:
+        # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
+        if isinstance(e, CapacityError):  # refused before writing: leave everything as it was,
+            restore_marker(marker, prev_marker)  # a resumable partial included (exit 2)
+            raise
+        if getattr(e, "keeps_partial", False):  # another node failed: resume from here next time
+            raise
+        with suppress(OSError):  # never hide why it failed; what stays, gc removes
+            store.discard(part)
+        remove_marker(marker)
+        nxt = store.read_next(name)
+        if nxt is None or store.published(name) != nxt:  # else it describes DEST/<name> now
+            with suppress(OSError):
+                os.unlink(store.new_manifest_path(name))  # ~100 MB for ImageNet
+        if (
+            isinstance(e, copier.CopyFailed)
+            and e.failure.kind == "write"
+            and e.failure.errno in (errno.ENOSPC, errno.EDQUOT)
+        ):
+            where = e.failure.path
+            if where.startswith(part + "/"):
+                where = where[len(part) + 1 :]
+            raise ShmstageError(
+                f"no space left on {store.dest} while copying {where}; the partial copy was removed "
+                "and other staged datasets are untouched: free space, lower --reserve, or grow the tmpfs "
+                "with `shmstage remount --size ...`"
+            ) from None
+        if isinstance(e, OSError):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ShmstageError(
+                    f"no space left on {store.dest}; the partial copy was removed and other staged "
+                    "datasets are untouched: free space or grow the tmpfs with `shmstage remount --size ...`"
+                ) from None
+            raise ShmstageError(
+                f"cannot stage into {store.dest}: {e.strerror}: {e.filename}"
+            ) from None
+        raise
+
+
+def restage_need(
+    src: str | os.PathLike[str],
+    *,
+    name: str,
+    dest: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    strip_components: int = 0,
+) -> build.Need | None:
+    """Read-only: what ``stage`` would write restaging ``src`` over its published copy in
+    ``dest`` (the engine's own count: unchanged files are linked, a resume keeps what it
+    has), or None when ``name`` is not published there.  An unchanged source needs
+    nothing (``bytes`` 0, ``total`` 0).  The same refusal as ``stage`` for another source."""
+    kind, source = sources.resolve(os.fspath(src))
+    store = Store(dest)
+    if not os.path.lexists(store.book):
+        return None
+    record = store.published(check_name(name))
+    if record is None:
+        return None
+    if record.source != source and not force:  # stage's own refusal
+        raise RefusedError(
+            f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
+            "or pass --force to replace it"
+        )
+    manifest = store.manifest_for(record)
+    same = manifest is not None and record.source == source and not force
+    opened = sources.open_source(kind, source, strip_components, None)
+    stamp = opened.stamp()
+    if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
+        return build.Need(0, 0, 0, 0)
+    listing = opened.listing()
+    if same and stamp is None and build.current(manifest, listing):
+        return build.Need(0, 0, 0, 0)
+    marker = os.path.join(store.partial_dir, f".{name}.source")
+    resumable = not force and read_marker(marker) == source
+    incremental = opened.incremental
+    entries: list[Any] = [list(e) for e in listing.entries] if incremental else listing.entries
+    need, _, _ = build.to_write(
+        store, name, entries, listing.keys, manifest if same else None, resumable, incremental
+    )
+    return need
+
+
+def _recheck_access(
+    store: Store, name: str, source: str, kind: str, manifest: dict[str, Any] | None
+) -> None:
+    """An unchanged source: its path may have opened or closed since the copy was made.
+    The root's owner is put back only from the very top the stage walked (not a link, and
+    for a directory the [dev, ino] its manifest recorded)."""
+    with suppress(OSError, KeyError, IndexError, TypeError):  # best effort: not our copy, ...
+        access.restrict_root(
+            store.path(name),
+            source,
+            kind,
+            manifest["entries"][0][4],  # type: ignore[index]
+            _checked_top(source, kind, manifest, (manifest or {}).get("archive")),
+        )
+
+
+def _checked_top(
+    source: str, kind: str, manifest: dict[str, Any] | None, archive: list[int] | None
+) -> os.stat_result | None:
+    """The source's top as the stage read it (a directory's [dev, ino] as the manifest
+    records it; a tar archive's fingerprint [size, mtime, ino]), or None when it is not that
+    any more (its owner swapped it for a link to someone else's, say): the copy's root
+    takes its owner from it."""
+    try:
+        top = os.stat(source.rstrip("/") or "/", follow_symlinks=False)
+    except OSError:
+        return None
+    if kind == "dir":
+        recorded = (manifest or {}).get(SOURCE_TOP)
+        same = stat.S_ISDIR(top.st_mode) and (not recorded or ident(top) == join_ident(recorded))
+    else:
+        same = stat.S_ISREG(top.st_mode) and (
+            not archive or [top.st_size, top.st_mtime_ns, top.st_ino] == list(archive)
+        )
+    return top if same else None
+
+
+# NOTE [publish]: publish and record are one step a kill cannot split.
+#
+#   build partial/<name> -> manifests/.<name>.json.new -> meta/.<name>.next.json (the new
+#   tree's inode: renameat2 keeps it) -> exchange (DEST/<name> <-> partial/<name>) -> old
+#   tree to trash -> commit manifest -> meta/<name>.json -> drop .next -> drop marker -> rm trash
+#
+# Before the exchange DEST/<name> matches the old record, after it the .next one, so
+# ``published`` (and ``list``, ``find``, leases) sees a complete dataset at every instant;
+# the next locked operation (stage, evict, gc) runs ``Store.recover`` to finish the step.
+# A partial tree, a marker, a stale .new manifest or a trash tree left by a kill shows in
+# ``list`` (unfinished / trash) and ``gc`` or ``evict`` removes it.
+
+KILL_STEPS = ("marker", "build", "manifest", "record", "exchange", "trash", "commit", "final")
+
+
+def _kill_at(step: str) -> None:
+    """TEST ONLY: SIGKILL ourselves at ``step`` when $SHMSTAGE_TEST_KILL_AT names it (SIGTERM
+    for ``STEP:TERM``), so tests can check every state a kill leaves is visible and removable."""
+    want = os.environ.get("SHMSTAGE_TEST_KILL_AT")
+    if want == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif want == step + ":TERM":
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _publish(store: Store, name: str, new: Record, marker: str) -> None:
+    """Publish partial/<name> as ``new`` (see NOTE [publish])."""
+    leases.ensure_file(store, name)  # before readers can see it: a reader may not write DEST
+    store.write_next(new)
+    _kill_at("record")
+    old = store.publish(name)
+    _kill_at("exchange")
+    if old is not None:
+        old = store.to_trash(old)
+        _kill_at("trash")
+    store.commit_manifest(name)
+    _kill_at("commit")
+    store.write_record(new)
+    _kill_at("final")
+    with suppress(FileNotFoundError):
+        os.unlink(store.next_path(name))
+    remove_marker(marker)
+    if old is not None:
+        rmtree(old)

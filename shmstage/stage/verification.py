@@ -1,0 +1,159 @@
+"""``verify`` in one store: compare a published copy with its manifest and, with ``checksum``,
+every byte with its source (a directory, a tar archive, or the ETags of an object store)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmstage.errors import ShmstageError
+from shmstage.stage.build import copier
+from shmstage.stage.sources import kinds as sources
+from shmstage.stage.sources import s3
+from shmstage.stage.sources import tar as tarsrc
+from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, join_ident
+from shmstage.stage.sources.walk import walk
+from shmstage.stage.store import access
+from shmstage.stage.store.layout import Store
+from shmstage.stage.store.names import check_name
+
+VERIFY_MODES = ("size", "checksum")  # stage --verify: what the copy is checked with
+
+
+@dataclass(frozen=True)
+class Difference:
+    path: str
+    problem: str  # "missing", "extra", "changed", "content"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    name: str
+    path: str
+    source: str
+    checksum: bool
+    files: int  # regular files checked
+    ok: bool
+    differences: list[Difference] = field(default_factory=list)
+
+
+def verify(
+    name: str,
+    dest: str | os.PathLike[str] | None = None,
+    checksum: bool = False,
+    *,
+    workers: int | None = None,
+) -> VerifyReport:
+    """Compare DEST/<name> with its manifest (and, with ``checksum``, every byte with the source)."""
+    store = Store(dest)
+    record = (
+        store.open(create=False).published(check_name(name))
+        if os.path.lexists(store.book)
+        else None
+    )
+    manifest = store.manifest_for(record) if record else None
+    if record is None or manifest is None:
+        raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
+    path = store.path(name)
+    expected = {e[0]: _norm(e) for e in manifest["entries"]}
+    actual = {e[0]: _norm(list(e)) for e in walk(path, check_links=False, hardlinks=False).entries}
+    diffs: list[Difference] = []
+    for rel, want in expected.items():
+        have = actual.get(rel)
+        if have is None:
+            diffs.append(Difference(rel, "missing"))
+        elif have != want and not (
+            rel == "." and have[:4] == want[:4] and access.is_restriction(want[4], have[4])
+        ):
+            diffs.append(Difference(rel, "changed", _what_changed(want, have)))
+    for rel in actual:
+        if rel not in expected:
+            diffs.append(Difference(rel, "extra"))
+    files = sum(1 for e in expected.values() if e[1] == "f")
+    if checksum:
+        damaged = {d.path for d in diffs}
+        if record.kind == "tar":
+            if not os.path.isfile(record.source):
+                raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
+        elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
+            bad = s3.compare(manifest, path)
+        else:
+            if not os.path.isdir(record.source):
+                raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            top = _verified_top(record.source, manifest)
+            jobs = [
+                (
+                    os.path.join(record.source, rel),
+                    os.path.join(path, rel),
+                    e[2],
+                    e[3],
+                    0,
+                    e[4],
+                    rel,
+                )
+                for rel, e in expected.items()
+                if e[1] == "f" and rel not in damaged
+            ]
+            with top:  # the workers read below this very directory (inherited), never the path
+                tops = {record.source.rstrip("/") + "/": top}
+                bad = copier.compare(jobs, workers or copier.default_workers(), tops)
+        diffs.extend(
+            Difference(rel, "content", "bytes differ from the source")
+            for rel in sorted(set(bad))
+            if rel not in damaged
+        )
+    diffs.sort(key=lambda d: d.path)
+    return VerifyReport(name, path, record.source, checksum, files, not diffs, diffs)
+
+
+def _verified_top(source: str, manifest: dict[str, Any]) -> SourceTree:
+    """The source's top for verify --checksum, opened once: the directory the stage walked
+    (its [dev, ino] in the manifest), else at least no symlink in its place (a manifest of
+    an older stage): a top swapped for another directory would make verify an oracle on
+    files its owner cannot read."""
+    recorded = manifest.get(SOURCE_TOP)
+    try:
+        if recorded:
+            return SourceTree(source, join_ident(recorded))
+        if os.path.islink(source.rstrip("/")):
+            raise OSError(errno.ELOOP, "a symlink", source)
+        return SourceTree(source)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOTDIR):
+            raise ShmstageError(
+                f"cannot compare checksums: the source {source} is not the directory that was "
+                "staged (replaced since, by a symlink or another directory); re-stage it, and "
+                "check who can change it"
+            ) from None
+        raise ShmstageError(
+            f"cannot compare checksums: cannot read {source}: {e.strerror}"
+        ) from None
+
+
+def _norm(e: list[Any]) -> list[Any]:
+    rel, kind, size, mtime, mode, extra = e
+    if kind == "h":
+        return [rel, "f", size, mtime, mode, None]
+    if kind == "d":
+        return [rel, "d", 0, 0, mode, None]  # a directory's mtime is not data
+    return [rel, kind, size, mtime, mode, extra]
+
+
+def _what_changed(want: list[Any], have: list[Any]) -> str:
+    if want[1] != have[1]:
+        kinds = {"f": "file", "d": "directory", "l": "symlink"}
+        return f"{kinds.get(want[1], want[1])} became a {kinds.get(have[1], have[1])}"
+    parts = []
+    if want[2] != have[2]:
+        parts.append(f"size {want[2]} -> {have[2]}")
+    if want[3] != have[3]:
+        parts.append("mtime")
+    if want[4] != have[4]:
+        parts.append(f"mode {want[4]:o} -> {have[4]:o}")
+    if want[5] != have[5]:
+        parts.append(f"target {want[5]} -> {have[5]}")
+    return ", ".join(parts)
