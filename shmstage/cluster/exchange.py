@@ -67,7 +67,7 @@ class Ring:
     writes into ``targets``."""
 
     def __init__(self, plan: Plan, rank: int, tree: Any, timeout: float, own: bool) -> None:
-        """``tree``: the walked source (plan.Tree): its top and files' idents are what every
+        """``tree``: the walked source (walk.Tree): its top and files' idents are what every
         read is checked against."""
         self.plan, self.rank, self.root = plan, rank, tree.root.rstrip("/") + "/"
         idents = tree.idents or {}
@@ -81,7 +81,7 @@ class Ring:
         except OSError as e:
             raise unreadable(tree.root, e) from None
         self.timeout, self.own = timeout, own
-        # a user's copies keep the source's group where it is one of the user's (copy.py)
+        # a user's copies keep the source's group where it is one of the user's (sources/owners.py)
         self.groups = None if own else stager_groups()
         self.group: Any = None
         self.targets: dict[int, Target] = {}

@@ -1,4 +1,4 @@
-"""Filling partial/<name> from a local directory: the forked copier (copy.py), or with peers
+"""Filling partial/<name> from a local directory: the forked copier (copier.py), or with peers
 the cluster exchange, then big files' owners, modes and times and the checksum pass.
 
 A directory's first copy has a path of its own, :func:`build_first`: the copy starts with
