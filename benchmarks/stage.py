@@ -453,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["umount", str(mnt)], check=False)
             mnt.rmdir()
         if not args.keep:
+            shutil.rmtree(args.workdir / "pycache", ignore_errors=True)
             for s in wanted:
                 shutil.rmtree(args.workdir / s.dataset.name, ignore_errors=True)
                 (args.workdir / f"{s.dataset.name}.done").unlink(missing_ok=True)

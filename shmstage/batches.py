@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 import torch
 
-# --- nested batches ---------------------------------------------------------
-
 
 def _movable(obj: Any) -> bool:
     """An object that moves itself (``.to(device)``): not a class, not a container we walk."""

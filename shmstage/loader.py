@@ -330,7 +330,7 @@ _held: dict[tuple[str, str], Any] = {}  # (dest, name) -> leases.Lease, for the 
 def hold_lease(path: str | os.PathLike[str], *, required: bool = True) -> bool:
     """Lease the staged dataset ``path`` lies in until this process exits (once per dataset);
     False when ``path`` is not in a staged copy (``required``: raise instead)."""
-    from shmstage.stage.store.leases import acquire, locate
+    from shmstage.stage.store.leases import acquire, locate  # the staging engine, only when leasing
 
     where = locate(path)
     if where is None:
