@@ -190,10 +190,10 @@ def torch_info() -> TorchInfo:
 
 def walk(path: str) -> tuple[int, int, int]:
     """(bytes, files, unreadable) under ``path``, counted by the staging estimator
-    (:func:`shmstage.stage.estimate.estimate`: lstat, hard links once, symlinks not followed)."""
+    (:func:`shmstage.stage.build.estimate.estimate`: lstat, hard links once, symlinks not followed)."""
     if not os.path.isdir(path):
         return os.path.getsize(path), 1, 0
-    from shmstage.stage.estimate import estimate
+    from shmstage.stage.build.estimate import estimate
 
     est = estimate(path)
     return est.bytes, est.files, est.unreadable
@@ -212,7 +212,7 @@ def default_dest(path: str) -> str:
 def dataset_info(
     path: str, dest: str, mem: system.Memory, reserve: int | None = None
 ) -> DatasetInfo:
-    from shmstage.stage.sources import is_url
+    from shmstage.stage.sources.kinds import is_url
 
     if is_url(path):
         return _object_store_info(path, dest, mem, reserve)
@@ -224,7 +224,7 @@ def dataset_info(
         raise RefusedError(
             f"cannot read dataset {path}: permission denied; run as a user who can read it"
         )
-    from shmstage.stage.estimate import estimate  # the same numbers stage checks
+    from shmstage.stage.build.estimate import estimate  # the same numbers stage checks
 
     real = os.path.realpath(path)
     est = estimate(real, dest)
@@ -253,8 +253,8 @@ def dataset_info(
 
 def _object_store_info(url: str, dest: str, mem: system.Memory, reserve: int | None) -> DatasetInfo:
     """An object-store prefix, measured by one LIST with the estimator stage checks against."""
-    from shmstage.stage import sources
-    from shmstage.stage.estimate import estimate
+    from shmstage.stage.build.estimate import estimate
+    from shmstage.stage.sources import kinds as sources
 
     est = estimate(url, dest)
     endpoint = sources.open_listed(est.kind, est.source).endpoint  # no request: names it

@@ -264,7 +264,7 @@ def footprint(path: str, dest: str | None = None) -> tuple[int, int]:
     """(bytes ``path`` takes on the tmpfs that holds ``dest``, number of files), by staging's
     own estimator: whole pages of the kernel's page size, hard links once, an archive by its
     extracted size.  A single other file counts as itself; a missing path is (0, 0)."""
-    from shmstage.stage.estimate import estimate, page_size, rounded
+    from shmstage.stage.build.estimate import estimate, page_size, rounded
 
     if not os.path.lexists(path):
         return 0, 0
@@ -346,7 +346,7 @@ def _stage(
 def staged_is_current(source: str, name: str, dest: str) -> bool | None:
     """Would ``stage(source, name=name, dest=dest)`` copy nothing?  Read-only (unlike
     ``find``, it does not touch last_used); None when the store cannot be read."""
-    from shmstage.stage.plan import walk
+    from shmstage.stage.sources.walk import walk
     from shmstage.stage.store import Store
 
     try:

@@ -260,7 +260,7 @@ def check_torch(t: TorchInfo) -> Check:
 
 
 def check_dataset(d: DatasetInfo) -> list[Check]:
-    from shmstage.stage.sources import LISTED_KINDS
+    from shmstage.stage.sources.kinds import LISTED_KINDS
 
     kind = []
     if d.kind in LISTED_KINDS:

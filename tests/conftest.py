@@ -228,7 +228,7 @@ def rewrite_after_listing(monkeypatch):
     source's LIST, so an object changes between the LIST and its GET."""
 
     def arm(rewrite):
-        from shmstage.stage import s3
+        from shmstage.stage.sources import s3
 
         real = s3.S3Source.listing
 

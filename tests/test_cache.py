@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage import copy as copier
 from shmstage.stage import engine, holders
+from shmstage.stage.build import copier
+from shmstage.stage.build.estimate import estimate
 from shmstage.stage.cache import makeroom
-from shmstage.stage.estimate import estimate
 from shmstage.stage.store import Store, counters
 from tests.test_stage_lease import HOLDER, kill, wait_for
 

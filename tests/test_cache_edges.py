@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from shmstage import system
-from shmstage.stage import copy as copier
+from shmstage.stage.build import copier
 from tests.test_cache import make_ds, names_in, sh
 from tests.test_stage_lease import wait_for
 

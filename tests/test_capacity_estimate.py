@@ -14,7 +14,7 @@ import pytest
 
 from shmstage import prepare, system
 from shmstage.sizes import format_size
-from shmstage.stage.estimate import estimate
+from shmstage.stage.build.estimate import estimate
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage import copy as copier
+from shmstage.stage.build import copier
 from tests.test_stage import snapshot, wait_for
 
 pytestmark = pytest.mark.root

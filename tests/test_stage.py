@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import copy as copier
 from shmstage.stage import evict, find, list_staged, stage, verify
-from shmstage.stage.plan import walk
+from shmstage.stage.build import copier
+from shmstage.stage.sources.walk import walk
 
 pytestmark = pytest.mark.root
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage import copy as copier
+from shmstage.stage.build import copier
 
 
 def make_src(root: Path) -> Path:
@@ -238,7 +238,7 @@ def test_make_tasks_batches_small_and_chunks_big():
 
 def test_threaded_walk_matches_serial_walk(tmp_path):
     """The thread-pool scan (network file systems) yields exactly the serial scan's entries."""
-    from shmstage.stage.plan import walk
+    from shmstage.stage.sources.walk import walk
 
     for c in range(5):
         d = tmp_path / "ds" / f"c{c}" / "sub"

@@ -27,7 +27,8 @@ import pytest
 pytest.importorskip("obstore", reason="the s3 extra is not installed (pip install '.[s3]')")
 
 from shmstage.errors import RefusedError, SourceChanged  # noqa: E402
-from shmstage.stage import find, sources, stage, verify  # noqa: E402
+from shmstage.stage import find, stage, verify  # noqa: E402
+from shmstage.stage.sources import kinds as sources  # noqa: E402
 
 BUCKET = "data"
 REPO = Path(__file__).resolve().parent.parent
@@ -272,7 +273,7 @@ class Calls:
 def test_tree_and_ranged_object_staged_exactly_then_no_op(store, tmp_path, monkeypatch):
     """A nested tree of small objects plus one object bigger than PART (fetched as ranged
     GETs) stage byte-exact with modes 0644/0755; staging again is one LIST and no GET."""
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()

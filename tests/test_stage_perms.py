@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage import copy as copier
+from shmstage.stage.build import copier
 
 pytestmark = [
     pytest.mark.root,

@@ -152,7 +152,7 @@ def frozen(moto_frozen, monkeypatch):
 @pytest.fixture
 def signed_results(monkeypatch):
     """What each GET over a signed URL returned (True: its bytes are in), in order."""
-    from shmstage.stage import signedget
+    from shmstage.stage.sources import signedget
 
     out: list[bool] = []
     real = signedget.SignedGets.get_into
@@ -205,7 +205,7 @@ def test_many_small_nested_objects_staged_exactly(aws, tmp_path):
 def test_multipart_object_fetched_in_ranges(aws, tmp_path, monkeypatch):
     """A multipart object (ETag md5-of-parts-N) bigger than PART lands byte-exact through
     ranged GETs, and a re-stage is a no-op."""
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()
@@ -1040,7 +1040,7 @@ def test_server_ignoring_range_gets_whole_objects(ignores_range, tmp_path, monke
     """A ranged GET answered 200 with the whole object: that object is fetched whole, and
     so is every later big object (one ranged GET in all, after the signed one where moto
     takes signed URLs); the copy is byte-exact and `--verify checksum` passes."""
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     monkeypatch.setattr(s3, "SMALL", 64 << 10)
@@ -1063,7 +1063,7 @@ def test_server_ignoring_range_many_workers_exact(aws, ignores_range, tmp_path, 
     """With many workers, parts already in flight when the first whole 200 arrives do not
     double-count or corrupt: the copy is exact, progress adds up to the bytes, and the file
     is finished (mode, mtime) after its last write."""
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 256 << 10)
     p = prefix()
@@ -1092,7 +1092,8 @@ def test_server_ignoring_range_streams_in_bounded_memory(aws, ignores_range, tmp
     aws.put(f"{p}/big.bin", body)
     script = (
         "import sys\n"
-        "from shmstage.stage import s3, stage\n"
+        "from shmstage.stage import stage\n"
+        "from shmstage.stage.sources import s3\n"
         "def peak():  # KiB; ru_maxrss would include the forking parent's\n"
         "    return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n"
         "s3.PART = 8 << 20\n"
@@ -1131,7 +1132,7 @@ def test_big_bodies_over_signed_urls(noauth, signed_results, tmp_path, monkeypat
     """Ranged parts and streamed whole objects go over signed URLs read straight into the
     file (no obstore copy): every one lands, the copy is exact, `verify --checksum` passes;
     small objects stay on obstore."""
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     monkeypatch.setattr(s3, "SMALL", 64 << 10)
@@ -1150,7 +1151,7 @@ def test_big_bodies_over_signed_urls(noauth, signed_results, tmp_path, monkeypat
 def test_signed_url_refused_falls_back_to_obstore(aws, signed_results, tmp_path, monkeypatch):
     """A server that does not take the signed URL (moto with signatures checked answers
     500): one try, then obstore for the rest of the run; the copy is exact."""
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()
@@ -1168,7 +1169,7 @@ def test_big_object_changed_over_signed_url(
     """A big object rewritten between the LIST and its signed GET: the If-Match answer is
     not taken, obstore's GET says "changed" (exit 17), nothing is published."""
     from shmstage.errors import SourceChanged
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()
@@ -1228,7 +1229,7 @@ def test_signed_get_checks_the_etag_too(
     """A server that ignores If-Match, and a big object rewritten after the LIST: the signed
     GET sees the new ETag and is not taken; obstore's GET refuses it too (exit 17)."""
     from shmstage.errors import SourceChanged
-    from shmstage.stage import s3
+    from shmstage.stage.sources import s3
 
     monkeypatch.setattr(s3, "PART", 1 << 20)
     p = prefix()
@@ -1254,7 +1255,7 @@ def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypat
     copy is exact; a wrong secret is refused on the LIST already (exit 12)."""
     from shmstage.bench.stage_s3 import weed_server
     from shmstage.errors import AccessDenied
-    from shmstage.stage import s3, signedget
+    from shmstage.stage.sources import s3, signedget
 
     (tmp_path / "s3.json").write_text(json.dumps({"identities": [{
         "name": "t", "credentials": [{"accessKey": "tkey", "secretKey": "tsecret"}],
@@ -1301,7 +1302,7 @@ def test_signed_urls_against_a_server_that_checks_signatures(tmp_path, monkeypat
 def test_signed_get_accepts_exactly_the_bytes_asked_for():
     """Pure logic of the signed-URL path: what answer counts as bytes start-end of this
     version (anything else goes back to obstore: test_signed_url_refused_falls_back_to_obstore)."""
-    from shmstage.stage.signedget import expected
+    from shmstage.stage.sources.signedget import expected
 
     def hdr(**h):
         h = {k.replace("_", "-"): v for k, v in h.items()}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.stage import beneath
-from shmstage.stage import copy as copier
+from shmstage.stage.build import copier
+from shmstage.stage.sources import beneath
 
 pytestmark = [
     pytest.mark.root,
@@ -498,7 +498,7 @@ def test_a_link_flipped_after_another_link_was_checked_is_refused(tmp_path):
     what the walk recorded, once it ended: the flipped tree is refused (the copy would hold
     z/s -> . and a t leading to the real /etc/passwd)."""
     from shmstage.errors import RefusedError
-    from shmstage.stage.plan import Walker
+    from shmstage.stage.sources.walk import Walker
 
     src = tmp_path / "src"
     deep = src / "z" / "d1" / "d2" / "d3" / "d4" / "d5" / "d6" / "d7" / "d8"

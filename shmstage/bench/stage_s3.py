@@ -88,7 +88,7 @@ def run_s3_benchmark(
     progress: Callable[[str], None] | None = None,
 ) -> StageBenchResult:
     """Time each tool copying the prefix ``url`` ``runs`` times, interleaved."""
-    from shmstage.stage import sources
+    from shmstage.stage.sources import kinds as sources
 
     kind, location = sources.resolve(url)
     if kind != "s3" and set(tools) - {"shmstage"}:

@@ -312,7 +312,7 @@ def stage_cmd(
     from shmstage.bench import stage as bench
     from shmstage.capacity import check_fit
     from shmstage.cluster import resolve
-    from shmstage.stage.sources import is_url
+    from shmstage.stage.sources.kinds import is_url
 
     ctx = click.get_current_context()
     spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
@@ -363,7 +363,7 @@ def _stage_nodes(
 ) -> None:
     """``bench stage --nodes``: every node runs this; only node 0 prints."""
     from shmstage.bench.stage_nodes import run_nodes_benchmark
-    from shmstage.stage.sources import is_url
+    from shmstage.stage.sources.kinds import is_url
 
     if is_url(src) or not os.path.isdir(src):
         what = "is not a directory" if is_url(src) or os.path.exists(src) else "does not exist"

@@ -44,9 +44,9 @@ from shmstage.cluster.plan import CRC, Plan, Segment
 from shmstage.cluster.targets import Target, give_owner, unreadable
 from shmstage.cluster.waits import POLL, LinkLost, wait_work
 from shmstage.errors import ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SourceTree, ident
-from shmstage.stage.copy import SLOW_ENV
+from shmstage.stage.build.copier import SLOW_ENV
+from shmstage.stage.sources.beneath import SourceTree, ident
+from shmstage.stage.sources.owners import stager_groups
 
 READERS = 8  # threads reading one piece's segments from SRC at once (round trips overlap)
 SLOTS = 8  # buffers per node: read ahead up to 5, send + receive 2, writing 1 (+ queued)
@@ -67,7 +67,7 @@ class Ring:
     writes into ``targets``."""
 
     def __init__(self, plan: Plan, rank: int, tree: Any, timeout: float, own: bool) -> None:
-        """``tree``: the walked source (plan.Tree): its top and files' idents are what every
+        """``tree``: the walked source (walk.Tree): its top and files' idents are what every
         read is checked against."""
         self.plan, self.rank, self.root = plan, rank, tree.root.rstrip("/") + "/"
         idents = tree.idents or {}
@@ -81,8 +81,8 @@ class Ring:
         except OSError as e:
             raise unreadable(tree.root, e) from None
         self.timeout, self.own = timeout, own
-        # a user's copies keep the source's group where it is one of the user's (copy.py)
-        self.groups = None if own else copier.stager_groups()
+        # a user's copies keep the source's group where it is one of the user's (sources/owners.py)
+        self.groups = None if own else stager_groups()
         self.group: Any = None
         self.targets: dict[int, Target] = {}
         self.tick: Callable[[int, int], None] = lambda b, f: None

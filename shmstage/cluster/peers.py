@@ -23,8 +23,8 @@ from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.cluster.targets import Target, give_owner, unreadable, verify_written
 from shmstage.cluster.waits import LinkLost, wait_work
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SourceTree
+from shmstage.stage.sources.beneath import SourceTree
+from shmstage.stage.sources.owners import stager_groups
 
 DEFAULT_TIMEOUT = (
     300.0  # seconds: gloo's own default (30 min) is far too long to notice a dead node
@@ -150,7 +150,7 @@ class Peers:
                 who = job[7] if len(job) > 7 else 0
                 targets[j] = Target(dst, src, size, mtime, atime, mode, size, rel=job[6], ident=who)
         own = _root()
-        groups = None if own else copier.stager_groups()
+        groups = None if own else stager_groups()
         empty = [job for job in jobs if job[2] == 0]
         if empty:
             with _top(self.tree) as top:  # the walked top, never the path again

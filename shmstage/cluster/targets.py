@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from shmstage.cluster.plan import Plan
 from shmstage.errors import ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import NotRegular, SourceTree
+from shmstage.stage.build import chown
+from shmstage.stage.sources.beneath import NotRegular, SourceTree
 
 
 @dataclass
@@ -44,7 +44,7 @@ def give_owner(
         st = top.stat(t.rel, t.ident)
     except OSError as e:
         raise unreadable(t.src, e) from None
-    if not copier.give_owner(fd, st, t.mode, own, groups):
+    if not chown.give_owner(fd, st, t.mode, own, groups):
         raise ShmstageError(
             f"source file changed during the copy: {t.src} (its group is not the one the scan "
             "found); re-run when the source is stable"

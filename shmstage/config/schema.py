@@ -176,7 +176,7 @@ class _Checker:
     def source(self, key: str, node: _Node) -> Any:
         """A dataset's source: an absolute path or an object-store URL (s3://, gs://, az://)."""
         from shmstage.errors import RefusedError
-        from shmstage.stage import sources
+        from shmstage.stage.sources import kinds as sources
 
         if not (isinstance(node, yaml.ScalarNode) and sources.is_url(str(node.value))):
             return self.abspath(key, node)

@@ -18,8 +18,9 @@ from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import format_size
-from shmstage.stage import sources, staging, verification
-from shmstage.stage.build import Need
+from shmstage.stage import staging, verification
+from shmstage.stage.build.estimate import Estimate
+from shmstage.stage.build.partial import Need
 from shmstage.stage.cache import makeroom
 from shmstage.stage.cache.makeroom import CachePolicy, Victim
 from shmstage.stage.cache.tiers import (
@@ -39,7 +40,7 @@ from shmstage.stage.cache.tiers import (
     split,
     why_not_ours,
 )
-from shmstage.stage.estimate import Estimate
+from shmstage.stage.sources import kinds as sources
 from shmstage.stage.staging import Progress
 from shmstage.stage.store import catalog, counters, eviction, inflight, leases
 from shmstage.stage.store.datasets import StagedDataset

@@ -1,5 +1,5 @@
 """Staging one dataset into one store: its lock, the source asked whether the copy is
-current, the new version built in ``partial/<name>`` (stage/build.py), and its atomic
+current, the new version built in ``partial/<name>`` (stage/build/partial.py), and its atomic
 publish (NOTE [publish]).  engine.py chooses the store (the tier) and calls ``stage``."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
-from shmstage.stage import build, sources
-from shmstage.stage import copy as copier
-from shmstage.stage.beneath import SOURCE_TOP, ident, join_ident, split_ident
-from shmstage.stage.dirsource import DirSource
+from shmstage.stage.build import copier, fromdir
+from shmstage.stage.build import partial as build
 from shmstage.stage.signals import signals_raise
+from shmstage.stage.sources import kinds as sources
+from shmstage.stage.sources.beneath import SOURCE_TOP, ident, join_ident, split_ident
 from shmstage.stage.store import access, leases
 from shmstage.stage.store.datasets import StagedDataset, dataset_of
 from shmstage.stage.store.layout import Record, Store, managed_by
@@ -226,10 +226,10 @@ def _stage_locked(
         return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
 
     try:
-        if cold and peers is None and isinstance(src, DirSource):
+        if cold and peers is None and src.kind == "dir":  # a DirSource (build/fromdir.py)
             write_marker(marker, source)
             _kill_at("marker")
-            tree = src.build_first(store, name, workers, verify, reserve, report, claim)
+            tree = fromdir.build_first(src, store, name, workers, verify, reserve, report, claim)
             _kill_at("build")
             built = build.Built(tree.bytes, tree.bytes, tree.files)
         else:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage.errors import ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage import s3, sources
-from shmstage.stage import tar as tarsrc
-from shmstage.stage.beneath import SOURCE_TOP, SourceTree, join_ident
-from shmstage.stage.plan import walk
+from shmstage.stage.build import copier
+from shmstage.stage.sources import kinds as sources
+from shmstage.stage.sources import s3
+from shmstage.stage.sources import tar as tarsrc
+from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, join_ident
+from shmstage.stage.sources.walk import walk
 from shmstage.stage.store import access
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name

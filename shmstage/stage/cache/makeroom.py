@@ -19,8 +19,8 @@ from shmstage import system
 from shmstage.capacity import check_fit
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.sizes import SizeError, format_size, is_percent, parse_size
-from shmstage.stage.build import Need
-from shmstage.stage.estimate import Estimate, estimate
+from shmstage.stage.build.estimate import Estimate, estimate
+from shmstage.stage.build.partial import Need
 from shmstage.stage.store import Store, leases
 from shmstage.stage.store.inflight import in_flight
 from shmstage.stage.store.reserve import pending

@@ -14,9 +14,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
-from shmstage.stage import sources
+from shmstage.stage.build.estimate import Estimate, estimate, page_size
 from shmstage.stage.cache.makeroom import CachePolicy, Victim
-from shmstage.stage.estimate import Estimate, estimate, page_size
+from shmstage.stage.sources import kinds as sources
 from shmstage.stage.store.datasets import Listed, StagedDataset
 from shmstage.stage.store.layout import Store, managed_by
 from shmstage.stage.store.names import DEFAULT_DEST, check_name, name_for, resolve_dest

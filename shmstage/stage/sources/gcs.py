@@ -1,6 +1,6 @@
 """gs:// sources (Google Cloud Storage) through obstore, see docs/object-stores.md.
 
-The S3 source's LIST and fetch (stage/s3.py) with GCS's store, URL and error codes: obstore
+The S3 source's LIST and fetch (stage/sources/s3.py) with GCS's store, URL and error codes: obstore
 reads GCS through its XML API, whose LIST, ranged GET, If-Match and ETags work as S3's.
 Credentials and the endpoint come from GOOGLE_* or the metadata server, never the command line.
 """
@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from shmstage.errors import AccessDenied, NoCredentials, NoSuchBucket, ShmstageError
-from shmstage.stage import s3
+from shmstage.stage.sources import s3, s3store
 
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 _BUCKET = r"[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]"
@@ -22,9 +22,9 @@ _DENIED = ("AccessDenied", "AuthenticationRequired", "InvalidSecurity", "Missing
            "UserProjectMissing", "UserProjectAccountProblem", "AccountProblem")  # fmt: skip
 
 
-def parse(raw: str) -> s3.S3Url:
+def parse(raw: str) -> s3store.S3Url:
     """``gs://bucket[/prefix]``, the prefix a "directory" as for s3://."""
-    return s3.parse(raw, "gs", _BUCKET)
+    return s3store.parse(raw, "gs", _BUCKET)
 
 
 def _service_account() -> dict[str, Any]:
@@ -90,8 +90,8 @@ class GCSSource(s3.S3Source):
             )
         return GCSStore(
             self.where.bucket,
-            client_options=s3.client_options(self.endpoint),
-            retry_config=s3.RETRY,
+            client_options=s3store.client_options(self.endpoint),
+            retry_config=s3store.RETRY,
         )
 
     def coded_error(self, msg: str, code: str, name: str, obj: str) -> ShmstageError | None:

@@ -1,6 +1,6 @@
 """az:// sources (Azure Blob Storage) through obstore, see docs/object-stores.md.
 
-The S3 source's LIST and fetch (stage/s3.py) with Azure's store, URL and error codes: the
+The S3 source's LIST and fetch (stage/sources/s3.py) with Azure's store, URL and error codes: the
 Blob service's LIST, ranged GET, If-Match and ETags work as S3's.  The storage account,
 credentials and endpoint come from AZURE_* (obstore's names), never the command line.
 """
@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shmstage.errors import AccessDenied, NoCredentials, NoSuchBucket, RefusedError, ShmstageError
-from shmstage.stage import s3
+from shmstage.stage.sources import s3, s3store
 
 # The spellings obstore (and fsspec's adlfs) accept for a container: all recorded as az://.
 SCHEMES = ("az", "azure", "abfs", "abfss", "adl")
@@ -25,7 +25,7 @@ _DENIED = ("AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermiss
            "NoAuthenticationInformation", "AccountIsDisabled")  # fmt: skip
 
 
-def parse(raw: str) -> s3.S3Url:
+def parse(raw: str) -> s3store.S3Url:
     """``az://container[/prefix]`` (or azure://, abfs[s]://, adl://), the account from
     AZURE_STORAGE_ACCOUNT_NAME; ``container@account.host`` is refused (say it once, in the
     environment, so one dataset has one URL)."""
@@ -40,7 +40,7 @@ def parse(raw: str) -> s3.S3Url:
         )
     if not re.fullmatch(_CONTAINER, container):
         raise RefusedError(f"invalid container name in {raw}: write az://CONTAINER/PREFIX")
-    return s3.parse(f"az://{rest}", "az", _CONTAINER, "container")
+    return s3store.parse(f"az://{rest}", "az", _CONTAINER, "container")
 
 
 def _truthy(name: str) -> bool:
@@ -94,8 +94,8 @@ class AzureSource(s3.S3Source):
             )
         return AzureStore(
             self.where.bucket,
-            client_options=s3.client_options(self.endpoint),
-            retry_config=s3.RETRY,
+            client_options=s3store.client_options(self.endpoint),
+            retry_config=s3store.RETRY,
         )
 
     def coded_error(self, msg: str, code: str, name: str, obj: str) -> ShmstageError | None:

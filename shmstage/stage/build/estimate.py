@@ -18,6 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from shmstage.errors import CapacityError
+from shmstage.stage.sources import kinds, tarformat
+from shmstage.stage.sources.tar import scan
+
 SHORT_SYMLINK = 128  # tmpfs keeps targets shorter than this (with their NUL) inside the inode
 _HUGE_DEFAULT = 2 << 20
 
@@ -42,7 +46,7 @@ def page_size(dest: str | os.PathLike[str] | None = None) -> int:
     page = os.sysconf("SC_PAGE_SIZE")
     if dest is None:
         return page
-    from shmstage import system
+    from shmstage import system  # psutil: loaded only when a destination is asked about
 
     where = os.path.abspath(os.fspath(dest))
     while not os.path.exists(where) and os.path.dirname(where) != where:
@@ -97,7 +101,7 @@ class _Count:
 
 
 def of_entries(source: str, entries: Iterable[tuple], page: int, kind: str = "dir") -> Estimate:
-    """Size a walked tree (plan.walk's entries) or an archive's members
+    """Size a walked tree (walk.walk's entries) or an archive's members
     (``(name, kind, size, mtime, mode, extra)``: ``f`` file, ``h`` hard link, ``d``, ``l``)."""
     c = _Count(page)
     for e in entries:
@@ -114,7 +118,7 @@ def of_entries(source: str, entries: Iterable[tuple], page: int, kind: str = "di
 
 
 def of_archive(archive: Any, page: int) -> Estimate:
-    """Size a scanned archive (``tar.scan``) by its members, as extracted."""
+    """Size a scanned archive (``sources.tar.scan``) by its members, as extracted."""
     return of_entries(archive.path, archive.entries(), page, "tar")
 
 
@@ -124,23 +128,18 @@ def estimate(
     """Size ``source`` (a directory or a tar archive) as it would be staged under ``dest``.
 
     A directory is walked with lstat (symlinks are not followed; unreadable entries are
-    counted, not fatal); an archive's headers are all read (tar.scan), so a 48 MB
+    counted, not fatal); an archive's headers are all read (sources.tar.scan), so a 48 MB
     ``.tar.gz`` is sized by what it extracts to."""
     path = os.fspath(source)
     page = page_size(dest)
-    from shmstage.stage import sources
-
-    if sources.is_url(path):  # an object-store prefix: one LIST, the tree stage would build
-        kind, location = sources.resolve(path)
-        listing = sources.open_listed(kind, location).listing()
+    if kinds.is_url(path):  # an object-store prefix: one LIST, the tree stage would build
+        kind, location = kinds.resolve(path)
+        listing = kinds.open_listed(kind, location).listing()
         return of_entries(location, listing.entries, page, kind)
     if os.path.isdir(path):
         return _walk(path, page)
-    from shmstage.stage import tar as tarsrc
-    from shmstage.stage import tarformat
-
     tarformat.detect(path)  # by content, like stage: refuses what is not a readable tar
-    return of_archive(tarsrc.scan(path), page)
+    return of_archive(scan(path), page)
 
 
 def _walk(root: str, page: int) -> Estimate:
@@ -176,3 +175,21 @@ def _walk(root: str, page: int) -> Estimate:
                 except OSError:
                     unreadable += 1
     return c.result(root, "dir", unreadable)
+
+
+def require_fit(
+    needed: int,
+    entries: int,
+    dest: str,
+    reserve: int | str | None,
+    *,
+    pending: int = 0,
+    freed: int = 0,
+) -> None:
+    """Raise CapacityError (nothing written yet) unless ``needed`` bytes and ``entries`` inodes
+    + reserve fit under ``dest`` (see :func:`shmstage.capacity.check_fit`)."""
+    from shmstage.capacity import check_fit  # node facts: only when something is to be written
+
+    fit = check_fit(needed, dest, reserve, inodes=entries, pending=pending, freed=freed)
+    if not fit.fits:
+        raise CapacityError(f"dataset does not fit: {fit.reason}")

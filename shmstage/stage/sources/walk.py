@@ -1,4 +1,5 @@
-"""What to copy: a fast walk of the source, its fingerprint, and the capacity check.
+"""A fast walk of a directory: the directory source's listing, and the entry tuples every
+source lists its tree in (the capacity check is build/estimate.py's require_fit).
 
 An entry is a plain tuple ``(path, kind, size, mtime_ns, mode, extra)`` so that
 a 1M-file manifest stays cheap to build, store (JSON) and compare:
@@ -17,9 +18,9 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
+from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.paths import is_within
-from shmstage.stage.beneath import SourceTree, ident
+from shmstage.stage.sources.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
 
@@ -409,25 +410,7 @@ def scan_threads(path: str) -> int:
     """Threads for :func:`walk`: many on a network file system (each lstat is a round trip),
     a few on a local one (a cold walk waits on inode-table reads: 4 threads cut the scan of
     a cold 20k-file tree from ~0.8 s to ~0.5 s here; warm, they cost nothing measurable)."""
-    from shmstage import system
+    from shmstage import system  # psutil: loaded only when a directory is walked
 
     mount = system.mount_of(path)
     return 16 if mount is not None and system.is_network_fs(mount.fstype) else 4
-
-
-def require_fit(
-    needed: int,
-    entries: int,
-    dest: str,
-    reserve: int | str | None,
-    *,
-    pending: int = 0,
-    freed: int = 0,
-) -> None:
-    """Raise CapacityError (nothing written yet) unless ``needed`` bytes and ``entries`` inodes
-    + reserve fit under ``dest`` (see :func:`shmstage.capacity.check_fit`)."""
-    from shmstage.capacity import check_fit  # node facts: only when something is to be written
-
-    fit = check_fit(needed, dest, reserve, inodes=entries, pending=pending, freed=freed)
-    if not fit.fits:
-        raise CapacityError(f"dataset does not fit: {fit.reason}")

@@ -1,4 +1,4 @@
-"""Build partial/<name> from any source (stage/sources.py): the steps written once.
+"""Build partial/<name> from any source (stage/sources/): the steps written once.
 
 Given the source's listing and the published copy's manifest:
 
@@ -7,12 +7,13 @@ Given the source's listing and the published copy's manifest:
    and what else partial/ holds is freed;
 2. claim that much of DEST (reserve.py) and check the fit, before a byte is written;
 3. make the directories, the links to the published copy and the symlinks;
-4. ``fetch`` the rest, writing the manifest meanwhile;
+4. ``fill`` the rest, writing the manifest meanwhile: build/ writes a directory's files
+   (fromdir.py) and extracts a tar archive (untar.py); an object store fetches its own;
 5. hard links inside the tree, then directories' modes and times, children first.
 
 A source that is not incremental (a tar archive) is handed no files: it fills the whole
 tree itself in step 4; steps 3 and 5 are its own.  The first copy of a directory has a
-faster path of its own (dirsource.build_first), which checks the fit with the same rule in
+faster path of its own (fromdir.build_first), which checks the fit with the same rule in
 steps while its walk runs.
 """
 
@@ -20,48 +21,45 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import ShmstageError
-from shmstage.stage import copy as copier
-from shmstage.stage.estimate import SHORT_SYMLINK, of_entries, page_size, rounded
-from shmstage.stage.plan import Entry, require_fit, walk
-from shmstage.stage.sources import Listing, Source, Want
+from shmstage.stage.build import fromdir, untar
+from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
+from shmstage.stage.build.tree import (
+    Counter,
+    finish_tree,
+    link_unchanged,
+    make_symlink,
+    prepare_manifest,
+)
+from shmstage.stage.sources.base import Listing, Source, Tick, Want
+from shmstage.stage.sources.walk import Entry, walk
 from shmstage.stage.store import Store, rmtree
 from shmstage.stage.store.reserve import Claim
 
+# The sources whose files build/ writes, by kind; every other kind (an object store) fetches
+# its own through ``Source.fetch``.  A source knows nothing of build/: the lookup is here.
+FILLERS: dict[str, Callable[..., Any]] = {"dir": fromdir.fill, "tar": untar.fill}
 
-class Counter:
-    """Copy progress: reports "copying" when made, then adds copied bytes/files on each call.
-    The totals may grow while the copy runs (a first copy walks and copies at once)."""
 
-    def __init__(self, report: Callable[..., None], bytes_total: int, files_total: int) -> None:
-        self.report = report
-        self.bytes_total, self.files_total = bytes_total, files_total
-        self.bytes_done = self.files_done = 0
-        self._report()
-
-    def grow(self, nbytes: int, nfiles: int) -> None:
-        self.bytes_total += nbytes
-        self.files_total += nfiles
-
-    def __call__(self, b: int, f: int) -> None:
-        self.bytes_done += b
-        self.files_done += f
-        self._report()
-
-    def _report(self) -> None:
-        self.report(
-            "copying",
-            bytes_done=self.bytes_done,
-            bytes_total=self.bytes_total,
-            files_done=self.files_done,
-            files_total=self.files_total,
-        )
+def fill(
+    src: Source,
+    wants: Sequence[Want],
+    root: str,
+    tick: Tick,
+    workers: int | None,
+    checksum: bool,
+    meanwhile: Callable[[], None] | None = None,
+) -> Any:
+    """Write ``wants`` under ``root`` from ``src`` (see ``Source.fetch`` for the contract)."""
+    filler = FILLERS.get(src.kind)
+    if filler is None:
+        return src.fetch(wants, root, tick, workers, checksum, meanwhile)
+    return filler(src, wants, root, tick, workers, checksum, meanwhile)
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ def build(
 
     if not incremental:  # 3-5 are the source's: it fills the whole tree
         tick = claim.counting(Counter(report, listing.bytes, listing.files))
-        tree = src.fetch((), part, tick, workers, verify == "checksum")
+        tree = fill(src, (), part, tick, workers, verify == "checksum")
         entries = [list(e) for e in tree.entries]
         write_manifest()
         return Built(listing.bytes, tree.bytes, tree.files)
@@ -173,7 +171,7 @@ def build(
     # 4: the rest from the source.
     total = sum(w.size for w in wants)
     tick = claim.counting(Counter(report, total, len(wants)))
-    src.fetch(wants, part, tick, workers, verify == "checksum", write_manifest)
+    fill(src, wants, part, tick, workers, verify == "checksum", write_manifest)
     if not written:
         write_manifest()
 
@@ -257,74 +255,6 @@ def fetched_keys(store: Store, name: str) -> dict[str, Any]:
         return {}
     objects = data.get("objects")
     return objects if isinstance(objects, dict) else {}
-
-
-def prepare_manifest(
-    store: Store, name: str, location: str, entries: list[Any], **more: Any
-) -> None:
-    """The new manifest of partial/<name>: its source, its root's inode (what publish
-    checks), its entries and what else the source keeps (change keys, an archive's stamp)."""
-    root = os.lstat(store.partial(name))
-    data = {"source": location, "root": [root.st_ino, root.st_dev], "entries": entries}
-    store.prepare_manifest(name, {**data, **more})
-
-
-def finish_tree(
-    part: str,
-    hard: list[list[Any]],
-    dirs: list[tuple[str, int, int, int]],
-    owner: Callable[[str], os.stat_result | None],
-    group: Callable[[str], int | None] | None = None,
-) -> None:
-    """Hard links inside the tree, then each directory's owner (or a user's copy's group),
-    mode and times (children first: they touch the parent's mtime; an mtime of 0 is left as
-    made)."""
-    for rel, first in hard:
-        os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
-    for rel, mode, mtime, atime in reversed(dirs):
-        path = os.path.join(part, rel) if rel != "." else part
-        st = owner(rel)
-        if st is not None:
-            copier.copy_owner(path, st)
-        gid = group(rel) if group is not None else None
-        if gid is not None:
-            copier.copy_group(path, gid)
-        os.chmod(path, mode)
-        if mtime:
-            os.utime(path, ns=(atime if atime >= 0 else mtime, mtime), follow_symlinks=False)
-
-
-def link_unchanged(old: str, new: str, e: list[Any], owner: os.stat_result | None) -> bool:
-    """Hard-link the published ``old`` file as ``new`` if it is still what the manifest says
-    (entry ``e``; and owned like the source where copies keep owners); False (nothing linked)
-    if not.
-
-    The published tree may belong to the source's owner (root keeps owners), who can swap
-    a directory in it for a symlink: the check runs on the link made in our private
-    partial/ tree, so what it accepts is what gets published."""
-    try:
-        os.link(old, new, follow_symlinks=False)
-    except OSError:
-        return False
-    st = os.lstat(new)
-    ok = stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)) == (
-        e[2],
-        e[3],
-        e[4],
-    )
-    if ok and owner is not None:
-        ok = (st.st_uid, st.st_gid) == (owner.st_uid, owner.st_gid)
-    if not ok:
-        os.unlink(new)
-    return ok
-
-
-def make_symlink(path: str, target: str, mtime: int, owner: os.stat_result | None) -> None:
-    """A symlink of the copy, owned like ``owner`` (the source link) when copies keep owners."""
-    os.symlink(target, path)
-    if owner is not None:
-        copier.copy_owner(path, owner)
-    os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
 
 
 # --- the partial tree a killed run left ---------------------------------------------------

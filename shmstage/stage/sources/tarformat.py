@@ -97,6 +97,7 @@ def detect(path: str, shown: str | None = None) -> Format:
 
 def _first_block(path: str, comp: str, label: str, shown: str) -> bytes:
     """The first 512 bytes inside a compressed file (a damaged stream is a damaged archive)."""
+    # the decompressors only for a compressed file: keeps `shmstage stage DIR` quick to start
     import bz2
     import gzip
     import lzma
@@ -171,6 +172,7 @@ def why(e: BaseException, fmt: Format) -> str:
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
+    # only once an archive is read: keeps `shmstage stage DIR` quick to start
     import lzma
     import tarfile
     import zlib
@@ -205,7 +207,7 @@ def check_end(
     GNU tar accepts an archive that simply ends after a member's data (no zero
     blocks); it rejects a bad header ("Skipping to next header") and a header cut
     short ("Unexpected EOF"), which tarfile treats as a quiet end of archive."""
-    import tarfile
+    import tarfile  # only once an archive is read
 
     if error is None or isinstance(error, (tarfile.EOFHeaderError, tarfile.EmptyHeaderError)):
         return

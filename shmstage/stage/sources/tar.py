@@ -1,35 +1,32 @@
-"""Tar archives as sources: a checking pass, then a safe extraction into the partial tree.
+"""A tar archive as a source: every header read and checked before a byte is written
+(:func:`scan`), the archive's size, mtime and inode as its stamp, and :func:`compare` for
+verify.  Not incremental: a changed archive is extracted whole (stage/build/untar.py), and an
+unchanged one is known by its stamp without reading it again.
 
-The archive's format comes from its content (:mod:`shmstage.stage.tarformat`).
-Every member is checked before a byte is written: no absolute paths, no
-``..``, no device files or FIFOs, no member written through a symlink, no
-hard link to anything but an earlier file of the archive, no symlink whose
-target leaves the tree.  (The extracted tree is walked again afterwards, which
-catches links that only escape in combination, like ``a -> .`` and ``b -> a/..``.)
-A damaged archive (bad header, truncated data or compressed stream) fails as a
-whole: Python's tarfile ends a listing quietly at a bad header, so the scan
-checks how the listing ended.
+The archive's format comes from its content (:mod:`shmstage.stage.sources.tarformat`).
+The checks: no absolute paths, no ``..``, no device files or FIFOs, no member written
+through a symlink, no hard link to anything but an earlier file of the archive, no symlink
+whose target leaves the tree.  A damaged archive (bad header, truncated data or compressed
+stream) fails as a whole: Python's tarfile ends a listing quietly at a bad header, so the
+scan checks how the listing ended.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
-import stat
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.plan import FILE_MODE_MASK, climbs_out, page_bytes
-from shmstage.stage.tarformat import DamagedArchive, Format, check_end, detect, reading, why
+from shmstage.errors import RefusedError
+from shmstage.stage.sources.base import Listing, Source
+from shmstage.stage.sources.tarformat import DamagedArchive, Format, check_end, detect, reading, why
+from shmstage.stage.sources.walk import FILE_MODE_MASK, climbs_out, page_bytes
 
 if TYPE_CHECKING:
     import tarfile
 
-_BUF = 1 << 20
+BUF = 1 << 20  # what one read of a member's data takes
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class Archive:
         return page_bytes(m.size for m in self.members if m.kind == "f")
 
     def entries(self) -> list[tuple]:
-        """The members as plan.py's entry tuples, as extracted: the root first (extraction
+        """The members as walk.py's entry tuples, as extracted: the root first (extraction
         creates it when no member names it)."""
         out = [(m.name, m.kind, m.size, m.mtime_ns, m.mode, m.extra) for m in self.members]
         if not any(e[0] == "." for e in out):
@@ -89,7 +86,7 @@ def _normalise(name: str, strip: int = 0) -> str | None:
     return "/".join(p for p in parts[strip:] if p != ".") or "."
 
 
-def _open(path: str, fmt: Format, stream: bool = False, **kw: object) -> tarfile.TarFile:
+def open_archive(path: str, fmt: Format, stream: bool = False, **kw: object) -> tarfile.TarFile:
     import tarfile  # only for archive sources: keeps `shmstage stage DIR` quick to start
 
     mode = ("r|" if stream else "r:") + fmt.compression
@@ -104,7 +101,7 @@ def _open(path: str, fmt: Format, stream: bool = False, **kw: object) -> tarfile
 def scan(path: str, strip_components: int = 0) -> Archive:
     """Read every header and check it; raises UnsafeArchive naming the first bad member,
     DamagedArchive when the archive cannot be read to its proper end."""
-    import tarfile
+    import tarfile  # only for archive sources (see open_archive)
 
     fmt = detect(path)
     members: list[Member] = []
@@ -135,7 +132,7 @@ def scan(path: str, strip_components: int = 0) -> Archive:
         )
 
     last: tarfile.TarInfo | None = None
-    with _open(path, fmt, tarinfo=Info) as tf:
+    with open_archive(path, fmt, tarinfo=Info) as tf:
 
         def where() -> str:
             if last is None:
@@ -229,186 +226,12 @@ def scan(path: str, strip_components: int = 0) -> Archive:
     return Archive(path, members, total, nfiles, fmt, strip)
 
 
-def extract(
-    archive: Archive, root: str, progress: Callable[[int, int], None] | None = None
-) -> None:
-    """Extract the checked members into ``root`` (an existing, empty, private directory)."""
-    dirs: list[Member] = []
-    fmt = archive.format
-    plain = all(m.offset >= 0 for m in archive.members if m.kind == "f")
-    old_umask = os.umask(0)
-    current: list[Member | None] = [None]
-
-    def where() -> str:
-        m = current[0]
-        return f"in member {m.name!r}" if m is not None else "at its start"
-
-    try:
-        if plain:
-            fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                for m in archive.members:
-                    _extract_one(
-                        archive.path,
-                        m,
-                        root,
-                        dirs,
-                        lambda out, m=m: _copy_range(fd, out, m),
-                        progress,
-                    )
-            finally:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-        else:
-            wanted = {m.index: m for m in archive.members}
-            with _open(archive.path, fmt, stream=True) as tf:
-                headers = iter(tf)
-                index = -1
-                while True:
-                    with reading(archive.path, fmt, where):
-                        info = next(headers, None)
-                    if info is None:
-                        break
-                    index += 1
-                    m = wanted.pop(index, None)
-                    if m is None:
-                        continue  # dropped by --strip-components
-                    current[0] = m
-
-                    def write(out: int, info: tarfile.TarInfo = info) -> int:
-                        return _copy_stream(
-                            tf, info, out, lambda: reading(archive.path, fmt, where)
-                        )
-
-                    _extract_one(archive.path, m, root, dirs, write, progress)
-            if wanted:
-                raise DamagedArchive(
-                    f"cannot read tar archive {archive.path}: it ends before member "
-                    f"{min(wanted.items())[1].name!r}, which it had when it was checked; it changed "
-                    "while it was being staged or is damaged: re-run, or re-download it"
-                )
-            fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise  # the engine says "no space left" and what to do
-        raise ShmstageError(f"cannot extract {archive.path}: {e.strerror}: {e.filename}") from None
-    finally:
-        os.umask(old_umask)
-    for m in reversed(dirs):  # children before parents: setting a child touches the parent's mtime
-        path = os.path.join(root, m.name) if m.name != "." else root
-        os.chmod(path, m.mode)
-        os.utime(path, ns=(m.mtime_ns, m.mtime_ns), follow_symlinks=False)
-
-
-def _extract_one(
-    archive_path: str,
-    m: Member,
-    root: str,
-    dirs: list[Member],
-    write: Callable[[int], int],
-    progress: Callable[[int, int], None] | None,
-) -> None:
-    path = os.path.join(root, m.name) if m.name != "." else root
-    if m.name != ".":
-        _make_parents(root, m.name)
-    if m.kind == "d":
-        if not os.path.isdir(path) or os.path.islink(path):
-            _remove(path)
-            os.mkdir(path, 0o700)
-        dirs.append(m)
-        return
-    _remove(path)  # a later member of the same name wins, as with tar(1)
-    if m.kind == "f":
-        fo = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, m.mode
-        )
-        try:
-            got = write(fo)
-            if got != m.size:
-                raise DamagedArchive(
-                    f"cannot read tar archive {archive_path}: member {m.name!r} is shorter than its "
-                    f"header says ({got} of {m.size} bytes); it changed while it was being staged "
-                    "or is damaged: re-run, or re-download it"
-                )
-            os.utime(fo, ns=(m.mtime_ns, m.mtime_ns))
-        finally:
-            os.close(fo)
-        if progress is not None:
-            progress(m.size, 1)
-    elif m.kind == "l":
-        os.symlink(m.extra or "", path)
-        os.utime(path, ns=(m.mtime_ns, m.mtime_ns), follow_symlinks=False)
-    elif m.kind == "h":
-        os.link(os.path.join(root, m.extra or ""), path, follow_symlinks=False)
-        if progress is not None:
-            progress(0, 1)
-
-
-def _make_parents(root: str, rel: str) -> None:
-    parent = posixpath.dirname(rel)
-    if not parent:
-        return
-    path = os.path.join(root, parent)
-    if os.path.isdir(path) and not os.path.islink(path):
-        return
-    _make_parents(root, parent)
-    _remove(path)
-    os.mkdir(path, 0o755)
-
-
-def _remove(path: str) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        from shmstage.stage.store import rmtree
-
-        rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _copy_range(fd: int, out: int, m: Member) -> int:
-    done = 0
-    while done < m.size:
-        n = os.sendfile(out, fd, m.offset + done, m.size - done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _copy_stream(
-    tf: tarfile.TarFile,
-    info: tarfile.TarInfo,
-    out: int,
-    reading: Callable[[], AbstractContextManager[None]],
-) -> int:
-    src = tf.extractfile(info)
-    if src is None:
-        return 0
-    done = 0
-    while True:
-        with reading():  # read errors are the archive's; write errors (ENOSPC) are ours
-            chunk = src.read(_BUF)
-        if not chunk:
-            return done
-        view = memoryview(chunk)
-        while view:
-            n = os.write(out, view)
-            view = view[n:]
-        done += len(chunk)
-
-
 def compare(archive_path: str, root: str, strip_components: int = 0) -> list[str]:
     """Relative paths of regular members whose bytes differ from the tree at ``root``."""
     fmt = detect(archive_path)
     differ: dict[str, bool] = {}
     with (
-        _open(archive_path, fmt, stream=True) as tf,
+        open_archive(archive_path, fmt, stream=True) as tf,
         reading(archive_path, fmt, lambda: "while comparing"),
     ):
         for info in tf:
@@ -430,7 +253,7 @@ def _same(tf: tarfile.TarFile, info: tarfile.TarInfo, path: str) -> bool:
             return False
         with os.fdopen(fd, "rb", closefd=False) as staged:
             while True:
-                a = src.read(_BUF)
+                a = src.read(BUF)
                 b = staged.read(len(a) if a else 1)
                 if a != b:
                     return False
@@ -438,3 +261,30 @@ def _same(tf: tarfile.TarFile, info: tarfile.TarInfo, path: str) -> bool:
                     return True
     finally:
         os.close(fd)
+
+
+class TarSource(Source):
+    """A tar archive, listed by its checked headers; build/untar.py extracts it."""
+
+    kind = "tar"
+    incremental = False
+
+    def __init__(self, location: str, strip_components: int = 0) -> None:
+        self.location = location
+        self.strip = strip_components
+        self.archive: Archive | None = None
+        self.fingerprint: list[int] = []
+
+    def stamp(self) -> dict[str, Any]:
+        st = os.stat(self.location)
+        self.fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
+        return {"archive": self.fingerprint, "strip_components": self.strip}
+
+    def listing(self) -> Listing:
+        """The members as they will be extracted (the numbers inspect prints)."""
+        record = self.stamp()
+        archive = scan(self.location, self.strip)
+        self.archive = archive
+        return Listing(
+            self.location, archive.entries(), None, archive.bytes, archive.files, record=record
+        )

@@ -1,0 +1,415 @@
+"""The parallel copier's parent side: forked worker processes copy (or compare) batches of
+files (the worker is copy.py, the pipes' records copypipe.py).
+
+Threads are not enough for many small files (the GIL serialises the per-file
+Python work), so the work runs in processes, a few syscalls per file
+(open, sendfile, fstat, futimens, fadvise, close), batched so that one pipe
+message moves up to a few hundred files.  Big files are split into chunks that
+several workers copy at once.
+
+NOTE [copier lifecycle]
+
+    main process (run)                      worker i (forked)
+    ------------------                      -----------------
+    build tasks (inherited by fork)
+    fork N workers  ----------------------> ignore SIGINT, die with the parent
+    send 2N task indices  ---- task pipe -> read 4 bytes: a task index (-1: exit 0)
+    select(result pipe, 0.2 s)              copy/compare the task's files
+       OK       -> progress, send next <--- one record per task (<= PIPE_BUF: atomic)
+       MISMATCH -> remember (compare)  <--- one record per differing file
+       ERROR    -> stop, raise         <--- errno, what failed, which file
+       a worker died -> raise
+    all done: send -1 per worker, reap
+    any exception (ours, SIGTERM, Ctrl-C): SIGKILL every worker, reap, re-raise
+    (idempotent; the caller then removes the partial tree)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import struct
+import warnings
+from collections.abc import Callable, Sequence
+
+from shmstage.stage.build.copy import worker
+from shmstage.stage.build.copypipe import (
+    COMPARE,
+    COPY,
+    Feeder,
+    Job,
+    Results,
+    Task,
+    Tops,
+    check_alive,
+    read_exact,
+)
+
+# What run and Stream raise on a worker's failure: callers catch copier.CopyFailed.
+from shmstage.stage.build.copypipe import CopyFailed as CopyFailed
+from shmstage.stage.build.estimate import rounded
+
+BATCH_FILES = 256
+BATCH_BYTES = 32 << 20
+CHUNK = 64 << 20  # files above 2 chunks are split so several workers share them
+
+# Test hook (documented in docs/staging.md): seconds to sleep after each copied
+# file, so tests can land a signal mid-copy on a tiny dataset.
+SLOW_ENV = "SHMSTAGE_TEST_SLOW_COPY"
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def streams() -> int:
+    """Big files (chunks) copied at once: one per CPU.  Each is a sendfile, a memcpy that keeps
+    a CPU busy while the disk's readahead runs ahead; more streams than CPUs only split the
+    CPUs and the disk's sequential reads (4 shards of 512 MiB on 2 CPUs: 2 streams 1.0 s,
+    8 streams 1.1-3.0 s).  Small files have no such limit: they wait on the disk, not a CPU."""
+    from shmstage.system import usable_cpus  # psutil: loaded only when a copy starts
+
+    return max(1, usable_cpus())
+
+
+def default_workers() -> int:
+    """Copying waits on storage more than on CPUs: more workers than CPUs keep more reads
+    in flight (cold disk, NFS); measured on a 2-core VM, 8-16 beat 4 on a cold tree."""
+    from shmstage.system import usable_cpus  # psutil: loaded only when a copy starts
+
+    return min(32, max(8, 4 * usable_cpus()))
+
+
+def make_tasks(
+    jobs: Sequence[Job], op: int = COPY, chunk: int = CHUNK
+) -> tuple[list[Task], list[int]]:
+    """Batches of small files and chunks of big ones; returns (tasks, chunked job indices).
+
+    Chunks go first so the big files start early and the small batches fill the tail.
+    Both are dealt round-robin (chunks across files, batches across directories):
+    tmpfs serialises writes to one file on its inode lock and file creation in one
+    directory on the directory's lock, so workers busy in different places run in
+    parallel."""
+    per_file: list[list[Task]] = []
+    per_dir: dict[str, list[Task]] = {}
+    chunked: list[int] = []
+    start, nbytes, where = None, 0, ""
+
+    def close(end: int) -> None:
+        per_dir.setdefault(where, []).append(Task(op, start, end))  # type: ignore[arg-type]
+
+    for i, job in enumerate(jobs):
+        size = job[2]
+        folder = job[6].rpartition("/")[0]
+        if start is not None and folder != where:
+            close(i)
+            start = None
+        if size > 2 * chunk:
+            chunked.append(i)
+            per_file.append(
+                [Task(op, i, i + 1, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            )
+            if start is not None:
+                close(i)
+                start = None
+            continue
+        if start is None:
+            start, nbytes, where = i, 0, folder
+        nbytes += size
+        if i + 1 - start >= BATCH_FILES or nbytes >= BATCH_BYTES:
+            close(i + 1)
+            start = None
+    if start is not None:
+        close(len(jobs))
+    return _deal(per_file) + _deal(list(per_dir.values())), chunked
+
+
+def _deal(groups: list[list[Task]]) -> list[Task]:
+    """Round-robin: the first of every group, then the second of every group, ..."""
+    rounds = max((len(g) for g in groups), default=0)
+    return [g[k] for k in range(rounds) for g in groups if k < len(g)]
+
+
+def compare(jobs: Sequence[Job], workers: int, tops: Tops | None = None) -> list[str]:
+    """The paths (``job[6]``) whose bytes differ between source and copy, sorted, each once
+    (a chunked file is compared by several workers)."""
+    tasks, _ = make_tasks(jobs, COMPARE)
+    return sorted(set(run(jobs, tasks, workers, tops=tops)))
+
+
+def run(
+    jobs: Sequence[Job],
+    tasks: Sequence[Task],
+    workers: int,
+    progress: Callable[[int, int], None] | None = None,
+    while_running: Callable[[], None] | None = None,
+    tops: Tops | None = None,
+) -> list[str]:
+    """Run ``tasks`` in ``workers`` processes; returns differing paths (compare tasks).
+
+    ``tops``: the sources' tops the caller opened (and checked) once: the workers read
+    below these very directories (inherited fds), never reopening a top by its path.
+
+    ``progress(bytes, files)`` is called with increments; ``while_running()`` once,
+    right after the workers start.  Raises CopyFailed on the first failure, after
+    every worker is gone."""
+    if not tasks:
+        return []
+    workers = max(1, min(workers, len(tasks)))
+    slow = float(os.environ.get(SLOW_ENV) or 0)
+    task_r, task_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pids: list[int] = []
+    alive: set[int] = set()
+    results: Results | None = None
+    try:
+
+        def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
+            idx = struct.unpack("<i", read_exact(task_r, 4))[0]
+            return None if idx < 0 else (idx, jobs, tasks[idx])
+
+        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow, tops)
+        os.close(task_r)
+        os.close(res_w)
+        task_r = res_w = -1
+        feed = Feeder(task_w, 4)
+        feed.add(
+            struct.pack(f"<{len(tasks)}i", *range(len(tasks))) + b"\xff\xff\xff\xff" * len(pids)
+        )
+        feed.push()
+        if while_running is not None:
+            while_running()  # the workers are busy; the parent's own work overlaps theirs
+        results = Results(res_r, feed, alive, progress)
+        results.wait(len(tasks))
+        feed.finish()
+        for pid in alive:
+            os.waitpid(pid, 0)
+        pids.clear()
+    finally:
+        _kill_workers(pids, alive)
+        for fd in (task_r, task_w, res_r, res_w):
+            if fd >= 0:
+                os.close(fd)
+    return results.mismatches if results is not None else []
+
+
+# seq, op, jobs offset, jobs span, count, chunk offset, chunk length
+_REC = struct.Struct("<iiqqiqq")
+_INO = (1 << 64) - 1
+_JOB = struct.Struct("<qqqiQQI")  # size, mtime_ns, atime_ns, mode, st_dev, st_ino, len(rel)
+
+
+class Stream:
+    """Copy jobs as they are found: the first copy of a directory overlaps walk and copy.
+
+    Workers start before any job is known.  ``add(jobs)`` appends the jobs to a memfd the
+    workers read (so nothing but fixed-size task records crosses the pipe), queues their
+    tasks and collects the results so far; ``finish()`` waits for every task.  Jobs are
+    ``(src_prefix + rel, dst_prefix + rel, ...)`` as :func:`run` takes them; big files
+    must exist (created writable, sized) before their jobs are added.
+
+    Lifecycle: a context manager; ``__exit__`` SIGKILLs and reaps the workers whatever
+    happened (after ``finish()`` they have already exited), then closes the fds."""
+
+    def __init__(
+        self,
+        src_prefix: str,
+        dst_prefix: str,
+        workers: int,
+        progress: Callable[[int, int], None] | None = None,
+        page: int = 4096,
+        tops: Tops | None = None,
+    ) -> None:
+        self.src_prefix, self.dst_prefix = src_prefix, dst_prefix
+        self.tops = tops
+        self.page = page
+        self.landed = 0  # what the finished tasks take on the destination (whole pages)
+        self.handed = 0  # what all tasks added take there
+        self._pages: dict[int, int] = {}  # per task still running
+        self.workers = max(1, workers)
+        self.progress = progress
+        self.pids: list[int] = []
+        self.alive: set[int] = set()
+        self.fds: list[int] = []
+        self.sent = 0  # tasks handed out (the results count those done)
+        self.end = 0  # bytes in the memfd
+
+    def __enter__(self) -> Stream:
+        try:
+            self.mem = os.memfd_create("shmstage-jobs", os.MFD_CLOEXEC)
+            self.fds.append(self.mem)
+            task_r, task_w = os.pipe()
+            self.fds += [task_r, task_w]
+            res_r, res_w = os.pipe()
+            self.fds += [res_r, res_w]
+            mem, src, dst = self.mem, self.src_prefix, self.dst_prefix
+
+            def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
+                seq, op, off, span, count, coff, clen = _REC.unpack(read_exact(task_r, _REC.size))
+                if seq < 0:
+                    return None
+                return (
+                    seq,
+                    _decode_jobs(os.pread(mem, span, off), count, src, dst),
+                    Task(op, 0, count, coff, clen),
+                )
+
+            slow = float(os.environ.get(SLOW_ENV) or 0)
+            _fork_workers(
+                self.workers,
+                self.pids,
+                self.alive,
+                (task_w, res_r),
+                next_task,
+                res_w,
+                slow,
+                self.tops,
+            )
+            for fd in (task_r, res_w):
+                self.fds.remove(fd)
+                os.close(fd)
+            self.feed = Feeder(task_w, _REC.size)
+            self.results = Results(res_r, self.feed, self.alive, self.progress, self._landed)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _landed(self, seq: int) -> None:
+        self.landed += self._pages.pop(seq, 0)
+
+    def __exit__(self, *exc: object) -> None:
+        _kill_workers(self.pids, self.alive)
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def add(self, jobs: Sequence[Job]) -> list[Job]:
+        """Hand ``jobs`` to the workers (chunks of big files first, batches by directory);
+        returns the big files among them, created here: the caller sets their mode and
+        times once :meth:`finish` returned."""
+        if not jobs:
+            return []
+        offsets = []
+        parts = []
+        pos = self.end
+        skip = len(self.src_prefix)
+        for job in jobs:
+            rel = os.fsencode(job[0][skip:])
+            offsets.append(pos)
+            who = job[7] if len(job) > 7 else 0
+            rec = _JOB.pack(job[2], job[3], job[4], job[5], who >> 64, who & _INO, len(rel)) + rel
+            parts.append(rec)
+            pos += len(rec)
+        offsets.append(pos)
+        os.pwrite(self.mem, b"".join(parts), self.end)
+        self.end = pos
+        tasks, chunked = make_tasks(jobs)
+        for i in chunked:
+            create_sized(jobs[i][1], jobs[i][2])
+        records = []
+        page = self.page
+        for t in tasks:
+            off, span = offsets[t.first], offsets[t.last] - offsets[t.first]
+            sizes = [t.length] if t.length >= 0 else [j[2] for j in jobs[t.first : t.last]]
+            self._pages[self.sent] = pages = sum(rounded(n, page) for n in sizes)
+            self.handed += pages
+            records.append(
+                _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)
+            )
+            self.sent += 1
+        self.feed.add(b"".join(records))
+        self.feed.push()
+        self.results.collect(self.sent, 0)
+        return [jobs[i] for i in chunked]
+
+    def drain(self) -> None:
+        """Wait until every task added so far is done (the workers stay)."""
+        while True:
+            self.feed.push()
+            if self.results.done == self.sent and self.feed.pos == len(self.feed.queue):
+                return
+            if not self.results.collect(self.sent, 0.2):
+                check_alive(self.alive)
+
+    def finish(self) -> None:
+        """Wait for every task added, then for the workers to exit; raises CopyFailed on the
+        first failure."""
+        self.feed.add(_REC.pack(-1, 0, 0, 0, 0, 0, 0) * len(self.pids))
+        self.drain()
+        for pid in list(self.alive):
+            os.waitpid(pid, 0)
+            self.alive.discard(pid)
+
+
+def _decode_jobs(
+    raw: bytes, count: int, src: str, dst: str
+) -> list[Job]:  # pragma: no cover - child
+    jobs = []
+    pos = 0
+    for _ in range(count):
+        size, mtime, atime, mode, dev, ino, n = _JOB.unpack_from(raw, pos)
+        pos += _JOB.size
+        rel = os.fsdecode(raw[pos : pos + n])
+        pos += n
+        jobs.append((src + rel, dst + rel, size, mtime, atime, mode, rel, dev << 64 | ino))
+    return jobs
+
+
+def create_sized(path: str, size: int) -> None:
+    """Create a big file for chunked copying: writable by its workers whatever the source's
+    mode (set after the copy), and at its final size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _fork_workers(
+    workers: int,
+    pids: list[int],
+    alive: set[int],
+    parent_fds: tuple[int, ...],
+    next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
+    res_w: int,
+    slow: float,
+    tops: Tops | None = None,
+) -> None:
+    """Fork ``workers`` processes running :func:`worker` (pids added as they start)."""
+    # Signals wait until the workers exist: a handler that raises inside fork()'s
+    # at-fork callbacks would be swallowed ("Exception ignored").
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    slots = os.pipe()  # a byte per stream a worker may run (see streams()); closed here after
+    os.write(slots[1], b"s" * min(streams(), workers))
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about fork() in a threaded process; workers only
+            # make os.* calls on inherited data, never locks held by other threads.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for _ in range(workers):
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    code = 1
+                    try:
+                        for fd in parent_fds:
+                            os.close(fd)
+                        code = worker(next_task, res_w, slow, blocked, tops, slots)
+                    finally:
+                        os._exit(code)
+                pids.append(pid)
+                alive.add(pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for fd in slots:
+            os.close(fd)
+
+
+def _kill_workers(pids: list[int], alive: set[int]) -> None:
+    """Something went wrong (or nothing, then ``pids`` is empty): SIGKILL and reap the rest."""
+    left = [pid for pid in pids if pid in alive]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in left:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    pids.clear()

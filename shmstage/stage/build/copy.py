@@ -1,0 +1,348 @@
+"""Copying (or comparing) files' bytes in a forked copier worker: what runs in the child.
+
+Each file is opened below its source's top without following a symlink (beneath.py),
+checked against what the walk found, and written with a few syscalls (open, sendfile or
+read/write, fstat, futimens, fadvise, close); big files' chunks are written in place by
+several workers, at most ``streams()`` big streams at once.  The parent side is
+copier.py (NOTE [copier lifecycle]); the records both sides exchange are copypipe.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from shmstage.libc import load_libc
+from shmstage.stage.build.chown import give_owner
+from shmstage.stage.build.copypipe import (
+    COPY,
+    ERR,
+    K_CHANGED,
+    K_INTERNAL,
+    K_NOTREG,
+    K_READ,
+    K_REPLACED,
+    K_VANISHED,
+    K_WRITE,
+    MISMATCH,
+    OK,
+    Job,
+    Task,
+    Tops,
+    send,
+)
+from shmstage.stage.sources.beneath import NotRegular, SourceTree, ident
+from shmstage.stage.sources.owners import keeps_owner, stager_groups
+
+BUF = 1 << 20
+SMALL = 64 << 10  # read whole, write whole; above: sendfile (one copy, no user buffer)
+STREAM_MIN = 8 << 20  # a file this big (or a chunk) is a stream: at most streams() at once
+_RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOATIME = getattr(os, "O_NOATIME", 0)
+_WR_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_WR_OLD = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
+_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", 2)
+_PR_SET_PDEATHSIG = 1
+
+
+class _Fail(Exception):
+    def __init__(self, kind: int, err: int, path: str) -> None:
+        self.kind, self.err, self.path = kind, err, path
+
+
+def worker(
+    next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
+    res_w: int,
+    slow: float,
+    mask: set[signal.Signals],
+    tops: Tops | None = None,
+    slots: tuple[int, int] = (-1, -1),
+) -> int:  # pragma: no cover - child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    parent = os.getppid()
+    try:
+        libc = load_libc()
+        libc.prctl(
+            _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0
+        )  # die with the parent, even on SIGKILL
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return 1
+    os.umask(0)  # modes are given exactly at create time
+    state = _State()
+    state.trees.update(tops or {})
+    state.slots = slots
+    while True:
+        got = next_task()
+        if got is None:
+            return 0
+        idx, jobs, task = got
+        try:
+            nbytes, nfiles = _do_task(jobs, task, state, res_w, idx, slow)
+        except _Fail as f:
+            send(res_w, ERR, idx, 0, 0, f.err, f.kind, f.path)
+            return 0
+        except Exception as e:  # report, never a traceback from a child
+            send(
+                res_w,
+                ERR,
+                idx,
+                0,
+                0,
+                0,
+                K_INTERNAL,
+                f"{jobs[task.first][0]}: {type(e).__name__}: {e}",
+            )
+            return 0
+        send(res_w, OK, idx, nbytes, nfiles)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.noatime = _NOATIME
+        self.trees: dict[str, SourceTree] = {}  # per source root: opened once per worker
+        self.chown = keeps_owner()
+        self.groups = None if self.chown else stager_groups()
+        self.sendfile = True
+        self.buf = bytearray(BUF)
+        self.buf2 = bytearray(BUF)
+        self.slots = (-1, -1)  # the stream slots' pipe (read one to start a stream, give it back)
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        """Hold one of the streams() slots while a big file's bytes are pumped.  A worker
+        that dies holding one fails the whole copy anyway (the parent sees it exit)."""
+        os.read(self.slots[0], 1)
+        try:
+            yield
+        finally:
+            os.write(self.slots[1], b"s")
+
+
+def _do_task(
+    jobs: Sequence[Job], task: Task, state: _State, res_w: int, idx: int, slow: float
+) -> tuple[int, int]:  # pragma: no cover - child
+    nbytes = nfiles = 0
+    if task.length >= 0:
+        job = jobs[task.first]
+        last = task.offset + task.length >= job[2]
+        if task.op == COPY:
+            _copy_chunk(job, task.offset, task.length, state)
+        elif not _same_range(job, task.offset, task.length, state):
+            send(res_w, MISMATCH, idx, 0, 0, 0, 0, job[6])
+        return task.length, int(last)
+    for i in range(task.first, task.last):
+        job = jobs[i]
+        if task.op == COPY:
+            _copy_file(job, state)
+            if slow:
+                time.sleep(slow)
+        elif not _same_range(job, 0, job[2], state):
+            send(res_w, MISMATCH, idx, 0, 0, 0, 0, job[6])
+        nbytes += job[2]
+        nfiles += 1
+    return nbytes, nfiles
+
+
+def _open_src(job: Job, state: _State) -> int:  # pragma: no cover - child
+    """The job's source file, opened below its tree's root without following any symlink."""
+    path, rel = job[0], job[6]
+    top = path[: len(path) - len(rel)]
+    tree = state.trees.get(top)
+    try:
+        if tree is None:
+            tree = state.trees[top] = SourceTree(top)
+        return tree.open_file(rel, _RD | state.noatime)
+    except NotRegular:
+        raise _Fail(K_NOTREG, 0, path) from None
+    except PermissionError:
+        if not state.noatime:
+            raise _Fail(K_READ, errno.EACCES, path) from None
+        state.noatime = 0  # O_NOATIME needs ownership (or CAP_FOWNER): go without
+        return _open_src(job, state)
+    except FileNotFoundError:
+        raise _Fail(K_VANISHED, errno.ENOENT, path) from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):  # a symlink on the way now
+            raise _Fail(K_REPLACED, e.errno, path) from None
+        raise _Fail(K_READ, e.errno or 0, path) from None
+
+
+def _same_file(job: Job, st: os.stat_result) -> bool:  # pragma: no cover - child
+    """What was opened is the file the walk found (when the job says which that was)."""
+    return len(job) < 8 or not job[7] or job[7] == ident(st)
+
+
+def _pump(
+    fi: int, fo: int, offset: int, count: int, state: _State, src: str, dst: str
+) -> int:  # pragma: no cover - child
+    """Copy ``count`` bytes at ``offset``; returns bytes copied (less means the source shrank)."""
+    done = 0
+    if state.sendfile:
+        try:
+            if offset:
+                os.lseek(fo, offset, os.SEEK_SET)
+            while done < count:
+                n = os.sendfile(fo, fi, offset + done, count - done)
+                if n == 0:
+                    return done
+                done += n
+            return done
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and done == 0:
+                state.sendfile = False  # e.g. a file system without splice support
+            else:
+                raise _Fail(*_which_side(fi, fo, e, src, dst)) from None
+    view = memoryview(state.buf)
+    while done < count:
+        try:
+            n = os.preadv(fi, [view[: min(BUF, count - done)]], offset + done)
+        except OSError as e:
+            raise _Fail(K_READ, e.errno or 0, src) from None
+        if n == 0:
+            return done
+        w = 0
+        while w < n:
+            try:
+                w += os.pwrite(fo, view[w:n], offset + done + w)
+            except OSError as e:
+                raise _Fail(K_WRITE, e.errno or 0, dst) from None
+        done += n
+    return done
+
+
+def _which_side(
+    fi: int, fo: int, e: OSError, src: str, dst: str
+) -> tuple[int, int, str]:  # pragma: no cover - child
+    """sendfile does not say which fd failed; ENOSPC/EDQUOT/EFBIG/EROFS are the destination's."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return K_WRITE, e.errno, dst
+    return K_READ, e.errno or 0, src
+
+
+def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
+    src, dst, size, mtime, atime, mode = job[:6]
+    fi = _open_src(job, state)
+    try:
+        try:
+            fo = os.open(dst, _WR_NEW, mode)
+        except OSError as e:
+            raise _Fail(K_WRITE, e.errno or 0, dst) from None
+        try:
+            if size <= SMALL:
+                done = _small(fi, fo, size, src, dst)
+            elif size < STREAM_MIN:
+                if size > BUF:
+                    os.posix_fadvise(fi, 0, 0, _SEQUENTIAL)
+                done = _pump(fi, fo, 0, size, state, src, dst)
+            else:
+                os.posix_fadvise(fi, 0, 0, _SEQUENTIAL)
+                with state.stream():
+                    done = _pump(fi, fo, 0, size, state, src, dst)
+            st = os.fstat(fi)
+            if not _same_file(job, st):  # read into our private partial/: removed on failure
+                raise _Fail(K_REPLACED, 0, src)
+            if done != size or st.st_size != size or st.st_mtime_ns != mtime:
+                raise _Fail(K_CHANGED, 0, src)
+            try:
+                if not give_owner(fo, st, mode, state.chown, state.groups):
+                    raise _Fail(K_CHANGED, 0, src)  # the walk saw one of our groups: chgrp-ed
+                os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
+            except OSError as e:
+                raise _Fail(K_WRITE, e.errno or 0, dst) from None
+        finally:
+            os.close(fo)
+    finally:
+        os.posix_fadvise(fi, 0, 0, _DONTNEED)  # RAM is used once: drop the source's pages
+        os.close(fi)
+
+
+def _small(fi: int, fo: int, size: int, src: str, dst: str) -> int:  # pragma: no cover - child
+    """One read, one write: for small files the cheapest path (sendfile costs more per call)."""
+    try:
+        data = os.read(fi, size + 1)  # one byte more shows a file that grew
+    except OSError as e:
+        raise _Fail(K_READ, e.errno or 0, src) from None
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fo, view) :]
+    except OSError as e:
+        raise _Fail(K_WRITE, e.errno or 0, dst) from None
+    return len(data)
+
+
+def _copy_chunk(
+    job: Job, offset: int, length: int, state: _State
+) -> None:  # pragma: no cover - child
+    src, dst, size, mtime = job[:4]
+    fi = _open_src(job, state)
+    try:
+        os.posix_fadvise(fi, offset, length, _SEQUENTIAL)
+        try:
+            fo = os.open(dst, _WR_OLD)
+        except OSError as e:
+            raise _Fail(K_WRITE, e.errno or 0, dst) from None
+        try:
+            with state.stream():
+                done = _pump(fi, fo, offset, length, state, src, dst)
+        finally:
+            os.close(fo)
+        st = os.fstat(fi)
+        if not _same_file(job, st):
+            raise _Fail(K_REPLACED, 0, src)
+        if done != length or st.st_size != size or st.st_mtime_ns != mtime:
+            raise _Fail(K_CHANGED, 0, src)
+    finally:
+        os.posix_fadvise(fi, offset, length, _DONTNEED)
+        os.close(fi)
+
+
+def _same_range(
+    job: Job, offset: int, length: int, state: _State
+) -> bool:  # pragma: no cover - child
+    """Byte-compare ``length`` bytes of the source and the staged file (False if either is gone)."""
+    dst = job[1]
+    try:
+        fa = _open_src(job, state)
+    except _Fail as f:
+        if f.kind in (K_VANISHED, K_CHANGED, K_REPLACED, K_NOTREG):
+            return False
+        raise
+    try:
+        try:
+            fb = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _Fail(K_READ, e.errno or 0, dst) from None
+        try:
+            st = os.fstat(fa)
+            if not _same_file(job, st) or st.st_size != os.fstat(fb).st_size:
+                return False
+            a, b = memoryview(state.buf), memoryview(state.buf2)
+            pos, end = offset, offset + length
+            while pos < end:
+                want = min(BUF, end - pos)
+                na = os.preadv(fa, [a[:want]], pos)
+                nb = os.preadv(fb, [b[:want]], pos)
+                if na != nb or a[:na] != b[:nb]:
+                    return False
+                if na == 0:
+                    return pos >= end
+                pos += na
+            return True
+        finally:
+            os.close(fb)
+    finally:
+        os.posix_fadvise(fa, offset, length, _DONTNEED)
+        os.close(fa)

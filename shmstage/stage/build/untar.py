@@ -1,0 +1,219 @@
+"""Extracting a checked tar archive (:mod:`shmstage.stage.sources.tar` scanned it) into
+partial/<name>: members in archive order, data by ``sendfile`` from a plain archive or read
+through tarfile from a compressed one, directories' modes and times last.  The extracted tree
+is walked again afterwards, which catches links that only escape in combination, like
+``a -> .`` and ``b -> a/..``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import stat
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from shmstage.errors import ShmstageError
+from shmstage.stage.sources.base import Tick, Want
+from shmstage.stage.sources.tar import BUF, Archive, Member, TarSource, open_archive
+from shmstage.stage.sources.tarformat import DamagedArchive, reading
+from shmstage.stage.sources.walk import Tree, walk
+from shmstage.stage.store import rmtree
+
+if TYPE_CHECKING:
+    import tarfile
+
+
+def fill(
+    src: TarSource,
+    wants: Sequence[Want],
+    root: str,
+    tick: Tick,
+    workers: int | None,
+    checksum: bool,
+    meanwhile: Callable[[], None] | None = None,
+) -> Tree:
+    """Extract the whole archive into ``root``; the tree it made, as walked."""
+    assert src.archive is not None, "listing() first"
+    extract(src.archive, root, tick)
+    st = os.stat(src.location)
+    if [st.st_size, st.st_mtime_ns, st.st_ino] != src.fingerprint:
+        raise ShmstageError(
+            f"cannot read tar archive {src.location}: it changed while it was being staged; "
+            "re-run when it is stable"
+        )
+    return walk(root)  # also catches links that escape only in combination
+
+
+def extract(
+    archive: Archive, root: str, progress: Callable[[int, int], None] | None = None
+) -> None:
+    """Extract the checked members into ``root`` (an existing, empty, private directory)."""
+    dirs: list[Member] = []
+    fmt = archive.format
+    plain = all(m.offset >= 0 for m in archive.members if m.kind == "f")
+    old_umask = os.umask(0)
+    current: list[Member | None] = [None]
+
+    def where() -> str:
+        m = current[0]
+        return f"in member {m.name!r}" if m is not None else "at its start"
+
+    try:
+        if plain:
+            fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for m in archive.members:
+                    _extract_one(
+                        archive.path,
+                        m,
+                        root,
+                        dirs,
+                        lambda out, m=m: _copy_range(fd, out, m),
+                        progress,
+                    )
+            finally:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        else:
+            wanted = {m.index: m for m in archive.members}
+            with open_archive(archive.path, fmt, stream=True) as tf:
+                headers = iter(tf)
+                index = -1
+                while True:
+                    with reading(archive.path, fmt, where):
+                        info = next(headers, None)
+                    if info is None:
+                        break
+                    index += 1
+                    m = wanted.pop(index, None)
+                    if m is None:
+                        continue  # dropped by --strip-components
+                    current[0] = m
+
+                    def write(out: int, info: tarfile.TarInfo = info) -> int:
+                        return _copy_stream(
+                            tf, info, out, lambda: reading(archive.path, fmt, where)
+                        )
+
+                    _extract_one(archive.path, m, root, dirs, write, progress)
+            if wanted:
+                raise DamagedArchive(
+                    f"cannot read tar archive {archive.path}: it ends before member "
+                    f"{min(wanted.items())[1].name!r}, which it had when it was checked; it changed "
+                    "while it was being staged or is damaged: re-run, or re-download it"
+                )
+            fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # the engine says "no space left" and what to do
+        raise ShmstageError(f"cannot extract {archive.path}: {e.strerror}: {e.filename}") from None
+    finally:
+        os.umask(old_umask)
+    for m in reversed(dirs):  # children before parents: setting a child touches the parent's mtime
+        path = os.path.join(root, m.name) if m.name != "." else root
+        os.chmod(path, m.mode)
+        os.utime(path, ns=(m.mtime_ns, m.mtime_ns), follow_symlinks=False)
+
+
+def _extract_one(
+    archive_path: str,
+    m: Member,
+    root: str,
+    dirs: list[Member],
+    write: Callable[[int], int],
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    path = os.path.join(root, m.name) if m.name != "." else root
+    if m.name != ".":
+        _make_parents(root, m.name)
+    if m.kind == "d":
+        if not os.path.isdir(path) or os.path.islink(path):
+            _remove(path)
+            os.mkdir(path, 0o700)
+        dirs.append(m)
+        return
+    _remove(path)  # a later member of the same name wins, as with tar(1)
+    if m.kind == "f":
+        fo = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, m.mode
+        )
+        try:
+            got = write(fo)
+            if got != m.size:
+                raise DamagedArchive(
+                    f"cannot read tar archive {archive_path}: member {m.name!r} is shorter than its "
+                    f"header says ({got} of {m.size} bytes); it changed while it was being staged "
+                    "or is damaged: re-run, or re-download it"
+                )
+            os.utime(fo, ns=(m.mtime_ns, m.mtime_ns))
+        finally:
+            os.close(fo)
+        if progress is not None:
+            progress(m.size, 1)
+    elif m.kind == "l":
+        os.symlink(m.extra or "", path)
+        os.utime(path, ns=(m.mtime_ns, m.mtime_ns), follow_symlinks=False)
+    elif m.kind == "h":
+        os.link(os.path.join(root, m.extra or ""), path, follow_symlinks=False)
+        if progress is not None:
+            progress(0, 1)
+
+
+def _make_parents(root: str, rel: str) -> None:
+    parent = posixpath.dirname(rel)
+    if not parent:
+        return
+    path = os.path.join(root, parent)
+    if os.path.isdir(path) and not os.path.islink(path):
+        return
+    _make_parents(root, parent)
+    _remove(path)
+    os.mkdir(path, 0o755)
+
+
+def _remove(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _copy_range(fd: int, out: int, m: Member) -> int:
+    done = 0
+    while done < m.size:
+        n = os.sendfile(out, fd, m.offset + done, m.size - done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _copy_stream(
+    tf: tarfile.TarFile,
+    info: tarfile.TarInfo,
+    out: int,
+    reading: Callable[[], AbstractContextManager[None]],
+) -> int:
+    src = tf.extractfile(info)
+    if src is None:
+        return 0
+    done = 0
+    while True:
+        with reading():  # read errors are the archive's; write errors (ENOSPC) are ours
+            chunk = src.read(BUF)
+        if not chunk:
+            return done
+        view = memoryview(chunk)
+        while view:
+            n = os.write(out, view)
+            view = view[n:]
+        done += len(chunk)
