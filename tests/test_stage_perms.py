@@ -647,3 +647,44 @@ def test_non_root_new_dataset_skips_a_root_tier_with_max_size_for_its_own(world,
     new = subprocess.run(user, capture_output=True, text=True, env=env, timeout=120)
     assert (new.returncode, new.stdout) == (0, f"{mine / 's' / 'other'}\n"), new.stderr
     assert f"skipped tier {root_tier}: other is not staged in {root_tier}; " in new.stderr
+
+
+@pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4 (e2fsprogs)")
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_a_grpid_dest_gives_copies_their_sources_group_not_the_directorys(
+    tmp_path, open_tmpfs, shmstage_bin, who
+):
+    """On an ext4 DEST mounted grpid a new file takes its directory's group (4242 here); the
+    copier skips the chown only where it knows a new file's group (tmpfs), so root's copy of a
+    root:root file, and a user's copy of a file of her own group, keep the source's group."""
+    img = tmp_path / "ext4.img"
+    with open(img, "wb") as f:
+        f.truncate(96 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    mnt = open_tmpfs("1M", name="grpid")  # a mount point every user can reach
+    subprocess.run(["mount", "-o", "loop,grpid", str(img), str(mnt)], check=True)
+    try:
+        mnt.chmod(0o755)
+        uid, gid = (0, 0) if who == "root" else (1000, 1000)
+        cache = mnt / "cache"
+        cache.mkdir(mode=0o755)
+        os.chown(cache, uid, 4242)
+        src = open_tmpfs("64M") / "ds"
+        src.mkdir()
+        (src / "small").write_bytes(os.urandom(100_000))
+        (src / "big").write_bytes(os.urandom(20 << 20))  # a stream (copy.STREAM_MIN)
+        for p in (src, src / "small", src / "big"):
+            os.chown(p, uid, gid)
+        for p in (src / "small", src / "big"):
+            p.chmod(0o640)
+        run = [*shmstage_bin, "stage", str(src), "--dest", str(cache), "--reserve", "0"]
+        if who == "user":
+            run = [*as_user(1000, 1000), *run]
+        done = subprocess.run(run, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        staged = Path(done.stdout.strip())
+        for name in ("small", "big"):
+            st = (staged / name).stat()
+            assert (st.st_uid, st.st_gid) == (uid, gid), (name, st.st_uid, st.st_gid)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

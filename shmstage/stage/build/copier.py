@@ -32,7 +32,9 @@ import signal
 import struct
 import warnings
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+from shmstage.stage.build.chown import made_here
 from shmstage.stage.build.copy import worker
 from shmstage.stage.build.copypipe import (
     COMPARE,
@@ -60,14 +62,28 @@ SLOW_ENV = "SHMSTAGE_TEST_SLOW_COPY"
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-def streams() -> int:
-    """Big files (chunks) copied at once: one per CPU.  Each is a sendfile, a memcpy that keeps
-    a CPU busy while the disk's readahead runs ahead; more streams than CPUs only split the
-    CPUs and the disk's sequential reads (4 shards of 512 MiB on 2 CPUs: 2 streams 1.0 s,
-    8 streams 1.1-3.0 s).  Small files have no such limit: they wait on the disk, not a CPU."""
-    from shmstage.system import usable_cpus  # psutil: loaded only when a copy starts
+def streams(src: str) -> int:
+    """Big files (chunks) copied at once from ``src``: one per CPU from a local disk.  Each is
+    a sendfile, a memcpy that keeps a CPU busy while the disk's readahead runs ahead; more
+    streams than CPUs only split the CPUs and the disk's sequential reads (4 shards of 512
+    MiB on 2 CPUs: 2 streams 1.0 s, 8 streams 1.1-3.0 s).  From a network file system each
+    stream waits on round trips, not a CPU: no limit there (every worker may stream), nor on
+    small files, which wait on the disk."""
+    from shmstage.system import is_network_fs, mount_of, usable_cpus  # psutil: when copying
 
+    mount = mount_of(src)
+    if mount is not None and is_network_fs(mount.fstype):
+        return 1 << 16
     return max(1, usable_cpus())
+
+
+class Place(NamedTuple):
+    """Where the workers copy from and to: a source path (its file system sets the streams),
+    a directory of the destination (made_here) and the sources' tops opened once."""
+
+    src: str
+    dst: str
+    tops: Tops | None
 
 
 def default_workers() -> int:
@@ -166,7 +182,8 @@ def run(
             idx = struct.unpack("<i", read_exact(task_r, 4))[0]
             return None if idx < 0 else (idx, jobs, tasks[idx])
 
-        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow, tops)
+        at = Place(jobs[0][0], os.path.dirname(jobs[0][1]), tops)
+        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow, at)
         os.close(task_r)
         os.close(res_w)
         task_r = res_w = -1
@@ -261,7 +278,7 @@ class Stream:
                 next_task,
                 res_w,
                 slow,
-                self.tops,
+                Place(self.src_prefix, self.dst_prefix, self.tops),
             )
             for fd in (task_r, res_w):
                 self.fds.remove(fd)
@@ -372,14 +389,15 @@ def _fork_workers(
     next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
     res_w: int,
     slow: float,
-    tops: Tops | None = None,
+    at: Place,
 ) -> None:
     """Fork ``workers`` processes running :func:`worker` (pids added as they start)."""
     # Signals wait until the workers exist: a handler that raises inside fork()'s
     # at-fork callbacks would be swallowed ("Exception ignored").
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     slots = os.pipe()  # a byte per stream a worker may run (see streams()); closed here after
-    os.write(slots[1], b"s" * min(streams(), workers))
+    os.write(slots[1], b"s" * min(streams(at.src), workers))
+    made = made_here(at.dst)
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a threaded process; workers only
@@ -392,7 +410,7 @@ def _fork_workers(
                     try:
                         for fd in parent_fds:
                             os.close(fd)
-                        code = worker(next_task, res_w, slow, blocked, tops, slots)
+                        code = worker(next_task, res_w, slow, blocked, at.tops, slots, made)
                     finally:
                         os._exit(code)
                 pids.append(pid)

@@ -62,6 +62,7 @@ def worker(
     mask: set[signal.Signals],
     tops: Tops | None = None,
     slots: tuple[int, int] = (-1, -1),
+    made: tuple[int, int] | None = None,
 ) -> int:  # pragma: no cover - child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -81,6 +82,7 @@ def worker(
     state = _State()
     state.trees.update(tops or {})
     state.slots = slots
+    state.made = made
     while True:
         got = next_task()
         if got is None:
@@ -116,6 +118,7 @@ class _State:
         self.buf = bytearray(BUF)
         self.buf2 = bytearray(BUF)
         self.slots = (-1, -1)  # the stream slots' pipe (read one to start a stream, give it back)
+        self.made: tuple[int, int] | None = None  # a new file's owner, where known (made_here)
 
     @contextlib.contextmanager
     def stream(self) -> Iterator[None]:
@@ -254,7 +257,7 @@ def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(K_CHANGED, 0, src)
             try:
-                if not give_owner(fo, st, mode, state.chown, state.groups):
+                if not give_owner(fo, st, mode, state.chown, state.groups, state.made):
                     raise _Fail(K_CHANGED, 0, src)  # the walk saw one of our groups: chgrp-ed
                 os.utime(fo, ns=(atime, mtime))  # last: the mark of a complete file (resume)
             except OSError as e:
