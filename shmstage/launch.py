@@ -296,8 +296,7 @@ def run(
         dest = node_dest(config_path)  # stage where `prepare` stages on this node
     policies: dict[str, Any] = {}
     if requests:
-        from shmstage.config import node_reserve
-        from shmstage.stage.cache.tiers import configured
+        from shmstage.config import configured, node_reserve
 
         policies = configured(dest, config_path)[1]  # the tiers' cache max_size (docs/cache.md)
         if reserve is None:  # as `stage` and `prepare` do: DataLoader workers need the room

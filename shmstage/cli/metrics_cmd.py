@@ -6,8 +6,8 @@ import click
 
 from shmstage.cli.output import dumps, json_option, log
 from shmstage.cli.params import config_option
+from shmstage.config import configured
 from shmstage.metrics import FILENAME, collect, render, write_textfile
-from shmstage.stage.cache.tiers import configured
 from shmstage.stage.store import DEFAULT_DEST
 
 

@@ -10,10 +10,10 @@ import click
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
 from shmstage.cli.params import RESERVE, cluster_options, config_option
-from shmstage.config import node_reserve
+from shmstage.config import configured, node_reserve
 from shmstage.sizes import format_size
 from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
-from shmstage.stage.cache.tiers import configured, refusal
+from shmstage.stage.cache.tiers import refusal
 
 
 class ProgressLine:

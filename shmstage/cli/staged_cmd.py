@@ -9,6 +9,7 @@ import click
 
 from shmstage.cli.output import emit, json_option, table, verdict
 from shmstage.cli.params import AGE
+from shmstage.config import configured
 from shmstage.sizes import format_size
 from shmstage.stage import (
     DEFAULT_DEST,
@@ -21,7 +22,6 @@ from shmstage.stage import (
     list_staged,
     verify,
 )
-from shmstage.stage.cache.tiers import configured
 from shmstage.stage.store.leases import describe
 
 _DEST_HELP = (

@@ -23,8 +23,11 @@ from shmstage.config.model import (
     TierConfig,
 )
 from shmstage.config.schema import parse_config
+from shmstage.stage.cache.makeroom import CachePolicy
+from shmstage.stage.cache.tiers import joined, split
 
 __all__ = [
+    "configured",
     "DEFAULT_PATH",
     "ENV_VAR",
     "VERIFY_MODES",
@@ -133,3 +136,15 @@ def node_tiers(path: str | os.PathLike[str] | None = None) -> tuple[TierConfig, 
         return ()
     return load_config(file).tiers
 
+
+def configured(
+    dest: str | os.PathLike[str] | None, config_path: str | os.PathLike[str] | None = None
+) -> tuple[str, dict[str, CachePolicy]]:
+    """Where to stage and each tier's cache policy: ``dest`` (else ``$SHMSTAGE_DEST``, else
+    the node config's ``dest``, else /dev/shm/shmstage), with the config's ``cache`` settings
+    for the tiers it names."""
+    tiers = node_tiers(config_path)
+    if dest is None and not os.environ.get("SHMSTAGE_DEST") and tiers:
+        dest = joined(tuple(t.path for t in tiers))
+    policies = {t.path: CachePolicy(t.max_size, t.policy) for t in tiers if t.max_size is not None}
+    return joined(split(dest)), policies

@@ -237,18 +237,3 @@ def placing_all(
         if not held and first is not None:
             raise first
         yield
-
-
-def configured(
-    dest: str | os.PathLike[str] | None, config_path: str | os.PathLike[str] | None = None
-) -> tuple[str, dict[str, CachePolicy]]:
-    """Where to stage and each tier's cache policy: ``dest`` (else ``$SHMSTAGE_DEST``, else
-    the node config's ``dest``, else /dev/shm/shmstage), with the config's ``cache`` settings
-    for the tiers it names."""
-    from shmstage.config import node_tiers
-
-    tiers = node_tiers(config_path)
-    if dest is None and not os.environ.get("SHMSTAGE_DEST") and tiers:
-        dest = joined(tuple(t.path for t in tiers))
-    policies = {t.path: CachePolicy(t.max_size, t.policy) for t in tiers if t.max_size is not None}
-    return joined(split(dest)), policies
