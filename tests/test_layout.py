@@ -290,3 +290,55 @@ def test_every_module_imports_on_its_own(name: str) -> None:
         [sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# stage/'s parts, top to bottom: a part imports only parts below it (docs/architecture.md).
+STAGE_RANKS = {
+    "engine": 5,
+    "staging": 5,
+    "verification": 5,
+    "signals": 5,
+    "cache": 4,
+    "build": 3,
+    "sources": 2,
+    "store": 1,
+}
+
+
+def upward_imports(graph: list[Edge], top: str = "shmstage") -> list[str]:
+    """``importer -> imported`` for each import from a lower part of stage/ to a higher one
+    (the package's own __init__ re-exports everything and is no part)."""
+    prefix = f"{top}.stage."
+
+    def rank(module: str) -> int | None:
+        if not module.startswith(prefix):
+            return None
+        return STAGE_RANKS.get(module[len(prefix) :].split(".")[0])
+
+    bad = []
+    for e in graph:
+        a, b = rank(e.importer), rank(e.imported)
+        if a is not None and b is not None and b > a:
+            bad.append(f"{e.importer}:{e.line} -> {e.imported}")
+    return bad
+
+
+def test_an_upward_import_between_stage_parts_is_found(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "stage/__init__.py": "",
+            "stage/store/__init__.py": "",
+            "stage/store/names.py": "from pkg.stage.build import copy\n",
+            "stage/build/__init__.py": "",
+            "stage/build/copy.py": "from pkg.stage.store import names\n",
+        },
+    )
+    assert upward_imports(edges(root), "pkg") == ["pkg.stage.store.names:1 -> pkg.stage.build.copy"]
+
+
+def test_stage_parts_import_only_downwards() -> None:
+    """engine -> cache -> build -> sources -> store: never the other way."""
+    found = upward_imports(edges(PACKAGE))
+    assert not found, "\n".join(found)
