@@ -551,6 +551,49 @@ def test_a_listener_that_never_answers_makes_the_nodes_fail_within_the_timeout(c
 
 
 @pytest.mark.root
+def test_a_stranger_holding_every_silent_slot_does_not_keep_the_nodes_out(cluster) -> None:
+    """Something holds 64 connections to node 0's rendezvous port that say nothing, and opens
+    a new one whenever one is closed: the nodes still join at once and publish (the oldest
+    silent connection makes room, not the newcomer; before, the nodes were turned away until
+    the silent ones timed out after 10 s, so a --timeout of 6 s failed)."""
+    import select
+
+    body = f"$STAGE --timeout 6 >/dev/null; echo rc=$?; test -e {cluster.dest}/data && echo published; true"
+    first = cluster.start(body, per_node={r: "exit 0; " for r in range(1, NODES)})
+    held: list[socket.socket] = []
+    full, stop = threading.Event(), threading.Event()
+
+    def stranger() -> None:
+        while not stop.is_set():
+            while len(held) < 64 and not stop.is_set():
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", cluster.port), timeout=1))
+                except OSError:
+                    time.sleep(0.02)
+            full.set()
+            for s in select.select(held, [], [], 0.05)[0]:  # closed by node 0: open another
+                held.remove(s)
+                s.close()
+
+    thread = threading.Thread(target=stranger, daemon=True)
+    thread.start()
+    try:
+        assert full.wait(30), "node 0 never listened"
+        time.sleep(0.5)
+        others = cluster.start(
+            body, per_node={0: "exit 0; "}, port=cluster.port
+        )[1:]  # fmt: skip
+        results = _wait_all([first[0], *others], timeout=100)
+    finally:
+        stop.set()
+        thread.join(5)
+        for s in held:
+            s.close()
+    for rank, (_, out, err) in enumerate(results):
+        assert out == "rc=0\npublished\n", (rank, out, err)
+
+
+@pytest.mark.root
 def test_sigterm_mid_exchange_dies_of_it_at_once_and_the_others_name_that_node(cluster) -> None:
     """Node 1 freezes, so node 2 ends up waiting on gloo for node 1's next piece; SIGTERM
     node 2 then: it dies of SIGTERM (not exit 1 "exchange failed") without waiting for node 1 or

@@ -82,7 +82,8 @@ class Server:
         self.beat: dict[int, float] = {}  # rank -> monotonic time of its last heartbeat
         self.bye: set[int] = set()
         self.told: set[int] = set()  # ranks that were answered with the poison line
-        self.pending = 0  # connections that have not said hello yet
+        # connections that have not said hello yet, oldest first (PENDING at most)
+        self.silent: dict[socket.socket, None] = {}
         self.conns: set[socket.socket] = set()
         self.sock = listen(host, port)
         self.closed = False
@@ -132,12 +133,17 @@ class Server:
                 time.sleep(0.05)
                 continue
             with self.lock:
-                crowded = self.pending >= PENDING
-                if not crowded:
-                    self.pending += 1
-            if crowded:  # many that say nothing: not this job's nodes (they retry)
-                conn.close()
-                continue
+                # Full of connections that say nothing (not this job's nodes): the oldest
+                # goes, never the newcomer, so a stranger holding every slot cannot keep a
+                # node out (a node says hello at once; it would have to lose a race with
+                # PENDING connections opened after its own).
+                oldest = next(iter(self.silent)) if len(self.silent) >= PENDING else None
+                if oldest is not None:
+                    del self.silent[oldest]
+                self.silent[conn] = None
+            if oldest is not None:
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve, args=(conn, addr), name="shmstage-kv", daemon=True
@@ -145,7 +151,6 @@ class Server:
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         rank: int | None = None  # set once this connection claimed a rank
-        pending = True
         with self.lock:
             self.conns.add(conn)
         try:
@@ -157,8 +162,7 @@ class Server:
             if "error" in answer:
                 return
             with self.lock:
-                self.pending -= 1
-                pending = False
+                self.silent.pop(conn, None)
             conn.settimeout(None)  # a node's connection idles while the ring runs
             while True:
                 req = recv_frame(conn)
@@ -169,7 +173,7 @@ class Server:
             return
         finally:
             with self.lock:
-                self.pending -= pending
+                self.silent.pop(conn, None)
                 self.conns.discard(conn)
                 if rank is not None:
                     self.connected.discard(rank)
