@@ -550,3 +550,23 @@ def test_evict_never_descends_into_a_mount_inside_the_dataset(shmstage_bin, tmp_
     r = cli(shmstage_bin, "gc", "--dest", str(dest))
     assert r.returncode == 0, r.stderr
     assert trees(dest) == set() and (precious / "keep").read_text() == "keep"
+
+
+def test_gc_lines_write_out_escape_sequences_in_paths(capsys):
+    """A leftover's path is a name anyone with write access to the store chose: gc's plain
+    lines show an escape sequence in it as text, never send it to the terminal."""
+    from shmstage.cli.staged_cmd import _render_gc
+    from shmstage.stage.store.gc import GcReport, Leftover
+
+    evil = "/d/.shmstage/partial/x\x1b]0;pwned\x07y"
+    _render_gc(
+        GcReport(
+            "/d",
+            True,
+            (Leftover(evil, "partial tree", 10),),
+            (Leftover(evil + "2", "lock", 0, "held by pid 1\x1b[2J"),),
+        )
+    )
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out, out
+    assert "would remove partial tree: /d/.shmstage/partial/x" in out

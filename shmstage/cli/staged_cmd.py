@@ -23,6 +23,7 @@ from shmstage.stage import (
     verify,
 )
 from shmstage.stage.store.leases import describe
+from shmstage.terminal import printable
 
 _DEST_HELP = (
     "Where staged datasets live, or tiers separated by commas. "
@@ -148,20 +149,21 @@ def evict_cmd(
     )
     for leased in report.in_use:
         click.echo(
-            f"note: {leased.name} is in use by {describe(leased.holders)}; left in place "
+            f"note: {leased.name} is in use by {printable(describe(leased.holders))}; left in place "
             "(pass --force to remove it anyway)",
             err=True,
         )
     for leased in report.forced:
         click.echo(
-            f"warning: evicted {leased.name} while in use by {describe(leased.holders)}: "
+            f"warning: evicted {leased.name} while in use by {printable(describe(leased.holders))}: "
             "that job will fail reading files that are gone",
             err=True,
         )
 
     def render(r: EvictReport) -> None:
         word = "would evict" if dry_run else "evicted"
-        click.echo(f"{word}: {', '.join(r.evicted)}" if r.evicted else "nothing to evict")
+        names = ", ".join(printable(n) for n in r.evicted)
+        click.echo(f"{word}: {names}" if r.evicted else "nothing to evict")
 
     emit(report, as_json, render)
 
@@ -170,9 +172,9 @@ def _render_gc(report: GcReport) -> None:
     word = "would remove" if report.dry_run else "removed"
     for item in report.removed:
         size = f" ({format_size(item.bytes)})" if item.bytes else ""
-        click.echo(f"{word} {item.what}: {item.path}{size}")
+        click.echo(f"{word} {item.what}: {printable(item.path)}{size}")  # a name anyone made
     for item in report.skipped:
-        click.echo(f"kept {item.what}: {item.path} ({item.reason})")
+        click.echo(f"kept {item.what}: {printable(item.path)} ({printable(item.reason)})")
     if not report.removed:
         click.echo("nothing to remove")
     else:
