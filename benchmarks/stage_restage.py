@@ -28,8 +28,10 @@ import tarfile
 import tempfile
 import time
 
-STAGE = (
-    "import sys, shmstage.stage.staging as e; "
+STAGE = (  # staging into one store: stage/staging.py since issue 21, engine.py before it
+    "import sys\n"
+    "try:\n    import shmstage.stage.staging as e\n"
+    "except ImportError:\n    import shmstage.stage.engine as e\n"
     "ds = e.stage(sys.argv[1], dest=sys.argv[2], name='ds'); print(ds.copied_bytes)"
 )
 
