@@ -788,6 +788,48 @@ def test_a_node_0_frozen_before_publishing_a_change_that_moves_no_bytes_publishe
         _one_line(err)
 
 
+ACK_FREEZE_HOOK = """\
+import os, signal
+if os.environ.get("SHMSTAGE_TEST_FREEZE_AFTER_ACK"):  # SIGSTOP ourselves once we acked
+    from shmstage.cluster.kv import client
+    plain_set = client.Client.set
+    def set_then_freeze(self, key, value, deadline=None):
+        plain_set(self, key, value, deadline)
+        if "/ack/" in key:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    client.Client.set = set_then_freeze
+"""
+
+
+@pytest.mark.root
+def test_a_node_frozen_between_its_ack_and_the_decision_publishes_with_the_others(
+    cluster, tmp_path: Path
+) -> None:
+    """Node 1 acks the publish, then freezes longer than node 0's heartbeat grace (3 s):
+    node 0 commits and publishes, and keeps its store up until node 1, resumed, has read
+    the decision (bounded by --timeout); node 1 then publishes too.  Before, node 0 exited
+    once node 1 stopped beating, and node 1 failed while node 0 had published."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(ACK_FREEZE_HOOK)
+    body = _job_body(cluster).replace("$CLUSTER", "$CLUSTER --timeout 60")
+    nodes = cluster.start(
+        body,
+        nodes=2,
+        per_node={1: f"export SHMSTAGE_TEST_FREEZE_AFTER_ACK=1 PYTHONPATH={hook}:$PYTHONPATH; "},
+    )
+    deadline = time.monotonic() + 60
+    while (frozen := _stopped_child(nodes[1].pid)) is None:
+        assert time.monotonic() < deadline and nodes[1].poll() is None, "node 1 never froze"
+        time.sleep(0.05)
+    try:
+        time.sleep(6)  # twice the heartbeat grace: node 0 has committed and waits
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    for rank, (_, out, err) in enumerate(_wait_all(nodes, timeout=100)):
+        assert out == "rc=0\npublished\n", (rank, out, err)
+
+
 @pytest.mark.root
 def test_node_0_listens_only_on_the_rendezvous_address(cluster) -> None:
     """--rendezvous 127.0.0.1: node 0's store is reachable there, and not on the

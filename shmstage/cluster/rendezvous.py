@@ -396,12 +396,19 @@ class Rendezvous:
             self.store.close()
             self.store = None
         if self.server is not None:
-            # refused: the nodes still to come are told why, up to --timeout
-            wait = self.timeout if self.server.poison is not None else min(self.timeout, 30.0)
+            # refused: the nodes still to come are told why, up to --timeout; published: a
+            # node frozen between its ack and reading the decision learns it when it wakes
+            # (up to --timeout: else it fails while the others published)
+            patient = not failed
+            wait = (
+                self.timeout
+                if self.server.poison is not None or patient
+                else min(self.timeout, 30.0)
+            )
             if own and exchanging:
                 wait = 0.0
             deadline = time.monotonic() + wait
-            while not self.server.settled() and time.monotonic() < deadline:
+            while not self.server.settled(patient) and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.server.close()
             self.server = None

@@ -100,9 +100,11 @@ class Server:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
-    def settled(self) -> bool:
+    def settled(self, patient: bool = False) -> bool:
         """Every other node said goodbye, lost its connection or stopped beating: none
-        still needs the store (to read why the job failed, or to finish)."""
+        still needs the store (to read why the job failed, or to finish).  ``patient``:
+        a node that stopped beating but whose connection is open (frozen, SIGSTOP) still
+        needs it: it may have acked a publish and not yet read the decision."""
         now = time.monotonic()
         with self.lock:
             if self.poison is not None:
@@ -117,7 +119,7 @@ class Server:
             return all(
                 r in self.bye
                 or (r in self.claimed and r not in self.connected)
-                or now - self.beat.get(r, now) > STALE
+                or (not patient and now - self.beat.get(r, now) > STALE)
                 for r in range(1, self.nodes)
             )
 
