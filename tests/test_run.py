@@ -245,6 +245,9 @@ def test_job_killed_by_signal_dies_of_it_after_cleanup(shmstage_bin, tmp_path, s
         [*shmstage_bin, "run", "--stage", str(src), "--dest", str(dest), "--cleanup", "--",
          "sh", "-c", f"kill -{sig.name[3:]} $$"],
         cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+        # a suite started as `cmd &` from a script inherits SIGINT and SIGQUIT ignored
+        # (POSIX, for asynchronous lists): the job would ignore its own kill
+        preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL),
     )  # fmt: skip
     try:
         err = p.stderr.read()
