@@ -60,6 +60,17 @@ def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
                 stack.append(child)
 
 
+def from_module(node: ast.ImportFrom, name: str, path: Path) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` (file ``path``) names."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    anchor = here.split(".")
+    anchor = anchor[: len(anchor) - (node.level - 1)]
+    return ".".join(anchor + ([base] if base else []))
+
+
 def edges(root: Path) -> list[Edge]:
     """The package's import edges, to modules of the package only."""
     mods = modules(root)
@@ -67,18 +78,13 @@ def edges(root: Path) -> list[Edge]:
     found = []
     for name, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in _imports(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.split(".")[0] == top:
                         found.append(Edge(name, alias.name, node.lineno, ()))
                 continue
-            base = node.module or ""
-            if node.level:
-                anchor = here.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = from_module(node, name, path)
             if base.split(".")[0] != top:
                 continue
             for alias in node.names:
@@ -169,12 +175,7 @@ def edges_of(
     node: ast.ImportFrom, name: str, path: Path, mods: dict[str, Path], top: str
 ) -> Iterator[tuple[str, str]]:
     """``(local name, module)`` for each module that ``from ... import`` binds."""
-    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    base = node.module or ""
-    if node.level:
-        anchor = here.split(".")
-        anchor = anchor[: len(anchor) - (node.level - 1)]
-        base = ".".join(anchor + ([base] if base else []))
+    base = from_module(node, name, path)
     for alias in node.names:
         sub = f"{base}.{alias.name}"
         if base.split(".")[0] == top and sub in mods and sub != name:
