@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from shmstage.cli.output import dumps, json_option, log
-from shmstage.cli.params import config_option
+from shmstage.cli.params import config_option, no_service_option
 from shmstage.config import configured
-from shmstage.metrics import FILENAME, collect, render, write_textfile
+from shmstage.metrics import FILENAME, render, write_textfile
+from shmstage.service import api
 from shmstage.stage.store import DEFAULT_DEST
 
 
@@ -29,9 +30,14 @@ from shmstage.stage.store import DEFAULT_DEST
     "Node config whose dest tiers and cache max_size are reported. "
     "Default: /etc/shmstage.yaml if it exists."
 )
+@no_service_option
 @json_option
 def metrics_cmd(
-    textfile: str | None, dest: str | None, config_path: str | None, as_json: bool
+    textfile: str | None,
+    dest: str | None,
+    config_path: str | None,
+    no_service: bool,
+    as_json: bool,
 ) -> None:
     """Print (or write for node_exporter) the cache's metrics in Prometheus' text format.
 
@@ -41,7 +47,7 @@ def metrics_cmd(
       shmstage metrics --textfile /var/lib/node_exporter/textfile_collector
     """
     dest, policies = configured(dest, config_path)
-    m = collect(dest, policies)
+    m = api.metrics(dest, policies, service=not no_service)
     if textfile is not None:
         log(f"wrote {write_textfile(textfile, render(m))}")
     if as_json:

@@ -8,8 +8,9 @@ import time
 import click
 
 from shmstage.cli.output import emit, json_option, table, verdict
-from shmstage.cli.params import AGE
+from shmstage.cli.params import AGE, no_service_option
 from shmstage.config import configured
+from shmstage.service import api
 from shmstage.sizes import format_size
 from shmstage.stage import (
     DEFAULT_DEST,
@@ -17,10 +18,6 @@ from shmstage.stage import (
     GcReport,
     InTier,
     VerifyReport,
-    evict_report,
-    gc,
-    list_staged,
-    verify,
 )
 from shmstage.stage.store.leases import describe
 from shmstage.terminal import printable
@@ -69,14 +66,16 @@ def _state(d: InTier) -> str:
 
 @click.command("list")
 @click.option("--dest", envvar="SHMSTAGE_DEST", help=_DEST_HELP)
+@no_service_option
 @json_option
-def list_cmd(dest: str | None, as_json: bool) -> None:
+def list_cmd(dest: str | None, no_service: bool, as_json: bool) -> None:
     """List staged datasets, copies in progress or left by killed runs, and old trees in trash.
 
     STATE is staged, in use by PIDS (jobs holding a lease), unfinished (a partial copy:
     SIZE and FILES so far, and whether its stager is alive) or trash.
     """
-    emit(list_staged(configured(dest)[0], unfinished=True), as_json, _render_list)
+    rows = api.list_staged(configured(dest)[0], unfinished=True, service=not no_service)
+    emit(rows, as_json, _render_list)
 
 
 def _render_verify(report: VerifyReport) -> None:
@@ -95,13 +94,16 @@ def _render_verify(report: VerifyReport) -> None:
     "--checksum", is_flag=True, help="Also compare every byte with the source (reads it all)."
 )
 @click.option("--dest", envvar="SHMSTAGE_DEST", help=_DEST_HELP)
+@no_service_option
 @json_option
-def verify_cmd(name: str, checksum: bool, dest: str | None, as_json: bool) -> None:
+def verify_cmd(
+    name: str, checksum: bool, dest: str | None, no_service: bool, as_json: bool
+) -> None:
     """Check a staged dataset against its manifest; exit 3 if anything differs.
 
     Finds changed, missing and extra files; --checksum also finds a flipped byte.
     """
-    report = verify(name, dest=configured(dest)[0], checksum=checksum)
+    report = api.verify(name, dest=configured(dest)[0], checksum=checksum, service=not no_service)
     emit(report, as_json, _render_verify)
     if not report.ok:
         sys.exit(3)
@@ -122,6 +124,7 @@ def verify_cmd(name: str, checksum: bool, dest: str | None, as_json: bool) -> No
     is_flag=True,
     help="Also remove datasets a running job leases (that job fails reading files that are gone).",
 )
+@no_service_option
 @json_option
 def evict_cmd(
     name: str | None,
@@ -130,6 +133,7 @@ def evict_cmd(
     dest: str | None,
     dry_run: bool,
     force: bool,
+    no_service: bool,
     as_json: bool,
 ) -> None:
     """Remove staged datasets: NAME, --all, or --older-than AGE (frees their RAM).
@@ -139,13 +143,14 @@ def evict_cmd(
     """
     if sum((name is not None, all_, older_than is not None)) != 1:
         raise click.UsageError("give exactly one of NAME, --all or --older-than")
-    report = evict_report(
+    report = api.evict_report(
         name,
         dest=configured(dest)[0],
         all=all_,
         older_than=older_than,
         dry_run=dry_run,
         force=force,
+        service=not no_service,
     )
     for leased in report.in_use:
         click.echo(
@@ -184,12 +189,14 @@ def _render_gc(report: GcReport) -> None:
 @click.command("gc")
 @click.option("--dest", envvar="SHMSTAGE_DEST", help=_DEST_HELP)
 @click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
+@no_service_option
 @json_option
-def gc_cmd(dest: str | None, dry_run: bool, as_json: bool) -> None:
+def gc_cmd(dest: str | None, dry_run: bool, no_service: bool, as_json: bool) -> None:
     """Remove what killed or failed runs left behind, but nothing a live process owns.
 
     Partial trees, .NAME.json.new manifests, markers, half-written files, lock and lease
     files of removed datasets, records whose tree is gone, and trash. Safe while others stage:
     a dataset whose lock is held is skipped.
     """
-    emit(gc(configured(dest)[0], dry_run=dry_run), as_json, _render_gc)
+    report = api.gc(configured(dest)[0], dry_run=dry_run, service=not no_service)
+    emit(report, as_json, _render_gc)

@@ -66,12 +66,13 @@ def _no_service_line(dest: str | os.PathLike[str] | None) -> Callable[[RefusedEr
     return check
 
 
-def _in_process(fn: Callable[..., Any], dest: Any, service: bool, *a: Any, **kw: Any) -> Any:
+def _in_process(fn: Callable[..., Any], where: Any, service: bool, /, *a: Any, **kw: Any) -> Any:
+    """``fn(*a, **kw)`` here; a refusal on root's store says the service is not answering."""
     try:
         return fn(*a, **kw)
     except RefusedError as e:
         if service:  # --no-service: the user chose this process; today's words
-            _no_service_line(dest)(e)
+            _no_service_line(where)(e)
         raise
 
 
