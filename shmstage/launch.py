@@ -225,25 +225,28 @@ def _waiting_note(request: StageRequest, log: Callable[[str], None] | None) -> A
 
 
 def _stage_leased(
-    engine: Any,
     request: StageRequest,
     dest: str | None,
     log: Callable[[str], None] | None,
     peers: Any = None,
+    service: bool = True,
     **room: Any,  # make_room, policies, reserve: see shmstage.stage.engine.stage
 ) -> tuple[Any, Any]:
-    """Stage, then lease the copy for the job's lifetime (retried once if an evict removed
-    it in between).  The lease fd is close-on-exec: this process holds it while the job runs."""
+    """Stage (through the node's service when one answers, see shmstage.service.api), then
+    lease the copy for the job's lifetime here (retried once if an evict removed it in
+    between).  The lease fd is close-on-exec: this process holds it while the job runs."""
+    from shmstage.service import api
     from shmstage.stage.store.leases import acquire
 
     attempts = (1, 2) if peers is None else (2,)  # peers: every node stages once per source
     for attempt in attempts:
-        ds = engine.stage(
+        ds = api.stage(
             request.source,
             name=request.name,
             dest=dest,
             progress=_waiting_note(request, log),
             peers=peers,
+            service=service,
             **room,
         )
         try:
@@ -268,6 +271,7 @@ def run(
     config_path: str | None = None,
     log: Callable[[str], None] | None = None,
     cluster: Any = None,
+    service: bool = True,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
 
@@ -276,6 +280,9 @@ def run(
 
     ``cluster`` (a :class:`shmstage.cluster.ClusterSpec`): stage together with the other
     nodes, which run the same command; the job starts once every node has its copy.
+
+    ``service``: stage (and ``cleanup``) through the node's shmstage service when one answers
+    and DEST is its store; False: in this process.
 
     Everything that can be refused (placeholders, a missing command, a bad node config, a
     failed staging) is refused before the job starts.
@@ -321,11 +328,11 @@ def run(
             with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
                 for r in requests:
                     ds, lease = _stage_leased(
-                        engine,
                         r,
                         dest,
                         log,
                         peers,
+                        service,
                         make_room=make_room,
                         policies=policies,
                         reserve=reserve,
@@ -353,7 +360,7 @@ def run(
     finally:
         teardown.hold()  # staging stopped by a signal: a second one waits for the cleanup too
         try:
-            _teardown(held, staged, evicted, cleanup, dest, log)
+            _teardown(held, staged, evicted, cleanup, dest, log, service)
         finally:
             # the first signal wins: the job's, or the error (Interrupted) in flight
             teardown.release(redeliver=not failed and killed_by is None)
@@ -367,19 +374,21 @@ def _teardown(
     cleanup: bool,
     dest: str | None,
     log: Callable[[str], None] | None,
+    service: bool = True,
 ) -> None:
     """Release the job's leases and, with ``cleanup``, evict what this run staged."""
     for lease in held:
         lease.release()
     if cleanup and staged:
         from shmstage import stage as engine
+        from shmstage.service import api
 
         for ds in staged:
             if ds.changed:  # only what this run copied; a dataset others staged stays
                 # The job's status (or the error that stopped it) wins over any cleanup
                 # failure: a cleanup that cannot happen is said on stderr and left.
                 try:
-                    evicted.extend(engine.evict(ds.name, dest=dest))
+                    evicted.extend(api.evict_report(ds.name, dest=dest, service=service).evicted)
                 except engine.InUse as e:  # another job reads it: not ours to take away
                     if log is not None:
                         log(f"not evicting {ds.name}: in use by {engine.describe(e.holders)}")

@@ -362,9 +362,9 @@ def staged_path(
     Lets a training script name its dataset once (``staged_path("/nfs/imagenet")``) and run
     unchanged on a node where nothing was staged.
     """
-    from shmstage.stage import find  # the staging engine; imported only when asked for
+    from shmstage.service import api  # the engine, or the node's service; only when asked for
 
-    found = find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
+    found = api.find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
     if found is not None:
         hold_lease(found.path, required=False)  # so nobody evicts it while this job reads it
         return Path(found.path)

@@ -296,18 +296,18 @@ def test_second_signal_while_terminating_leftovers_kills_them_and_dies_of_the_fi
 
 EVICT_INTERRUPTED = """
 import os, signal, sys
-from shmstage import stage
+from shmstage.service import api
 from shmstage.cli import main
 
-real = stage.evict
+real = api.evict_report
 
 
-def evict(*args, **kwargs):
+def evict_report(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)  # the user's ^C, just as the cleanup starts
     return real(*args, **kwargs)
 
 
-stage.evict = evict
+api.evict_report = evict_report
 sys.argv = ["shmstage", *sys.argv[1:]]
 main()
 """

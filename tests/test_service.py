@@ -416,3 +416,87 @@ def test_the_service_killed_mid_stage_then_restarted_resumes(world, shmstage_bin
     assert sorted(p.name for p in (svc.store / "ds").iterdir()) == sorted(
         p.name for p in src.iterdir()
     )
+
+
+# --- run --stage and the loader -------------------------------------------------------------
+
+
+def test_run_stage_goes_through_the_service_and_leases_in_process(service, world, procs):
+    """A user's `run --stage` on root's store: staged by the service, the job sees the path,
+    and its lease (held by the user's shmstage) makes root's evict refuse while it runs."""
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    flag = world / "data" / "go"
+    job = procs.start(
+        [*as_user(ALICE), *service.bin, "run", "--stage", str(src), "--", "sh", "-c",
+         f"echo {{staged}}; while [ ! -e {flag} ]; do sleep 0.05; done"],
+        env=service.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    line = job.stdout.readline()
+    assert line == f"{service.store}/ds\n", line or job.stderr.read()
+    r = service.run("evict", "ds")
+    assert r.returncode == 2 and "is in use by" in r.stderr, r.stderr
+    flag.touch()
+    assert job.wait(timeout=60) == 0
+    assert service.run("evict", "ds").returncode == 0
+
+
+def test_staged_path_asks_the_service(service, world):
+    """shmstage.loader.staged_path as a user finds the copy the service staged."""
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    assert service.run("stage", str(src), uid=ALICE).returncode == 0
+    python = os.path.join(os.path.dirname(service.bin[0]), "python")
+    code = f"from shmstage.loader import staged_path; print(staged_path({str(src)!r}))"
+    r = subprocess.run(
+        [*as_user(BOB), python, "-W", "error", "-c", code], env=service.env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == f"{service.store}/ds\n", r.stderr
+
+
+# --- one decision-maker ---------------------------------------------------------------------
+
+
+def test_concurrent_stagers_never_copy_twice_nor_overshoot_max_size(world, shmstage_bin, procs):
+    """Item 5: two users staging one dataset at once get one copy (one of them copied);
+    two datasets of 3 MiB each against a 4 MiB max_size at once: one is staged, the other
+    refused, and the store never holds more than the cap."""
+    store = world / "store"
+    cap = 4 << 20
+    svc = Service(
+        world, shmstage_bin, procs,
+        config=f"version: 1\ndest:\n  - path: {store}\n    cache: {{max_size: 4M}}\n",
+    )  # fmt: skip
+    svc.start(**{copier.SLOW_ENV: "0.05"})
+
+    def both(argv_a: list[str], argv_b: list[str]) -> list[tuple[int, str, str]]:
+        ps = [
+            procs.start([*as_user(uid), *shmstage_bin, *argv], env=svc.env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for uid, argv in ((ALICE, argv_a), (BOB, argv_b))
+        ]  # fmt: skip
+        peak = 0
+        while any(p.poll() is None for p in ps):
+            data = store / ".shmstage"
+            if data.exists():
+                used = sum(f.stat().st_size for f in store.rglob("f*") if f.is_file())
+                peak = max(peak, used)
+            time.sleep(0.01)
+        out = [(p.returncode, *p.communicate(timeout=60)) for p in ps]
+        assert peak <= cap, peak
+        return out
+
+    shared = make_ds(world / "data" / "shared", files=8, size=128 * 1024)
+    got = both(["stage", str(shared), "--json"], ["stage", str(shared), "--json"])
+    assert [rc for rc, _, _ in got] == [0, 0], got
+    results = [json.loads(out) for _, out, _ in got]
+    assert {r["path"] for r in results} == {str(store / "shared")}
+    assert sorted(r["changed"] for r in results) == [False, True]
+    assert svc.run("evict", "shared").returncode == 0
+
+    a = make_ds(world / "data" / "a", files=12, size=256 * 1024)
+    b = make_ds(world / "data" / "b", files=12, size=256 * 1024)
+    got = both(["stage", str(a)], ["stage", str(b)])
+    assert sorted(rc for rc, _, _ in got) == [0, 2], got
+    refused = next(err for rc, _, err in got if rc == 2)
+    assert refused.startswith("Error: ") and "max_size" in refused, refused
+    assert sum((store / n).exists() for n in ("a", "b")) == 1

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
-from shmstage.cli.params import RESERVE, cluster_options, config_option
+from shmstage.cli.params import RESERVE, cluster_options, config_option, no_service_option
 
 
 def _log(message: str) -> None:
@@ -128,6 +128,7 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     "their cache max_size, its reserve the room kept free."
 )
 @cluster_options
+@no_service_option
 @click.argument(
     "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="[--] CMD [ARGS]..."
 )
@@ -149,6 +150,7 @@ def run_cmd(
     rendezvous: str | None,
     timeout: float,
     inflight: int,
+    no_service: bool,
     command: tuple[str, ...],
 ) -> None:
     """Stage datasets, then run CMD on the staged copy and return its exit status.
@@ -181,6 +183,7 @@ def run_cmd(
         config_path=config_path,
         log=_log,
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
+        service=not no_service,
     )
     if result.signal is not None:
         raise JobKilled(result.signal)  # cleaned up: now die of it (shmstage.cli.main)

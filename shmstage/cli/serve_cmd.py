@@ -15,7 +15,6 @@ from shmstage.errors import RefusedError
 @click.option(
     "--socket",
     "socket_path",
-    envvar="SHMSTAGE_SOCKET",
     type=click.Path(dir_okay=False),
     help="The Unix socket to listen on. Default: $SHMSTAGE_SOCKET, else /run/shmstage/shmstage.sock.",
 )

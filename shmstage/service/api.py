@@ -23,13 +23,16 @@ CREDENTIAL_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "AZURE_", "GCS_")
 
 
 def service_for(dest: str | os.PathLike[str] | None, service: bool = True) -> Connection | None:
-    """The service to route to: one answers, and every tier of ``dest`` is one of its."""
+    """The service to route to: one answers, and every tier of ``dest`` is one of its
+    (``dest`` None, no $SHMSTAGE_DEST: the service's tiers, the node's store)."""
     if not service:
         return None
     conn = connect()
-    if conn is None or not conn.serves(",".join(split(dest))):  # None: $SHMSTAGE_DEST, default
+    if conn is None:
         return None
-    return conn
+    if dest is None and not os.environ.get("SHMSTAGE_DEST"):
+        return conn
+    return conn if conn.serves(",".join(split(dest))) else None
 
 
 def credentials(environ: Mapping[str, str] | None = None) -> dict[str, str]:
