@@ -500,3 +500,24 @@ def test_concurrent_stagers_never_copy_twice_nor_overshoot_max_size(world, shmst
     refused = next(err for rc, _, err in got if rc == 2)
     assert refused.startswith("Error: ") and "max_size" in refused, refused
     assert sum((store / n).exists() for n in ("a", "b")) == 1
+
+
+def test_one_user_cannot_crowd_out_the_others(service, world, procs):
+    """Bob holding 70 silent connections: his next request is refused in one line; Alice is
+    served as usual."""
+    hog = (
+        "import socket,sys,time\n"
+        f"c=[socket.socket(socket.AF_UNIX) for _ in range(70)]\n"
+        f"[s.connect({str(service.socket)!r}) for s in c]\n"
+        "print('ready',flush=True);time.sleep(60)\n"
+    )
+    p = procs.start([*as_user(BOB), sys.executable, "-c", hog], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    r = service.run("list", uid=BOB)
+    assert r.returncode == 1
+    assert r.stderr == (
+        f"Error: uid {BOB} already has 64 requests open with the shmstage service: wait for "
+        "some to finish\n"
+    )
+    r = service.run("list", uid=ALICE)
+    assert r.returncode == 0 and r.stdout == "nothing staged\n", r.stderr

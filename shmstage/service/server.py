@@ -16,6 +16,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,8 @@ from shmstage.stage.cache.tiers import split
 # and exits 0.
 
 MAX_CONNECTIONS = 4096  # beyond this a connection is closed at once: the service stays up
+MAX_PER_USER = 64  # a user's connections at once (root: no limit): one cannot crowd out all
+PROGRESS_EVERY = 0.1  # seconds between "copying" frames (a terminal redraws no faster)
 SEND_TIMEOUT = 60.0  # a client that stops reading for this long loses its progress frames
 _PR_SET_PDEATHSIG = 1
 EXIT_SENT = 0  # the child's exit status once its last frame is written
@@ -88,6 +91,7 @@ class Service:
         self.reserve = node_reserve(config_path)
         self.stopping = threading.Event()
         self.children: dict[int, int] = {}  # pid -> pidfd, of running requests
+        self.per_user: dict[int, int] = {}  # uid -> its connections now
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.listener: socket.socket | None = None
@@ -206,8 +210,24 @@ class Service:
     # --- one connection -----------------------------------------------------------------
 
     def _connection(self, conn: socket.socket, log: Callable[[str], None]) -> None:
+        conn.settimeout(SEND_TIMEOUT)  # a reply to a client that never reads cannot hang us
         try:
             who = peer(conn)
+        except OSError:  # gone already
+            conn.close()
+            self.slots.release()
+            return
+        with self.lock:
+            mine = self.per_user.get(who.uid, 0) + 1
+            self.per_user[who.uid] = mine
+        try:
+            if who.uid != 0 and mine > MAX_PER_USER:
+                busy = ShmstageError(
+                    f"uid {who.uid} already has {MAX_PER_USER} requests open with the "
+                    "shmstage service: wait for some to finish"
+                )
+                _send(conn, ERROR, remote_error(busy))
+                return
             try:
                 request = parse_request(read_request(conn))
             except ProtocolError as e:
@@ -232,6 +252,10 @@ class Service:
             log("error in a request:\n" + traceback.format_exc())
         finally:
             conn.close()
+            with self.lock:
+                self.per_user[who.uid] -= 1
+                if not self.per_user[who.uid]:
+                    del self.per_user[who.uid]
             self.slots.release()
 
     def _in_child(
@@ -356,9 +380,17 @@ def _child(
         os.close(service.wake_w)
         conn.settimeout(SEND_TIMEOUT)
         adopt_groups(caller)
-        live = [True]
+        live, last = [True], [0.0]
 
         def progress(event: Any) -> None:
+            now = time.monotonic()
+            if (
+                getattr(event, "phase", None) == "copying"
+                and now - last[0] < PROGRESS_EVERY
+                and event.bytes_done < event.bytes_total
+            ):
+                return  # the terminal would not draw it: spare the pickling
+            last[0] = now
             if live[0] and not _send(conn, PROGRESS, event):
                 live[0] = False  # the client stopped reading: go on without telling it
 
