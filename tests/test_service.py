@@ -521,3 +521,30 @@ def test_one_user_cannot_crowd_out_the_others(service, world, procs):
     )
     r = service.run("list", uid=ALICE)
     assert r.returncode == 0 and r.stdout == "nothing staged\n", r.stderr
+
+
+def test_sigterm_mid_stage_stops_the_copy_tells_the_client_and_exits_0(world, shmstage_bin, procs):
+    """SIGTERM while a stage runs: the child's copy is killed (its partial copy kept, to
+    resume), the client gets one line and exit 1, the service removes its socket, exits 0."""
+    svc = Service(world, shmstage_bin, procs)
+    svc.start(**{copier.SLOW_ENV: "0.3"})
+    src = make_ds(world / "data" / "ds", files=12, uid=ALICE)
+    client = procs.start(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--workers", "1"],
+        env=svc.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    partial = svc.store / ".shmstage" / "partial" / "ds"
+    deadline = time.monotonic() + 60
+    while len(list(partial.glob("f*"))) < 2:
+        assert client.poll() is None and time.monotonic() < deadline, client.communicate()
+        time.sleep(0.02)
+    svc.proc.send_signal(signal.SIGTERM)
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == 1 and out == ""
+    assert err == (
+        f"Error: the shmstage service on {svc.socket} stopped mid-request: run the command "
+        "again (once it is back); a partial copy resumes\n"
+    )
+    assert svc.proc.wait(timeout=30) == 0
+    assert not svc.socket.exists()
+    assert partial.exists() and not (svc.store / "ds").exists()
