@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from shmstage.stage.build import copier
@@ -362,6 +363,7 @@ def test_garbage_half_and_oversized_requests_then_a_good_client(service, world):
         b'{"v":1,"op":"stage","args":{"src":"relative"}}\n',
         b'{"v":1,"op":"stage","args":{"src":"/x","uid":0}}\n',
         b'{"v":2,"op":"hello","args":{}}\n',
+        b"[" * 200_000 + b"\n",  # deeper than Python's json recursion
         b'{"v":1,"op":"hello"',  # half a line, then nothing: the deadline
         b"x" * (2 << 20),
     ):
@@ -548,3 +550,31 @@ def test_sigterm_mid_stage_stops_the_copy_tells_the_client_and_exits_0(world, sh
     assert svc.proc.wait(timeout=30) == 0
     assert not svc.socket.exists()
     assert partial.exists() and not (svc.store / "ds").exists()
+
+
+def test_a_client_killed_mid_stage_stops_its_copy(world, shmstage_bin, procs):
+    """The client SIGKILLed mid-copy: the service stops that request (the engine cleans up
+    as on ^C: no partial, no copier left) and goes on serving."""
+    svc = Service(world, shmstage_bin, procs)
+    svc.start(**{copier.SLOW_ENV: "0.3"})
+    src = make_ds(world / "data" / "ds", files=12, uid=ALICE)
+    client = procs.start(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--workers", "1"],
+        env=svc.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    partial = svc.store / ".shmstage" / "partial" / "ds"
+    deadline = time.monotonic() + 60
+    while len(list(partial.glob("f*"))) < 2:
+        assert client.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    client.kill()
+    client.wait()
+    while partial.exists():
+        assert time.monotonic() < deadline, "the copy went on without its client"
+        time.sleep(0.05)
+    assert not (svc.store / "ds").exists()
+    while psutil.Process(svc.proc.pid).children(recursive=True):  # the child, its copier
+        assert time.monotonic() < deadline, "a child of the service outlived its request"
+        time.sleep(0.05)
+    r = svc.run("stage", str(src), "-q", uid=ALICE)
+    assert r.returncode == 0 and r.stdout == f"{svc.store}/ds\n", r.stderr

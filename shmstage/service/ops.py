@@ -17,7 +17,7 @@ from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.stage import engine
 from shmstage.stage.cache.tiers import holding, joined, split
 from shmstage.stage.store.layout import Store
-from shmstage.stage.store.names import name_for
+from shmstage.stage.store.names import check_name, name_for
 
 try:  # issue 22's identity layer (helper A); until it lands: the same fields, groups only
     from shmstage.identity import Caller, adopt_groups
@@ -224,6 +224,8 @@ def op_evict(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
     with --force (that takes data from under a running job) nor --all/--older-than."""
     dest = tiers_of(service, a.get("dest"))
     name = a.get("name")
+    if name is not None:
+        check_name(name)
     if not caller.is_root:
         if a.get("force"):
             raise PermissionDenied("only root may evict with --force through the shmstage service")

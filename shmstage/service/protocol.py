@@ -141,7 +141,7 @@ def parse_request(line: bytes) -> Request:
     """The request in ``line``, checked: version, a known op, only its keys, each of its type."""
     try:
         msg = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: [[[[...
         raise ProtocolError("bad request: not one JSON line") from None
     if not isinstance(msg, dict) or set(msg) != {"v", "op", "args"}:
         raise ProtocolError('bad request: expected {"v": 1, "op": ..., "args": {...}}')

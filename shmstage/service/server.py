@@ -191,8 +191,9 @@ class Service:
                 with contextlib.suppress(OSError):
                     os.unlink(self.path)
             self._kill_children()
+            end = time.monotonic() + 10  # for all of them: a reply to write, then gone
             for w in workers:
-                w.join(timeout=10)
+                w.join(timeout=max(0.0, end - time.monotonic()))
             self.close()
 
     def _stop(self, signum: int, frame: Any) -> None:
@@ -310,7 +311,9 @@ class Service:
         ^C).  ``done`` turns readable (or hangs up) once the child is writing its answer."""
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        poller.register(conn.fileno(), select.POLLIN | select.POLLHUP)
+        # Hang-up only (POLLHUP is always reported): a client that merely shuts down its
+        # sending side, or sends more, still gets its answer.
+        poller.register(conn.fileno(), 0)
         poller.register(done, select.POLLIN)
         watching = True
         while True:
