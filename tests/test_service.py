@@ -197,6 +197,8 @@ def test_output_through_the_service_is_todays(service, world):
         ("verify", "ds", "--json"),
         ("evict", "ds", "--dry-run"),
         ("gc", "--dry-run"),
+        ("stage", str(src), "--dry-run"),
+        ("stage", str(src), "--json", "--dry-run"),
     ):
         via = service.run(*args)
         here = service.run(*args, "--no-service")

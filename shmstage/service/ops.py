@@ -21,7 +21,10 @@ from shmstage.stage.store.names import check_name, name_for
 
 try:  # issue 22's identity layer (helper A); until it lands: the same fields, groups only
     from shmstage.identity import Caller, adopt_groups
+
+    READS_AS_CALLER = True  # the engine's stage/plan/verify take reader= and credentials=
 except ImportError:  # pragma: no cover - removed once shmstage.identity is in main
+    READS_AS_CALLER = False
 
     @dataclass(frozen=True)
     class Caller:  # type: ignore[no-redef]
@@ -86,14 +89,12 @@ def tiers_of(service: Any, dest: str | None) -> str:
 
 
 def _reader(fn: Callable[..., Any], caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
-    """``reader=``/``credentials=`` where the engine takes them (helper A's plumbing)."""
+    """``reader=``/``credentials=`` for the engine: it reads the source as the caller, with
+    the caller's object-store settings (helper A's plumbing; nothing until it is there)."""
     params = inspect.signature(fn).parameters
-    kw: dict[str, Any] = {}
-    if "reader" in params:
-        kw["reader"] = caller
-    if "credentials" in params:
-        kw["credentials"] = dict(args.get("credentials") or {})
-    return kw
+    if not READS_AS_CALLER and "reader" not in params:
+        return {}
+    return {"reader": caller, "credentials": dict(args.get("credentials") or {})}
 
 
 def _grant(ds: Any, caller: Caller) -> None:
