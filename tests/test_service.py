@@ -61,6 +61,7 @@ class Service:
             **os.environ,
             "SHMSTAGE_SOCKET": str(self.socket),
             "SHMSTAGE_CONFIG": str(self.config),
+            "SHMSTAGE_STATE_DIR": str(world / "state"),  # the lease keeper's, not the node's
         }
         self.env.pop("SHMSTAGE_DEST", None)
         self.proc: subprocess.Popen | None = None
