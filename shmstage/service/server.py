@@ -377,6 +377,10 @@ def _child(
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        # Fds of the service stay open here (a fork copies them all), harmless because
+        # none is waited on for EOF: clients end on their last frame, the keeper releases
+        # a lease with LOCK_UN (one open file: every copy lets go).  Only the listener goes,
+        # so a stopped service's socket is never held open by a long stage.
         if service.listener is not None:
             service.listener.close()
         os.close(service.wake_r)
