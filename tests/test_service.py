@@ -304,10 +304,26 @@ def test_a_user_on_a_root_store_with_no_service_is_told_what_to_do(world, shmsta
     )  # fmt: skip
     assert r.returncode == 2
     assert r.stderr == (
-        f"Error: {store} is managed by root and no shmstage service answers on {sock}: ask an "
+        f"Error: b is not staged in {store}; "
+        f"{store} is managed by root and no shmstage service answers on {sock}: ask an "
         "admin to start it (systemctl start shmstage) or stage into a directory of your own "
         "with --dest, e.g. --dest /dev/shm/shmstage-$USER\n"
     )
+    dry = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--dest", str(store), "--dry-run"],
+        env={**os.environ, "SHMSTAGE_SOCKET": str(sock)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert (dry.returncode, dry.stderr) == (r.returncode, r.stderr)
+    gone = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "evict", "a", "--dest", str(store)],
+        env={**os.environ, "SHMSTAGE_SOCKET": str(sock)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert gone.returncode == 2 and f"no shmstage service answers on {sock}" in gone.stderr
+    forced = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--dest", str(store), "--no-service"],
+        env={**os.environ, "SHMSTAGE_SOCKET": str(sock)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert forced.returncode == 2 and "may not write there" in forced.stderr  # today's words
 
 
 def test_the_client_refuses_a_socket_another_user_owns(world, shmstage_bin, procs):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shmstage.service.protocol import socket_path
 from shmstage.stage.build import copier
 
 pytestmark = [
@@ -334,11 +335,10 @@ def test_non_root_user_uses_what_root_staged_and_is_told_what_else_needs_root(
     assert busy.returncode == 2 and "Error: pub is in use by pid " in busy.stderr, busy.stderr
     held.terminate()  # run passes it to the job and exits
     held.wait(timeout=30)
-    managed = (
-        f"{dest} is managed by root and you (uid {NOBODY}) may not write there: you can use the "
-        "datasets staged there and current (`shmstage stage`, `shmstage run --stage` hand them "
-        "out), but not stage, restage or remove any; ask root to, or use your own --dest, "
-        "e.g. --dest /dev/shm/shmstage-$USER"
+    managed = (  # no service answers (issue 22 item 8)
+        f"{dest} is managed by root and no shmstage service answers on {socket_path()}: ask "
+        "an admin to start it (systemctl start shmstage) or stage into a directory of your "
+        "own with --dest, e.g. --dest /dev/shm/shmstage-$USER"
     )
     other = world / "other"
     other.mkdir()
@@ -605,7 +605,7 @@ def test_non_root_new_dataset_on_a_root_store_is_one_clear_line_with_or_without_
     other = world / "other"
     other.mkdir()
     (other / "g").write_text("x\n")
-    managed = f"Error: other is not staged in {dest}; {dest} is managed by root and you (uid"
+    managed = f"Error: other is not staged in {dest}; {dest} is managed by root and no shmstage"
     for extra in ([], ["--dry-run"]):
         new = subprocess.run(
             [*as_user(NOBODY), *shmstage_bin, "stage", str(other), *extra],

@@ -180,8 +180,8 @@ def stage_cmd(
             force=force, strip_components=strip_components, service=not no_service,
         )  # fmt: skip
         click.echo(dumps(p) if as_json else _render_plan(p))
-        if p.tier is None:
-            raise refusal(p.name, p.skipped)  # what the real run would say
+        if p.tier is None:  # what the real run would say
+            raise api.refused(refusal(p.name, p.skipped), dest, not no_service)
         return
     if spec is not None and not no_service and not quiet:
         conn = api.service_for(dest)

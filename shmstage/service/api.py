@@ -50,23 +50,33 @@ def _dest_arg(dest: str | os.PathLike[str] | None) -> str | None:
     return None if dest is None else ",".join(absolute(t) for t in split(dest))
 
 
-def _no_service_line(dest: str | os.PathLike[str] | None) -> Callable[[RefusedError], None]:
-    """Item 8: a user's write refused on a root-managed store, no service answering: say
-    so, and what to do (start the service, or stage into a directory of their own)."""
+def no_service_line(tier: str) -> str:
+    """Item 8: what a user is told when root manages ``tier`` and no service answers."""
+    return (
+        f"{tier} is managed by root and no shmstage service answers on {socket_path()}: ask "
+        "an admin to start it (systemctl start shmstage) or stage into a directory of your "
+        "own with --dest, e.g. --dest /dev/shm/shmstage-$USER"
+    )
 
-    def check(e: RefusedError) -> None:
-        if os.geteuid() == 0:
-            return
-        for tier in split(dest):
-            if managed_by(Store(tier).dest, 0) in str(e):
-                raise RefusedError(
-                    f"{tier} is managed by root and no shmstage service answers on "
-                    f"{socket_path()}: ask an admin to start it (systemctl start shmstage) "
-                    "or stage into a directory of your own with --dest, e.g. "
-                    "--dest /dev/shm/shmstage-$USER"
-                ) from None
 
-    return check
+def explained(text: str, dest: str | os.PathLike[str] | None) -> str:
+    """``text`` with the engine's "managed by root" sentence (a user's write refused on
+    root's store) made the item-8 line: start the service, or use a directory of one's own."""
+    if os.geteuid() == 0:
+        return text
+    for tier in split(dest):
+        store = Store(tier).dest
+        text = text.replace(managed_by(store, 0), no_service_line(store))
+    return text
+
+
+def refused(e: RefusedError, dest: Any, service: bool = True) -> RefusedError:
+    """``e``, or (run in-process for want of a service, on root's store) the same refusal
+    saying that no service answers and what to do."""
+    if not service:  # --no-service: the user chose this process; today's words
+        return e
+    told = explained(str(e), dest)
+    return e if told == str(e) else RefusedError(told)
 
 
 def _in_process(fn: Callable[..., Any], where: Any, service: bool, /, *a: Any, **kw: Any) -> Any:
@@ -74,9 +84,10 @@ def _in_process(fn: Callable[..., Any], where: Any, service: bool, /, *a: Any, *
     try:
         return fn(*a, **kw)
     except RefusedError as e:
-        if service:  # --no-service: the user chose this process; today's words
-            _no_service_line(where)(e)
-        raise
+        told = refused(e, where, service)
+        if told is e:
+            raise
+        raise told from None
 
 
 def stage(
