@@ -6,6 +6,7 @@ after a problem so that a single run lists them all.
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 from typing import Any, Callable
@@ -21,9 +22,13 @@ from shmstage.config.model import (
     NodeConfig,
     PillowSimdConfig,
     Problem,
+    ServiceConfig,
+    ShareConfig,
     ShmConfig,
+    StoreTmpfsConfig,
     TierConfig,
 )
+from shmstage.paths import is_within
 from shmstage.sizes import SizeError, check_reserve, is_percent, parse_size
 from shmstage.stage.store import name_for
 
@@ -92,6 +97,7 @@ class _Checker:
     def __init__(self, loader: yaml.SafeLoader) -> None:
         self.loader = loader
         self.problems: list[Problem] = []
+        self.store_path_node: _Node | None = None  # for a problem found after the section
 
     def fail(self, key: str, node: _Node | None, reason: str) -> Any:
         self.problems.append(Problem(key, _line(node), reason))
@@ -217,7 +223,13 @@ class _Checker:
         return value
 
     def size(
-        self, key: str, node: _Node, *, percent: bool = False, auto: bool = False, zero: bool = False
+        self,
+        key: str,
+        node: _Node,
+        *,
+        percent: bool = False,
+        auto: bool = False,
+        zero: bool = False,
     ) -> Any:
         value = self.scalar(key, node)
         if value is _MISSING:
@@ -270,11 +282,23 @@ class _Checker:
                 "datasets": self.datasets,
                 "pillow_simd": self.pillow_simd,
                 "loader": self.loader_section,
+                "service": self.service,
+                "store_tmpfs": self.store_tmpfs,
+                "shares": self.shares,
             },
         )
         shm = top.get("shm", ShmConfig())
-        # Staged copies live on the shm mount unless `dest` says otherwise.
-        tiers = top.get("dest") or (TierConfig(os.path.join(shm.path, "shmstage")),)
+        store = top.get("store_tmpfs")
+        if store is not None and is_within(store.path, shm.path):
+            self.fail(
+                "store_tmpfs.path",
+                self.store_path_node,
+                f"{store.path} is on the shm tmpfs ({shm.path}); the store's own tmpfs needs a "
+                "path of its own, e.g. /var/cache/shmstage",
+            )
+        # Staged copies live on the store's tmpfs, else the shm mount, unless `dest` says otherwise.
+        home = store.path if store is not None else shm.path
+        tiers = top.get("dest") or (TierConfig(os.path.join(home, "shmstage")),)
         return NodeConfig(
             path=path,
             version=top.get("version", VERSION),
@@ -285,6 +309,9 @@ class _Checker:
             datasets=top.get("datasets", ()),
             pillow_simd=top.get("pillow_simd", PillowSimdConfig()),
             loader=top.get("loader", LoaderConfig()),
+            service=top.get("service", ServiceConfig()),
+            store_tmpfs=store,
+            shares=top.get("shares", ()),
         )
 
     def dest(self, key: str, node: _Node) -> Any:
@@ -457,3 +484,127 @@ class _Checker:
         if value is _MISSING:
             return value
         return self.integer(key, node, 0)
+
+    # -- the node service: its switch, the store's own tmpfs, who else may read a copy -----
+
+    def service(self, key: str, node: _Node) -> Any:
+        fields = self.mapping(key, node, {"enabled": self.boolean, "socket": self.abspath})
+        return ServiceConfig(**fields)
+
+    def store_tmpfs(self, key: str, node: _Node) -> Any:
+        fields = self.mapping(
+            key,
+            node,
+            {
+                "path": self.store_path,
+                "size": lambda k, n: self.size(k, n, percent=True),
+                "mode": self.mode,
+                "fstab": self.abspath,
+            },
+        )
+        if not isinstance(node, yaml.MappingNode):
+            return _MISSING
+        written = {self.peek(k) for k, _ in node.value}
+        missing = [k for k in ("path", "size") if k not in written]
+        if missing:
+            what = " and ".join(missing)
+            return self.fail(
+                key, node, f"missing {what}; e.g. {{path: /var/cache/shmstage, size: 64G}}"
+            )
+        if "path" not in fields or "size" not in fields:
+            return _MISSING  # already reported
+        return StoreTmpfsConfig(**fields)
+
+    def store_path(self, key: str, node: _Node) -> Any:
+        self.store_path_node = node
+        value = self.abspath(key, node)
+        if value is _MISSING:
+            return value
+        if value == "/" or is_within(value, "/dev/shm"):
+            return self.fail(
+                key,
+                node,
+                f"{value} cannot hold the store's own tmpfs; use a directory of its own such as "
+                "/var/cache/shmstage (not / nor /dev/shm, which Slurm and Kubernetes give each job privately)",
+            )
+        return value
+
+    def mode(self, key: str, node: _Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            return self.fail(key, node, f"expected a single value, got {_kind(node)}")
+        text = str(node.value).strip()  # as written: YAML reads an unquoted 0755 as 493
+        if not re.fullmatch(r"[0-7]{3,4}", text):
+            return self.fail(
+                key, node, f'{text!r} is not an octal file mode; use e.g. "0755" or "1777"'
+            )
+        return text.zfill(4)
+
+    def shares(self, key: str, node: _Node) -> Any:
+        if not isinstance(node, yaml.SequenceNode):
+            value = self.peek(node)
+            if value is None and isinstance(node, yaml.ScalarNode):
+                return ()  # `shares:` with nothing under it
+            return self.fail(key, node, f"expected a list of shares, got {_kind(node, value)}")
+        out: list[ShareConfig] = []
+        seen: dict[str, int] = {}
+        for i, item in enumerate(node.value):
+            ikey = f"{key}[{i}]"
+            fields = self.mapping(
+                ikey,
+                item,
+                {"source": self.share_source, "group": self.group, "everyone": self.boolean},
+            )
+            if not isinstance(item, yaml.MappingNode):
+                continue
+            written = {self.peek(k) for k, _ in item.value}
+            if "source" not in written:
+                self.fail(
+                    f"{ikey}.source", item, "missing; every share needs an object-store prefix"
+                )
+                continue
+            everyone = fields.get("everyone", False)
+            if "group" in written and everyone:
+                self.fail(ikey, item, "give group or everyone: true, not both")
+                continue
+            if "group" not in written and not everyone:
+                self.fail(ikey, item, "missing group; name a group (or gid), or say everyone: true")
+                continue
+            if "source" not in fields or ("group" in written and "group" not in fields):
+                continue  # already reported
+            source = fields["source"]
+            if source in seen:
+                self.fail(
+                    f"{ikey}.source", item, f"{source} is shared twice (also {key}[{seen[source]}])"
+                )
+                continue
+            seen[source] = i
+            gid, group = fields.get("group", (None, None))
+            out.append(ShareConfig(source, gid, everyone, group))
+        return tuple(out)
+
+    def share_source(self, key: str, node: _Node) -> Any:
+        """An object-store prefix: a directory's copy keeps the source's owner, group and mode."""
+        from shmstage.stage.sources import kinds as sources
+
+        if not (isinstance(node, yaml.ScalarNode) and sources.is_url(str(node.value))):
+            return self.fail(
+                key,
+                node,
+                f"expected an object-store prefix (s3://, gs://, az://), got {_kind(node, self.peek(node))}; "
+                "a directory's copy keeps its source's owner, group and mode",
+            )
+        return self.source(key, node)
+
+    def group(self, key: str, node: _Node) -> Any:
+        """A group name (looked up on this node) or a gid: (gid, as written)."""
+        value = self.scalar(key, node)
+        if value is _MISSING:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value, str(value)
+        if not isinstance(value, str) or not value:
+            return self.fail(key, node, f"expected a group name or gid, got {_kind(node, value)}")
+        try:
+            return grp.getgrnam(value).gr_gid, value
+        except KeyError:
+            return self.fail(key, node, f"no group {value!r} on this node (getent group {value})")
