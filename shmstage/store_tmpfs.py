@@ -98,8 +98,9 @@ def plan_store_mount(
             )
         options = []
         if -(-current_size(mount, real) // PAGE_SIZE) * PAGE_SIZE != new:
-            options.append(plan_remount(size, real, memory=mem, proc=proc).size_option)
-            options[-1] = f"size={options[-1]}"
+            # The config is explicit, so a smaller size is applied; never below what is used.
+            resize = plan_remount(size, real, shrink=True, memory=mem, proc=proc)
+            options.append(f"size={resize.size_option}")
         if mpol is not None and not _same_mpol(mount.option("mpol"), mpol):
             options.append(f"mpol={mpol}")
         if options:

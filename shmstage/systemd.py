@@ -104,10 +104,14 @@ def plan_units(
     systemd = os.path.isdir(running)
     actions: list[str] = []
     if systemd:
-        stale = _systemctl(
-            "show", "--property=NeedDaemonReload", "--value", SERVICE, check=False
-        ).stdout.strip()
-        if to_write or stale == "yes":
+        shown = _systemctl(
+            "show", "--property=NeedDaemonReload,LoadState", SERVICE, check=False
+        ).stdout.splitlines()
+        state = dict(line.partition("=")[::2] for line in shown)
+        # A unit file written behind systemd's back (by the Ansible role, say) is not loaded
+        # yet, or loaded stale: reload before enabling and starting it.
+        stale = state.get("NeedDaemonReload") == "yes" or state.get("LoadState") == "not-found"
+        if to_write or stale:
             actions.append("daemon-reload")
         if _systemctl("is-enabled", "--quiet", SERVICE, check=False).returncode != 0:
             actions.append(f"enable {SERVICE}")

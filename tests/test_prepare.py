@@ -388,7 +388,8 @@ def test_two_prepares_on_one_node_take_turns(tmp_path, private_prepare_lock):
 # -- the node service's steps: its systemd units, the store's own tmpfs (issue 22) ---------
 
 # systemctl where no systemd runs: keeps each unit's enabled/active state in a JSON file and
-# logs every call but `show`, one line each; `show` answers NeedDaemonReload from the state.
+# logs every call but `show`, one line each; `show` answers NeedDaemonReload and LoadState
+# (not-found until the first daemon-reload) from the state.
 FAKE_SYSTEMCTL = """#!{python}
 import json, os, sys
 state_path, log_path = os.environ["FAKE_SYSTEMCTL_STATE"], os.environ["FAKE_SYSTEMCTL_LOG"]
@@ -397,7 +398,8 @@ state = json.load(open(state_path)) if os.path.exists(state_path) else {{}}
 verb, unit = args[0], (args[1] if len(args) > 1 else None)
 u = state.setdefault(unit, {{"enabled": False, "active": False}}) if unit else None
 if verb == "show":
-    print("yes" if state.get("stale") else "no")
+    print("NeedDaemonReload=" + ("yes" if state.get("stale") else "no"))
+    print("LoadState=" + ("loaded" if state.get("loaded") else "not-found"))
     sys.exit(0)
 with open(log_path, "a") as f:
     f.write(" ".join(args) + "\\n")
@@ -410,7 +412,7 @@ if verb == "enable":
 elif verb in ("start", "restart"):
     u["active"] = True
 elif verb == "daemon-reload":
-    state["stale"] = False
+    state["stale"], state["loaded"] = False, True
 json.dump(state, open(state_path, "w"))
 """
 
@@ -691,3 +693,56 @@ def test_store_tmpfs_refuses_to_hide_files_or_replace_another_mount(tmp_path, tm
         "would hide them: empty it or choose another store_tmpfs.path"
     )
     assert (busy / "keep.txt").exists() and fstab.read_text() == ""
+
+
+def test_units_written_behind_systemds_back_are_loaded_before_the_start(tmp_path, systemctl):
+    """Units already in place (the Ansible role writes them first) but never loaded: prepare
+    writes nothing, and reloads systemd before enabling and starting the service."""
+    from shmstage import systemd
+    from shmstage.config import load_config
+    from shmstage.prepare import prepare
+
+    config = service_config(tmp_path)
+    units, running = tmp_path / "units", tmp_path / "run-systemd-system"
+    units.mkdir()
+    running.mkdir()
+    for name in systemd.UNITS:
+        text = systemd.render(name, command=systemd.shmstage_command(), config=str(config))
+        (units / name).write_text(text)
+    report = prepare(load_config(config), systemd_dir=str(units), systemd_running=str(running))
+    service = next(s for s in report.steps if s.step == "service")
+    assert (service.status, service.detail) == (
+        "changed",
+        "ran systemctl daemon-reload, enable shmstage.service, start shmstage.service",
+    )
+    assert systemctl() == ["daemon-reload", "enable shmstage.service", "start shmstage.service"]
+
+
+@pytest.mark.root
+def test_store_tmpfs_shrinks_to_the_config_but_never_below_what_it_holds(tmp_path):
+    """A smaller store_tmpfs.size is applied by a remount; one below the bytes in use is
+    refused with what to do, and the mount and fstab stay as they were."""
+    from shmstage.config import load_config
+    from shmstage.prepare import prepare
+
+    store, fstab = tmp_path / "store", tmp_path / "fstab"
+    fstab.write_text("")
+
+    def converge(size: str):
+        config = write_config(
+            tmp_path / "node.yaml",
+            f"shm: {{path: {shm_dir(tmp_path)}}}\n"
+            f"store_tmpfs: {{path: {store}, size: {size}, fstab: {fstab}}}\n",
+        )
+        return prepare(load_config(config))
+
+    try:
+        assert not converge("16M").failed
+        assert converge("8M").steps[-2].detail.startswith(f"mount -o remount,size=8M {store}")
+        assert mountinfo_options(store)["size"] == "8192k"
+        (store / "fill").write_bytes(os.urandom(6 << 20))
+        report = converge("4M")
+        assert report.failed and "refusing to shrink" in report.error, report.error
+        assert mountinfo_options(store)["size"] == "8192k" and "size=8M" in fstab.read_text()
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)
