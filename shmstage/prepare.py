@@ -1,8 +1,9 @@
 """``shmstage prepare``: converge a node to its YAML config, idempotently.
 
 Steps run in order (inspect, size the tmpfs, the store's own tmpfs and the node service's
-units where the config asks, stage each dataset, pillow-simd) and each reports ok / changed / skipped / failed (or would-change under ``dry_run``).  The first
-failed step stops the run; what earlier steps did stays in place.
+units where the config asks, stage each dataset, pillow-simd) and each reports ok / changed /
+skipped / failed (or would-change under ``dry_run``).  The first failed step stops the run;
+what earlier steps did stays in place.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from shmstage import system
 from shmstage.capacity import MEMORY_BACKED, RESERVE_CAP
-from shmstage.config import DatasetConfig, NodeConfig
+from shmstage.config import DEFAULT_PATH, DatasetConfig, NodeConfig
 from shmstage.errors import ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size, parse_size
@@ -253,7 +254,7 @@ def _store_tmpfs(config: NodeConfig, dry_run: bool, sys_root: str) -> tuple[str,
 def _service(config: NodeConfig, dry_run: bool, directory: str, running: str) -> tuple[str, str]:
     from shmstage import systemd
 
-    conf = os.path.abspath(config.path or "/etc/shmstage.yaml")
+    conf = os.path.abspath(config.path or DEFAULT_PATH)
     plan = systemd.plan_units(conf, directory=directory, running=running)
     not_running = (
         "systemd is not running here, so the service was not started: run `shmstage serve` yourself"
