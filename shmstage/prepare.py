@@ -256,9 +256,7 @@ def _service(config: NodeConfig, dry_run: bool, directory: str, running: str) ->
 
     conf = os.path.abspath(config.path or DEFAULT_PATH)
     plan = systemd.plan_units(conf, directory=directory, running=running)
-    not_running = (
-        "systemd is not running here, so the service was not started: run `shmstage serve` yourself"
-    )
+    not_running = "systemd is not running here: no service started (run `shmstage serve` yourself)"
     if not plan.changed:
         if not plan.systemd:
             return OK, f"units up to date in {directory}; {not_running}"

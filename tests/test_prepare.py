@@ -470,8 +470,8 @@ def test_service_units_are_written_once_and_not_started_without_systemd(runner, 
     assert [s for s, _ in statuses(report)] == ["inspect", "shm-size", "service", "pillow-simd"]
     assert step(report, "service") == (
         "changed",
-        f"wrote shmstage.slice, shmstage.service in {units}; systemd is not running here, so "
-        "the service was not started: run `shmstage serve` yourself",
+        f"wrote shmstage.slice, shmstage.service in {units}; systemd is not running here: "
+        "no service started (run `shmstage serve` yourself)",
     )
     service = (units / "shmstage.service").read_text()
     assert f"\nExecStart={shmstage_command()} serve --config {config}\n" in service
@@ -492,8 +492,8 @@ def test_service_units_are_written_once_and_not_started_without_systemd(runner, 
     assert report["changed"] is False
     assert step(report, "service") == (
         "ok",
-        f"units up to date in {units}; systemd is not running here, so the service was not "
-        "started: run `shmstage serve` yourself",
+        f"units up to date in {units}; systemd is not running here: no service started "
+        "(run `shmstage serve` yourself)",
     )
     write_config(config, f"shm: {{path: {tmp_path}}}\ndest: {tmp_path / 'dest'}\n")
     assert "service" not in [s for s, _ in statuses(run_json(runner, cli, config, *argv)[1])]
