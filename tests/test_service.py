@@ -526,11 +526,14 @@ def test_concurrent_stagers_never_copy_twice_nor_overshoot_max_size(world, shmst
 def test_one_user_cannot_crowd_out_the_others(service, world, procs):
     """Bob holding 70 silent connections: his next request is refused in one line; Alice is
     served as usual."""
-    hog = (
-        "import socket,sys,time\n"
-        f"c=[socket.socket(socket.AF_UNIX) for _ in range(70)]\n"
-        f"[s.connect({str(service.socket)!r}) for s in c]\n"
-        "print('ready',flush=True);time.sleep(60)\n"
+    hog = (  # 70 fresh connections every second: each lives 5 s unanswered, then a new batch
+        "import socket,time\n"
+        "held=[]\n"
+        "while True:\n"
+        " batch=[socket.socket(socket.AF_UNIX) for _ in range(70)]\n"
+        f" [s.connect({str(service.socket)!r}) for s in batch]\n"
+        " held=held[-140:]+batch\n"
+        " print('ready',flush=True);time.sleep(1)\n"
     )
     p = procs.start([*as_user(BOB), sys.executable, "-c", hog], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "ready\n"
@@ -597,3 +600,18 @@ def test_a_client_killed_mid_stage_stops_its_copy(world, shmstage_bin, procs):
         time.sleep(0.05)
     r = svc.run("stage", str(src), "-q", uid=ALICE)
     assert r.returncode == 0 and r.stdout == f"{svc.store}/ds\n", r.stderr
+
+
+def test_the_node_configs_socket_is_used_by_service_and_clients(world, shmstage_bin, procs):
+    """service.socket in the node config, no $SHMSTAGE_SOCKET: serve listens there and a
+    user's stage finds it (the copy is made by the service, in root's store)."""
+    sock = world / "sock" / "node.sock"
+    svc = Service(world, shmstage_bin, procs)
+    svc.config.write_text(f"version: 1\ndest: {svc.store}\nservice:\n  socket: {sock}\n")
+    svc.env.pop("SHMSTAGE_SOCKET")
+    svc.socket = sock
+    svc.start()
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    r = svc.run("stage", str(src), "-q", uid=ALICE)
+    assert r.returncode == 0 and r.stdout == f"{svc.store}/ds\n", r.stderr
+    assert os.stat(svc.store).st_uid == 0

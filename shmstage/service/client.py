@@ -70,8 +70,8 @@ class Connection:
 
 
 def connect(path: str | None = None) -> Connection | None:
-    """The service on ``path`` (else $SHMSTAGE_SOCKET, else /run/shmstage/shmstage.sock), or
-    None when nothing answers there."""
+    """The service on ``path`` (else $SHMSTAGE_SOCKET, else the node config's, else
+    /run/shmstage/shmstage.sock), or None when nothing answers there."""
     where = socket_path(path)
     sock = _open(where, timeout=CONNECT_TIMEOUT)
     if sock is None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from shmstage import __version__
 from shmstage.config import configured, node_reserve
-from shmstage.errors import RefusedError, ShmstageError
+from shmstage.errors import Interrupted, RefusedError, ShmstageError
 from shmstage.libc import load_libc
 from shmstage.service import ops
 from shmstage.service.ops import Caller, adopt_groups
@@ -57,7 +57,7 @@ from shmstage.stage.cache.tiers import split
 #                                                  │        reading as the caller; writes its
 #                                                  │        progress/result/error frames itself
 #                                                  │ waits on the child's pidfd and on the
-#                                                  │ connection: a client gone -> SIGTERM
+#                                                  │ connection: a client gone -> SIGHUP
 #                                                  │ (the engine cleans up, as on ^C)
 #                                                  ▼
 #                                                child dead without its last frame -> an
@@ -84,7 +84,7 @@ class Service:
     """The service's state: its socket, tiers and config, and the children it runs."""
 
     def __init__(self, path: str | None = None, config_path: str | None = None) -> None:
-        self.path = socket_path(path)
+        self.path = socket_path(path, config_path, strict=True)
         self.config_path = config_path
         dest, self.policies = configured(None, config_path)
         self.tiers = split(dest)
@@ -307,7 +307,7 @@ class Service:
 
     def _wait(self, pid: int, pidfd: int, conn: socket.socket, done: int) -> int:
         """The child's wait status; a client that hangs up before the child has its answer
-        gets its request stopped (SIGTERM to the child's group: the engine cleans up as on
+        gets its request stopped (SIGHUP to the child's group: the engine cleans up as on
         ^C).  ``done`` turns readable (or hangs up) once the child is writing its answer."""
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
@@ -327,7 +327,7 @@ class Service:
                 poller.unregister(done)
                 if fd == conn.fileno():  # the client closed (a request sends nothing more)
                     with contextlib.suppress(OSError):
-                        os.killpg(pid, signal.SIGTERM)
+                        os.killpg(pid, signal.SIGHUP)
 
 
 def _stopped_line(path: str) -> str:
@@ -374,9 +374,13 @@ def _child(
         if os.getppid() != ppid:  # the service died before the line above
             os._exit(code)
         os.setpgid(0, 0)  # its own group: stopping the request stops its copier too
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGHUP stops the request (the engine cleans up, as on ^C): the service sends it
+        # when the client hangs up.  SIGTERM and SIGINT are the service's to act on (systemd
+        # may send them to the whole cgroup): it then SIGKILLs this group, so the partial
+        # copy stays to be resumed.
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         # Fds of the service stay open here (a fork copies them all), harmless because
         # none is waited on for EOF: clients end on their last frame, the keeper releases
         # a lease with LOCK_UN (one open file: every copy lets go).  Only the listener goes,
@@ -407,6 +411,9 @@ def _child(
         try:
             result = ops.run(service, caller, op, args, progress)
             answering()
+        except Interrupted as e:  # the service's signal, not the client's: no "die of it"
+            answering()
+            sent = _send(conn, ERROR, remote_error(ServiceLost(f"the shmstage service: {e}")))
         except ShmstageError as e:
             answering()
             sent = _send(conn, ERROR, remote_error(e))
