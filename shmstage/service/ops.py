@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage import metrics
+from shmstage.config import share_for
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.stage import engine
 from shmstage.stage.cache.tiers import holding, joined, split
@@ -20,11 +21,12 @@ from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name, name_for
 
 try:  # issue 22's identity layer (helper A); until it lands: the same fields, groups only
-    from shmstage.identity import Caller, adopt_groups
+    from shmstage.identity import Caller, Share, adopt_groups
 
     READS_AS_CALLER = True  # the engine's stage/plan/verify take reader= and credentials=
 except ImportError:  # pragma: no cover - removed once shmstage.identity is in main
     READS_AS_CALLER = False
+    Share = None  # type: ignore[assignment,misc]
 
     @dataclass(frozen=True)
     class Caller:  # type: ignore[no-redef]
@@ -95,6 +97,15 @@ def _reader(fn: Callable[..., Any], caller: Caller, args: Mapping[str, Any]) -> 
     if not READS_AS_CALLER and "reader" not in params:
         return {}
     return {"reader": caller, "credentials": dict(args.get("credentials") or {})}
+
+
+def _share(service: Any, src: str) -> dict[str, Any]:
+    """``share=`` for an object-store source the node config shares with a group or all
+    (the copy is otherwise its requester's alone)."""
+    if Share is None or "://" not in src:
+        return {}
+    gid, everyone = share_for(src, service.shares)
+    return {"share": Share(gid, everyone)} if gid is not None or everyone else {}
 
 
 def _grant(ds: Any, caller: Caller) -> None:
@@ -168,9 +179,9 @@ def op_stage(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
         strip_components=a.get("strip_components", 0),
         progress=progress,
         **_reader(engine.stage, caller, a),
+        **_share(service, a["src"]),
     )
-    _grant(ds, caller)
-    return ds
+    return ds  # a stage with reader= lets its reader into the copy by itself
 
 
 def op_plan(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:

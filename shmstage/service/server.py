@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shmstage import __version__
-from shmstage.config import configured, node_reserve
+from shmstage.config import configured, node_reserve, node_shares
 from shmstage.errors import Interrupted, RefusedError, ShmstageError
 from shmstage.libc import load_libc
 from shmstage.service import ops
@@ -89,6 +89,7 @@ class Service:
         dest, self.policies = configured(None, config_path)
         self.tiers = split(dest)
         self.reserve = node_reserve(config_path)
+        self.shares = node_shares(config_path)  # who else may read an object-store copy
         self.stopping = threading.Event()
         self.children: dict[int, int] = {}  # pid -> pidfd, of running requests
         self.per_user: dict[int, int] = {}  # uid -> its connections now
