@@ -223,13 +223,28 @@ def test_a_relative_source_is_the_clients(service, world):
     not has_identity(), reason="needs shmstage.identity (issue 22, reads as the caller)"
 )
 def test_a_user_is_refused_a_source_they_cannot_read_and_nothing_is_copied(service, world):
+    """Bob asks the service (its socket, not the CLI, which checks the path first) for
+    Alice's 0700 dataset: refused, one line, nothing copied, not even a partial tree."""
     src = make_ds(world / "data" / "secret", uid=ALICE)
     src.chmod(0o700)
-    r = service.run("stage", str(src), uid=BOB)
-    assert r.returncode != 0
-    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1, r.stderr
+    python = os.path.join(os.path.dirname(service.bin[0]), "python")
+    code = (
+        "from shmstage.service.client import connect\n"
+        "from shmstage.errors import ShmstageError\n"
+        "try:\n"
+        f"    connect().call('stage', {{'src': {str(src)!r}}})\n"
+        "except ShmstageError as e:\n"
+        "    print(type(e).__name__, e.exit_code, e)\n"
+    )
+    r = subprocess.run(
+        [*as_user(BOB), python, "-c", code], env=service.env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.count("\n") == 1, (r.stdout, r.stderr)
+    assert r.stdout.startswith("PermissionDenied") or "denied" in r.stdout.lower(), r.stdout
     assert not (service.store / "secret").exists()
-    assert not any((service.store / ".shmstage" / "partial").glob("*"))
+    partial = service.store / ".shmstage" / "partial"
+    assert not partial.exists() or not any(partial.iterdir())
 
 
 def test_evict_is_the_owners_or_roots(service, world):

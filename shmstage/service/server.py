@@ -359,6 +359,25 @@ def _answers(path: str) -> bool:
     return True
 
 
+def _die_with(ppid: int) -> None:
+    """Kill this process group (the request and its copier) when the service dies.
+
+    PR_SET_PDEATHSIG alone is not enough: the kernel clears it whenever the process's
+    effective or file-system ids change, and reading as the caller is such a change
+    (setfsuid).  A thread waits on the service's pidfd instead, for the child's life."""
+    try:
+        pidfd = os.pidfd_open(ppid)
+    except OSError:
+        os.killpg(0, signal.SIGKILL)  # gone already
+        raise
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="service-watch", daemon=True).start()
+
+
 def _child(
     service: Service,
     conn: socket.socket,
@@ -375,6 +394,7 @@ def _child(
         if os.getppid() != ppid:  # the service died before the line above
             os._exit(code)
         os.setpgid(0, 0)  # its own group: stopping the request stops its copier too
+        _die_with(ppid)
         # SIGHUP stops the request (the engine cleans up, as on ^C): the service sends it
         # when the client hangs up.  SIGTERM and SIGINT are the service's to act on (systemd
         # may send them to the whole cgroup): it then SIGKILLs this group, so the partial
