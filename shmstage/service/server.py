@@ -14,7 +14,6 @@ import select
 import signal
 import socket
 import stat
-import sys
 import threading
 import time
 import traceback
@@ -23,19 +22,16 @@ from typing import Any
 
 from shmstage import __version__
 from shmstage.config import configured, node_reserve, node_shares
-from shmstage.errors import Interrupted, RefusedError, ShmstageError
-from shmstage.libc import load_libc
-from shmstage.service import ops
-from shmstage.service.ops import Caller, adopt_groups
+from shmstage.errors import RefusedError, ShmstageError
+from shmstage.service import ops, worker
+from shmstage.service.ops import Caller
 from shmstage.service.protocol import (
     ERROR,
-    PROGRESS,
     RESULT,
     Hello,
     Peer,
     ProtocolError,
     ServiceLost,
-    frame,
     parse_request,
     peer,
     read_request,
@@ -73,11 +69,6 @@ from shmstage.stage.cache.tiers import split
 
 MAX_CONNECTIONS = 4096  # beyond this a connection is closed at once: the service stays up
 MAX_PER_USER = 64  # a user's connections at once (root: no limit): one cannot crowd out all
-PROGRESS_EVERY = 0.1  # seconds between "copying" frames (a terminal redraws no faster)
-SEND_TIMEOUT = 60.0  # a client that stops reading for this long loses its progress frames
-_PR_SET_PDEATHSIG = 1
-EXIT_SENT = 0  # the child's exit status once its last frame is written
-EXIT_UNSENT = 3  # the child finished but could not write its last frame
 
 
 class Service:
@@ -212,7 +203,7 @@ class Service:
     # --- one connection -----------------------------------------------------------------
 
     def _connection(self, conn: socket.socket, log: Callable[[str], None]) -> None:
-        conn.settimeout(SEND_TIMEOUT)  # a reply to a client that never reads cannot hang us
+        conn.settimeout(worker.SEND_TIMEOUT)  # a reply to a client that never reads cannot hang us
         try:
             who = peer(conn)
         except OSError:  # gone already
@@ -228,26 +219,26 @@ class Service:
                     f"uid {who.uid} already has {MAX_PER_USER} requests open with the "
                     "shmstage service: wait for some to finish"
                 )
-                _send(conn, ERROR, remote_error(busy))
+                worker.send(conn, ERROR, remote_error(busy))
                 return
             try:
                 request = parse_request(read_request(conn))
             except ProtocolError as e:
-                _send(conn, ERROR, remote_error(e))
+                worker.send(conn, ERROR, remote_error(e))
                 return
             except OSError:
                 return
             if request.op == "hello":
-                _send(conn, RESULT, Hello(__version__, 1, self.tiers, self.path))
+                worker.send(conn, RESULT, Hello(__version__, 1, self.tiers, self.path))
                 return
             if request.op in ops.IN_SERVICE:  # quick, and their state lives here
                 caller = Caller(who.uid, who.gid, who.groups, who.pid)
                 try:
                     result = ops.run(self, caller, request.op, request.args, lambda _: None)
                 except ShmstageError as e:
-                    _send(conn, ERROR, remote_error(e))
+                    worker.send(conn, ERROR, remote_error(e))
                 else:
-                    _send(conn, RESULT, result)
+                    worker.send(conn, RESULT, result)
                 return
             self._in_child(conn, who, request.op, request.args, log)
         except Exception:  # a bug in one request never takes the service down
@@ -272,13 +263,13 @@ class Service:
         ppid = os.getpid()
         with self.lock:  # no fork while stopping: _kill_children must see every child
             if self.stopping.is_set():
-                _send(conn, ERROR, remote_error(ServiceLost(_stopped_line(self.path))))
+                worker.send(conn, ERROR, remote_error(ServiceLost(_stopped_line(self.path))))
                 return
             done_r, done_w = os.pipe2(os.O_CLOEXEC)
             pid = os.fork()
             if pid == 0:
                 os.close(done_r)
-                _child(self, conn, caller, op, args, ppid, done_w)  # never returns
+                worker.run(self, conn, caller, op, args, ppid, done_w)  # never returns
             os.close(done_w)
             pidfd = os.pidfd_open(pid)
             self.children[pid] = pidfd
@@ -289,7 +280,10 @@ class Service:
                 del self.children[pid]
             os.close(pidfd)
             os.close(done_r)
-        if os.WIFEXITED(status) and os.WEXITSTATUS(status) in (EXIT_SENT, EXIT_UNSENT):
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) in (
+            worker.EXIT_SENT,
+            worker.EXIT_UNSENT,
+        ):
             return
         if self.stopping.is_set():
             line = _stopped_line(self.path)
@@ -304,7 +298,7 @@ class Service:
                 "again; a partial copy resumes"
             )
             log(f"{op} for uid {caller.uid} (pid {caller.pid}): worker {how}")
-        _send(conn, ERROR, remote_error(ServiceLost(line)))
+        worker.send(conn, ERROR, remote_error(ServiceLost(line)))
 
     def _wait(self, pid: int, pidfd: int, conn: socket.socket, done: int) -> int:
         """The child's wait status; a client that hangs up before the child has its answer
@@ -338,14 +332,6 @@ def _stopped_line(path: str) -> str:
     )
 
 
-def _send(conn: socket.socket, kind: str, value: Any) -> bool:
-    try:
-        conn.sendall(frame(kind, value))
-    except OSError:
-        return False
-    return True
-
-
 def _answers(path: str) -> bool:
     """True when something accepts connections on ``path``."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -357,101 +343,3 @@ def _answers(path: str) -> bool:
     finally:
         s.close()
     return True
-
-
-def _die_with(ppid: int) -> None:
-    """Kill this process group (the request and its copier) when the service dies.
-
-    PR_SET_PDEATHSIG alone is not enough: the kernel clears it whenever the process's
-    effective or file-system ids change, and reading as the caller is such a change
-    (setfsuid).  A thread waits on the service's pidfd instead, for the child's life."""
-    try:
-        pidfd = os.pidfd_open(ppid)
-    except OSError:
-        os.killpg(0, signal.SIGKILL)  # gone already
-        raise
-
-    def watch() -> None:
-        select.select([pidfd], [], [])
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="service-watch", daemon=True).start()
-
-
-def _child(
-    service: Service,
-    conn: socket.socket,
-    caller: Caller,
-    op: str,
-    args: dict[str, Any],
-    ppid: int,
-    done: int,
-) -> None:
-    """The forked child: run ``op`` for ``caller``, write its frames, exit.  Never returns."""
-    code = EXIT_UNSENT
-    try:
-        load_libc().prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != ppid:  # the service died before the line above
-            os._exit(code)
-        os.setpgid(0, 0)  # its own group: stopping the request stops its copier too
-        _die_with(ppid)
-        # SIGHUP stops the request (the engine cleans up, as on ^C): the service sends it
-        # when the client hangs up.  SIGTERM and SIGINT are the service's to act on (systemd
-        # may send them to the whole cgroup): it then SIGKILLs this group, so the partial
-        # copy stays to be resumed.
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # Fds of the service stay open here (a fork copies them all), harmless because
-        # none is waited on for EOF: clients end on their last frame, the keeper releases
-        # a lease with LOCK_UN (one open file: every copy lets go).  Only the listener goes,
-        # so a stopped service's socket is never held open by a long stage.
-        if service.listener is not None:
-            service.listener.close()
-        os.close(service.wake_r)
-        os.close(service.wake_w)
-        conn.settimeout(SEND_TIMEOUT)
-        adopt_groups(caller)
-        live, last = [True], [0.0]
-
-        def progress(event: Any) -> None:
-            now = time.monotonic()
-            if (
-                getattr(event, "phase", None) == "copying"
-                and now - last[0] < PROGRESS_EVERY
-                and event.bytes_done < event.bytes_total
-            ):
-                return  # the terminal would not draw it: spare the pickling
-            last[0] = now
-            if live[0] and not _send(conn, PROGRESS, event):
-                live[0] = False  # the client stopped reading: go on without telling it
-
-        def answering() -> None:
-            os.write(done, b"1")  # from here a client hanging up stops nothing
-
-        try:
-            result = ops.run(service, caller, op, args, progress)
-            answering()
-        except Interrupted as e:  # the service's signal, not the client's: no "die of it"
-            answering()
-            sent = _send(conn, ERROR, remote_error(ServiceLost(f"the shmstage service: {e}")))
-        except ShmstageError as e:
-            answering()
-            sent = _send(conn, ERROR, remote_error(e))
-        except KeyboardInterrupt:
-            answering()
-            sent = _send(conn, ERROR, remote_error(ServiceLost("interrupted")))
-        except Exception:
-            answering()
-            traceback.print_exc(file=sys.stderr)
-            why = ServiceLost(
-                f"the shmstage service failed on {op} (a bug; its log has the traceback)"
-            )
-            sent = _send(conn, ERROR, remote_error(why))
-        else:
-            sent = _send(conn, RESULT, result)
-        code = EXIT_SENT if sent else EXIT_UNSENT
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os._exit(code)
