@@ -162,7 +162,19 @@ def _may_replace(dest: str, name: str | None, src: str, caller: Caller) -> None:
 # --- the ops ------------------------------------------------------------------------------
 
 
+MAX_WORKERS = max(32, 4 * (os.cpu_count() or 1))  # a user's --workers, at most (each a fork)
+
+
+def _counts(a: Mapping[str, Any]) -> None:
+    """What the CLI's option types check, checked again: a request may come from anyone."""
+    if a.get("workers") is not None and not 1 <= a["workers"] <= MAX_WORKERS:
+        raise RefusedError(f"--workers must be 1 to {MAX_WORKERS} through the shmstage service")
+    if a.get("strip_components", 0) < 0:
+        raise RefusedError("--strip-components must be 0 or more")
+
+
 def op_stage(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    _counts(a)
     dest = tiers_of(service, a.get("dest"))
     if a.get("force"):
         _may_replace(dest, a.get("name"), a["src"], caller)
@@ -185,6 +197,7 @@ def op_stage(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
 
 
 def op_plan(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    _counts(a)
     return engine.plan(
         a["src"],
         name=a.get("name"),
