@@ -171,7 +171,17 @@ class Service:
                 if not self.slots.acquire(blocking=False):
                     conn.close()  # too many at once: this one is turned away, the rest go on
                     continue
-                t = threading.Thread(target=self._connection, args=(conn, log), daemon=True)
+                try:
+                    who = peer(conn)
+                except OSError:  # gone already
+                    conn.close()
+                    self.slots.release()
+                    continue
+                with self.lock:  # counted here, in the order they came
+                    mine = self.per_user[who.uid] = self.per_user.get(who.uid, 0) + 1
+                t = threading.Thread(
+                    target=self._connection, args=(conn, who, mine, log), daemon=True
+                )
                 t.start()
                 workers = [w for w in workers if w.is_alive()] + [t]
         finally:
@@ -202,17 +212,11 @@ class Service:
 
     # --- one connection -----------------------------------------------------------------
 
-    def _connection(self, conn: socket.socket, log: Callable[[str], None]) -> None:
+    def _connection(
+        self, conn: socket.socket, who: Peer, mine: int, log: Callable[[str], None]
+    ) -> None:
+        """One connection of ``who``, their ``mine``-th open now: read, check, answer."""
         conn.settimeout(worker.SEND_TIMEOUT)  # a reply to a client that never reads cannot hang us
-        try:
-            who = peer(conn)
-        except OSError:  # gone already
-            conn.close()
-            self.slots.release()
-            return
-        with self.lock:
-            mine = self.per_user.get(who.uid, 0) + 1
-            self.per_user[who.uid] = mine
         try:
             if who.uid != 0 and mine > MAX_PER_USER:
                 busy = ShmstageError(
