@@ -334,3 +334,23 @@ def test_a_directory_swapped_for_a_symlink_during_a_reader_stage_leaks_nothing(
     found = b"".join(f.read_bytes() for f in dest.rglob("*") if f.is_file() and not f.is_symlink())
     assert b"TOP-SECRET" not in found
     assert not (dest / "src").exists()
+
+
+def test_verify_checksum_as_a_reader_who_cannot_read_a_file_is_refused(world):
+    """verify --checksum reads the source as the reader: no oracle on alice's 0600 file."""
+    src, dest = world / "src", world / "dest"
+    (src / "secret").write_bytes(b"S" * 5000)
+    os.chown(src / "secret", ALICE, ALICE)
+    (src / "secret").chmod(0o600)
+    engine.stage(str(src), dest=str(dest))  # root staged it
+
+    def check(reader: Caller) -> bool:
+        adopt_groups(reader)
+        return engine.verify("src", str(dest), checksum=True, reader=reader).ok
+
+    assert in_child(lambda: check(Caller(ALICE, ALICE, ()))) is True
+    assert in_child(lambda: check(BOB_ALONE)) == (
+        "error",
+        "RefusedError",
+        f"you cannot read {src}/secret at the source (Permission denied): nothing staged",
+    )

@@ -100,6 +100,10 @@ def verify(
             if gone:
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
             top = _verified_top(record.source, manifest, reader)
+            if reader is not None:  # every file readable by the reader, or one refusal line
+                with top:
+                    walk(record.source, top=top)
+                top = _verified_top(record.source, manifest, reader)
             jobs = [
                 (
                     os.path.join(record.source, rel),
