@@ -354,3 +354,34 @@ def test_verify_checksum_as_a_reader_who_cannot_read_a_file_is_refused(world):
         "RefusedError",
         f"you cannot read {src}/secret at the source (Permission denied): nothing staged",
     )
+
+
+def named_acl(path: Path, uid: int, mode: int) -> None:
+    """An access ACL on ``path``: its mode's classes plus ``user:uid:---`` (mask = group bits)."""
+    import struct
+
+    g = mode >> 3 & 7
+    entries = [(0x01, mode >> 6 & 7, 0xFFFFFFFF), (0x02, 0, uid), (0x04, g, 0xFFFFFFFF)]
+    entries += [(0x10, g, 0xFFFFFFFF), (0x20, mode & 7, 0xFFFFFFFF)]
+    raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    os.setxattr(path, "system.posix_acl_access", raw)
+
+
+def test_an_acl_that_shuts_the_reader_out_of_one_file_among_alike_ones_is_seen(world):
+    """Files alike in owner, group and mode share one kernel check, but not one with an ACL
+    (``user:bob:---``): bob is refused on it."""
+    src, dest = world / "src", world / "dest"
+    mode = 0o644
+    for name in ("f1", "f2", "shut", "f3"):
+        (src / "a" / name).write_bytes(b"z" * 10)
+        os.chown(src / "a" / name, ALICE, ALICE)
+        (src / "a" / name).chmod(mode)
+    named_acl(src / "a" / "shut", BOB, mode)
+    assert can_read(CAROL, src / "a" / "shut") and not can_read(BOB, src / "a" / "shut")
+    out = stage_as(BOB_ALONE, src, dest)
+    assert out == (
+        "error",
+        "RefusedError",
+        f"you cannot read {src}/a/shut at the source (Permission denied): nothing staged",
+    )
+    nothing_staged(dest, "src")

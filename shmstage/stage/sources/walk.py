@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, may_read, reading_as
 from shmstage.paths import is_within
+from shmstage.stage.sources.acls import acl_bits, acl_group
 from shmstage.stage.sources.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
@@ -111,35 +111,6 @@ def climbs_out(
 # name, lstat, a symlink's target (else the group bits its access ACL allows: acl_group)
 Scanned = list[tuple[str, os.stat_result, str | int | None]]
 
-_ACL = "system.posix_acl_access"
-_ACL_GROUP_OBJ = 0x04  # linux/posix_acl_xattr.h: the owning group's entry (group::)
-_ACL_ENTRY = struct.Struct("<HHI")  # tag, perm, id; after a 4-byte version header
-
-
-def acl_group(path: str, mode: int) -> int:
-    """The group bits (``0o070`` form) a copy of ``path`` may keep.  With an access ACL the
-    mode's group bits are the ACL's mask, not what the owning group may: ``group::---`` with
-    ``user:bob:r--`` shows as 0640.  The copy has no ACL, so its group bits are the mask AND
-    the owning group's entry: a member of the group reads the copy only if she could read the
-    source (named users and groups lose their access: a restriction, never a widening)."""
-    if not mode & 0o070:
-        return 0o070  # nothing to narrow (most files: one syscall saved)
-    try:  # listxattr first: most files have no ACL, and a raised ENODATA costs twice as much
-        listed = _ACL in os.listxattr(path, follow_symlinks=False)
-    except OSError:  # E2BIG (more names than a listing holds), or none listable: ask for it
-        listed = True
-    if not listed:
-        return 0o070
-    try:
-        raw = os.getxattr(path, _ACL, follow_symlinks=False)
-    except OSError:  # no ACL (ENODATA), none supported, or gone (the stat tells)
-        return 0o070
-    for off in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
-        tag, perm, _ = _ACL_ENTRY.unpack_from(raw, off)
-        if tag == _ACL_GROUP_OBJ:
-            return (perm & 0o7) << 3
-    return 0  # an ACL without its owning group's entry: malformed, grant the group nothing
-
 
 def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
     """One directory's entries with their lstat (and symlinks' targets), sorted by name (runs
@@ -177,6 +148,10 @@ def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
                 e, f"cannot read source directory {abs_dir}", abs_dir, reader
             ) from None
         out: Scanned = []
+        # The kernel's answer for one file stands for the others of this directory with the
+        # same owner, group and mode and no ACL: the permission check reads nothing else (an
+        # ImageNet folder: one check, not 200; 20k checks from 4 threads cost ~50 ms here)
+        alike: dict[tuple[int, int, int], bool] = {}
         for item in items:
             path = os.path.join(abs_dir, item.name)
             try:
@@ -185,13 +160,18 @@ def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
                 if stat.S_ISLNK(st.st_mode):
                     target = os.readlink(item.name, dir_fd=fd)
                 else:  # (by path: at worst the narrowing of another file, never a widening)
-                    target = acl_group(path, st.st_mode)
-                    if (
-                        reader is not None
-                        and stat.S_ISREG(st.st_mode)
-                        and not may_read(item.name, fd)
-                    ):
-                        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+                    target, acl = acl_bits(path, st.st_mode)
+                    if reader is not None and stat.S_ISREG(st.st_mode):
+                        # (no group bits: Linux consults no ACL, acl_permission_check)
+                        plain = acl is False or not st.st_mode & 0o070
+                        key = (st.st_uid, st.st_gid, st.st_mode) if plain else None
+                        ok = alike.get(key) if key is not None else None
+                        if ok is None:
+                            ok = may_read(item.name, fd)
+                            if key is not None:
+                                alike[key] = ok
+                        if not ok:
+                            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
             except FileNotFoundError:
                 raise ShmstageError(
                     f"source file vanished while scanning: {path}; re-run when the source is stable"
