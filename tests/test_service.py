@@ -117,14 +117,6 @@ def record(store: Path, name: str) -> dict:
     return json.loads((store / ".shmstage" / "meta" / f"{name}.json").read_text())
 
 
-def has_identity() -> bool:
-    try:
-        import shmstage.identity  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # --- the service itself -----------------------------------------------------------------
 
 
@@ -219,9 +211,6 @@ def test_a_relative_source_is_the_clients(service, world):
     assert r.returncode == 0 and r.stdout == f"{service.store}/rel\n", r.stderr
 
 
-@pytest.mark.skipif(
-    not has_identity(), reason="needs shmstage.identity (issue 22, reads as the caller)"
-)
 def test_a_user_is_refused_a_source_they_cannot_read_and_nothing_is_copied(service, world):
     """Bob asks the service (its socket, not the CLI, which checks the path first) for
     Alice's 0700 dataset: refused, one line, nothing copied, not even a partial tree."""

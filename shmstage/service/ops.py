@@ -5,43 +5,19 @@ engine publishes as root), and the few rules of who may remove what.
 
 from __future__ import annotations
 
-import inspect
 import os
 import stat
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from shmstage import metrics
 from shmstage.config import share_for
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+from shmstage.identity import Caller, Share
 from shmstage.stage import engine
 from shmstage.stage.cache.tiers import holding, joined, split
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name, name_for
-
-try:  # issue 22's identity layer (helper A); until it lands: the same fields, groups only
-    from shmstage.identity import Caller, Share, adopt_groups
-
-    READS_AS_CALLER = True  # the engine's stage/plan/verify take reader= and credentials=
-except ImportError:  # pragma: no cover - removed once shmstage.identity is in main
-    READS_AS_CALLER = False
-    Share = None  # type: ignore[assignment,misc]
-
-    @dataclass(frozen=True)
-    class Caller:  # type: ignore[no-redef]
-        uid: int
-        gid: int
-        groups: tuple[int, ...]
-        pid: int = 0
-
-        @property
-        def is_root(self) -> bool:
-            return self.uid == 0
-
-    def adopt_groups(caller: Caller) -> None:  # type: ignore[misc]
-        os.setgroups(list(caller.groups))
-
 
 try:  # the lease keeper (helper C)
     from shmstage.service.keeper import Keeper
@@ -90,19 +66,16 @@ def tiers_of(service: Any, dest: str | None) -> str:
     return joined(asked)
 
 
-def _reader(fn: Callable[..., Any], caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
+def _reader(caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
     """``reader=``/``credentials=`` for the engine: it reads the source as the caller, with
-    the caller's object-store settings (helper A's plumbing; nothing until it is there)."""
-    params = inspect.signature(fn).parameters
-    if not READS_AS_CALLER and "reader" not in params:
-        return {}
+    the caller's object-store settings, never the service's."""
     return {"reader": caller, "credentials": dict(args.get("credentials") or {})}
 
 
 def _share(service: Any, src: str) -> dict[str, Any]:
     """``share=`` for an object-store source the node config shares with a group or all
     (the copy is otherwise its requester's alone)."""
-    if Share is None or "://" not in src:
+    if "://" not in src:
         return {}
     gid, everyone = share_for(src, service.shares)
     return {"share": Share(gid, everyone)} if gid is not None or everyone else {}
@@ -190,7 +163,7 @@ def op_stage(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
         force=bool(a.get("force")),
         strip_components=a.get("strip_components", 0),
         progress=progress,
-        **_reader(engine.stage, caller, a),
+        **_reader(caller, a),
         **_share(service, a["src"]),
     )
     return ds  # a stage with reader= lets its reader into the copy by itself
@@ -207,7 +180,7 @@ def op_plan(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
         policies=service.policies,
         force=bool(a.get("force")),
         strip_components=a.get("strip_components", 0),
-        **_reader(engine.plan, caller, a),
+        **_reader(caller, a),
     )
 
 
@@ -223,7 +196,7 @@ def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
         name=found.name,
         dest=os.path.dirname(found.path),
         policies=service.policies,
-        **_reader(engine.plan, caller, a),
+        **_reader(caller, a),
     )  # raises when the caller cannot read the source
     _grant(found, caller)
     return found
@@ -240,7 +213,7 @@ def op_verify(service: Any, caller: Caller, a: dict[str, Any], progress: Progres
         a["name"],
         tiers_of(service, a.get("dest")),
         checksum=bool(a.get("checksum")),
-        **_reader(engine.verify, caller, a),
+        **_reader(caller, a),
     )
 
 

@@ -23,8 +23,8 @@ from typing import Any
 from shmstage import __version__
 from shmstage.config import configured, node_reserve, node_shares
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.identity import Caller
 from shmstage.service import ops, worker
-from shmstage.service.ops import Caller
 from shmstage.service.protocol import (
     ERROR,
     RESULT,

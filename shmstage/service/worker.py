@@ -17,9 +17,9 @@ import traceback
 from typing import Any
 
 from shmstage.errors import Interrupted, ShmstageError
+from shmstage.identity import Caller, adopt_groups
 from shmstage.libc import load_libc
 from shmstage.service import ops
-from shmstage.service.ops import Caller, adopt_groups
 from shmstage.service.protocol import ERROR, PROGRESS, RESULT, ServiceLost, frame, remote_error
 
 SEND_TIMEOUT = 60.0  # a client that stops reading for this long loses its progress frames
