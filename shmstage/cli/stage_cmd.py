@@ -12,7 +12,17 @@ from shmstage.cli.output import dumps, log, stderr_is_tty
 from shmstage.cli.params import RESERVE, cluster_options, config_option
 from shmstage.config import configured, node_reserve
 from shmstage.sizes import format_size
-from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
+from shmstage.stage import (
+    DEFAULT_DEST,
+    Placed,
+    Plan,
+    Progress,
+    check_lease_for,
+    lease_until,
+    plan,
+    stage,
+    summary,
+)
 from shmstage.stage.cache.tiers import refusal
 
 
@@ -122,6 +132,14 @@ def _log_waiting(p: Progress) -> None:
 )
 @cluster_options
 @click.option(
+    "--lease-for",
+    type=click.IntRange(min=1),
+    metavar="PID",
+    help="Hold a lease on the staged dataset until process PID exits, so nobody evicts it "
+    "under the job: DATA=$(shmstage stage SRC --lease-for $$ -q) protects a batch script. "
+    "A process of your own (root: any).",
+)
+@click.option(
     "--quiet",
     "-q",
     is_flag=True,
@@ -147,6 +165,7 @@ def stage_cmd(
     rendezvous: str | None,
     timeout: float,
     inflight: int,
+    lease_for: int | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -180,6 +199,8 @@ def stage_cmd(
         if p.tier is None:
             raise refusal(p.name, p.skipped)  # what the real run would say
         return
+    if lease_for is not None:
+        check_lease_for(lease_for)  # refused before anything is copied
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
     try:
@@ -201,6 +222,8 @@ def stage_cmd(
     finally:
         if bar is not None:
             bar.close()
+    if lease_for is not None:
+        lease_until(ds.path, ds.tier, lease_for)
     if as_json:
         click.echo(dumps(ds))
         return
