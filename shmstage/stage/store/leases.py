@@ -123,6 +123,13 @@ class Lease:
                     self.store.touch(record)
             os.close(fd)  # closing the last fd on it drops the flock
 
+    def close_copy(self) -> None:
+        """Close this process's fd without a release's bookkeeping: the copy a forked child
+        inherited (the lease stays held by the parent's)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
     def __enter__(self) -> Any:
         return self.dataset
 
