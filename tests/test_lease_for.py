@@ -6,12 +6,14 @@ SIGKILL; waits are polls with a deadline."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -167,3 +169,52 @@ def test_describe_names_the_process_a_lease_is_held_for():
 def test_lease_for_is_in_stage_help(shmstage_bin):
     r = cli(shmstage_bin, "stage", "--help")
     assert r.returncode == 0 and "--lease-for PID" in r.stdout
+
+
+def test_every_use_moves_last_used(shmstage_bin, tmp_path, procs):
+    """Each use refreshes the LRU time (the record's or the stamp's): a no-op stage, a restage of a
+    changed source, find, a lease (taken, and let go), a lease for a process, run --stage."""
+    import shmstage
+
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    stamp = dest / ".shmstage" / "meta" / ".ds.used"
+    old = time.time() - 3600
+
+    def used() -> float:
+        return Store(dest).read_record("ds").last_used  # the record's, or the stamp's if later
+
+    def make_old() -> None:
+        store = Store(dest)
+        store.write_record(dataclasses.replace(store.read_record("ds"), last_used=old))
+        os.utime(stamp, (old, old), follow_symlinks=False)
+        assert used() == old
+
+    def moved(use) -> bool:
+        make_old()
+        use()
+        return used() > old + 1800  # file times lag time.time() by a tick
+
+    def change() -> None:
+        (src / "a" / "0.bin").write_bytes(b"changed")
+        assert stage(src, dest=dest).changed
+
+    def leased() -> None:
+        with shmstage.lease("ds", dest=dest):
+            assert used() > old + 1800  # taken
+            make_old()
+
+    def run() -> None:
+        r = cli(shmstage_bin, "run", "--stage", str(src), "--dest", str(dest), "--", "true")
+        assert r.returncode == 0, r.stderr
+
+    j = sleeper(procs)
+    uses = {
+        "stage": lambda: stage(src, dest=dest),
+        "restage": change,
+        "find": lambda: find(str(src), dest=dest),
+        "lease": leased,
+        "lease_until": lambda: lease_until("ds", dest, j.pid),
+        "run --stage": run,
+    }
+    assert {what: moved(use) for what, use in uses.items()} == dict.fromkeys(uses, True)
