@@ -13,6 +13,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -23,7 +24,7 @@ from shmstage.stage.store import leasefor, leases
 from shmstage.stage.store.gc import gc
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import start_time
-from tests.test_stage_lease import cli, kill, make_src, wait_for
+from tests.test_stage_lease import LOADER_JOB, cli, kill, make_src, wait_for
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
@@ -218,3 +219,26 @@ def test_every_use_moves_last_used(shmstage_bin, tmp_path, procs):
         "run --stage": run,
     }
     assert {what: moved(use) for what, use in uses.items()} == dict.fromkeys(uses, True)
+
+
+@needs_setpriv
+@pytest.mark.root
+def test_a_loader_jobs_own_lease_is_named_on_a_root_store(shmstage_bin, open_tmp_path, procs):
+    """A job of another user (nobody) calling staged_path() on a store root manages holds the
+    lease in its own process (no holder, no service needed): root's list and evict (what the
+    service runs) name the job itself; its exit ends the lease."""
+    src, dest = make_src(open_tmp_path / "ds"), open_tmp_path / "dest"
+    stage(src, dest=dest)
+    job = procs.start(
+        [*NOBODY, sys.executable, "-c", LOADER_JOB, "staged_path", str(src)],
+        stdout=subprocess.PIPE, env={**os.environ, "SHMSTAGE_DEST": str(dest)},
+    )  # fmt: skip
+    assert read_line(job) == "ready"
+    assert [(h.pid, h.via) for h in holders("ds", dest)] == [(job.pid, 0)]
+    listed = json.loads(cli(shmstage_bin, "list", "--dest", str(dest), "--json").stdout)
+    assert listed[0]["leased_by"] == [job.pid]
+    r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
+    assert r.returncode == 2 and r.stderr.startswith(f"Error: ds is in use by pid {job.pid} (")
+    kill(job)
+    r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
+    assert r.returncode == 0 and r.stdout == "evicted: ds\n", r.stderr
