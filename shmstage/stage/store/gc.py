@@ -104,6 +104,8 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         path = os.path.join(store.trash_dir, entry)
         _, pid, start = trash_owner(entry)
         size = tree_size(path)[0]
+        # Our own pid: ours (a removal of this process that failed), or, whatever the start
+        # time says, a dead process's (one pid cannot name two live processes): removable.
         if pid is not None and pid != os.getpid() and alive(pid, start):
             skipped.append(Leftover(path, "trash", size, f"being removed by pid {pid}"))
             continue

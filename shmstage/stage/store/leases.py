@@ -5,6 +5,8 @@ as the job (or the ``with`` block) lives; the kernel drops it when the process d
 there are no pid files to go stale.  ``evict``, ``run --cleanup`` and ``prepare`` take the
 same lock exclusively (non-blocking) before removing a dataset and refuse when they cannot,
 naming the holders they find in /proc/locks, or the process a holder holds it for (marks).
+No pid is trusted alone: a pid in /proc/locks is a live lock's, and a mark names both
+processes by pid and start time (a mark whose processes are not those is ignored).
 """
 
 from __future__ import annotations
