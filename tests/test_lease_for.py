@@ -23,6 +23,7 @@ from shmstage.stage import engine, find, holders, lease_until, stage
 from shmstage.stage.store import leasefor, leases
 from shmstage.stage.store.gc import gc
 from shmstage.stage.store.layout import Store
+from shmstage.stage.store.leases import command_of
 from shmstage.stage.store.locks import start_time
 from tests.test_stage_lease import LOADER_JOB, cli, kill, make_src, wait_for
 
@@ -61,6 +62,8 @@ def test_recipe_protects_a_batch_script_until_it_exits(shmstage_bin, tmp_path, p
     held = holders("ds", dest)
     assert [h.pid for h in held] == [bash.pid] and held[0].via not in (0, bash.pid)
     assert f") held for it by shmstage (pid {held[0].via}); wait for" in r.stderr
+    # the holder is a small process of its own, not a copy of the stager (its memory)
+    assert command_of(held[0].via).startswith(f"leasewait.py --for-pid {bash.pid} --start ")
     listed = json.loads(cli(shmstage_bin, "list", "--dest", str(dest), "--json").stdout)
     assert listed[0]["leased_by"] == [bash.pid]
     assert bash.poll() is None

@@ -3,7 +3,8 @@
 A detached holder process (double fork, its own session, stdio on /dev/null) keeps the
 dataset's lease until PID exits, so ``DATA=$(shmstage stage SRC --lease-for $$ -q)``
 protects a batch script and the ``$(...)`` returns at once.  PID is known by pid and
-start time; the holder waits on a pidfd, or polls /proc where the kernel has none.
+start time; the holder (leasewait.py once it holds) waits on a pidfd, or polls /proc
+where the kernel has none.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import fcntl
 import os
 import select
 import signal
+import sys
 import time
 from contextlib import suppress
 
 from shmstage.errors import RefusedError
-from shmstage.stage.store import leases
+from shmstage.stage.store import leases, leasewait
 from shmstage.stage.store.locks import real_uid, running, start_time
 
-POLL_SECONDS = 0.5  # how often a holder without a pidfd looks at /proc/PID
 READY_SECONDS = 30.0  # a holder says it holds the lease well before this
 
 
@@ -107,13 +108,14 @@ def _read_all(fd: int) -> bytes:
 
 
 def _holder(lease: leases.Lease, pid: int, start: int, w: int) -> None:  # pragma: no cover
-    """The detached holder (a grandchild): hold the lease until ``pid`` exits, then end."""
+    """The detached holder (a grandchild): take the lease, say so, then become leasewait.py
+    (exec: a small process, not a copy of the stager's memory) until ``pid`` exits."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)  # the stager's handlers are not ours
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)  # the caller's $(...) pipe must see end of file when it returns
-    mark = None
+    os.chdir("/")  # keep no file system busy but the store's
     try:
         pidfd = pidfd_of(pid)
     except OSError:
@@ -130,7 +132,7 @@ def _holder(lease: leases.Lease, pid: int, start: int, w: int) -> None:  # pragm
             return
         # A flock of our own (a new open file of the same lease file): /proc/locks then
         # names this process.  Granted at once: the stager holds the lease meanwhile.
-        fd = os.open(f"/proc/self/fd/{lease.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(f"/proc/self/fd/{lease.fileno()}", os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         os.close(lease.fileno())  # the stager's (the same open file): it releases its own
         me = os.getpid()
@@ -142,18 +144,13 @@ def _holder(lease: leases.Lease, pid: int, start: int, w: int) -> None:  # pragm
         return
     finally:
         os.close(w)  # the stager reads to end of file
-    try:
-        _wait(pid, start, pidfd)
-    finally:
-        leases.unmark(mark)
-
-
-def _wait(pid: int, start: int, pidfd: int | None) -> None:  # pragma: no cover
+    os.set_inheritable(fd, True)  # Python opens fds close-on-exec (PEP 446)
     if pidfd is not None:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        while not poller.poll():
-            pass
-        return
-    while running(pid, start):  # the kernel has no pidfd: pid and start time, twice a second
-        time.sleep(POLL_SECONDS)
+        os.set_inheritable(pidfd, True)
+    argv = [
+        "--for-pid", str(pid), "--start", str(start),
+        "--pidfd", str(-1 if pidfd is None else pidfd), "--mark", mark or "-",
+    ]  # fmt: skip
+    with suppress(OSError):
+        os.execv(sys.executable, [sys.executable, "-I", "-S", leasewait.__file__, *argv])
+    leasewait.main(argv)  # no interpreter to run (an embedded Python): wait here

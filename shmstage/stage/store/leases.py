@@ -27,6 +27,7 @@ from shmstage.stage.store.names import BOOK, NAME_RE
 from shmstage.terminal import printable
 
 _COMMAND_CHARS = 120
+_PYTHON_FLAGS = ("-I", "-S", "-E", "-s", "-B", "-u", "-O", "-OO", "-P")  # none takes a value
 
 
 @dataclass(frozen=True)
@@ -270,8 +271,12 @@ def command_of(pid: int) -> str:
     except OSError:
         return ""
     argv = [printable(a.decode(errors="replace")) for a in raw.split(b"\0") if a]
-    if len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1][:1] != "-":
-        argv = argv[1:]  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
+    if len(argv) > 1 and os.path.basename(argv[0]).startswith("python"):
+        script = argv[1:]
+        while script and script[0] in _PYTHON_FLAGS:
+            script = script[1:]
+        if script and script[0][:1] != "-":
+            argv = script  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
     if argv:
         argv[0] = os.path.basename(argv[0])
     text = " ".join(argv)
