@@ -122,8 +122,13 @@ def test_hold_refuses_another_users_process_and_a_dead_one(tmp_path, keeper, pro
     wait_for(lambda: uid_of(nobody_job.pid) != 0, "setpriv to drop")
     nobody = Caller(uid_of(nobody_job.pid), 65534, ())
     roots = job(procs)
-    with pytest.raises(RefusedError, match=f"^cannot lease for pid {roots.pid}: it is another"):
-        k.hold("ds", str(dest), roots.pid, nobody)
+    for ask in (
+        lambda: k.check(roots.pid, nobody),
+        lambda: k.hold("ds", str(dest), roots.pid, nobody),
+    ):
+        with pytest.raises(RefusedError, match=f"^cannot lease for pid {roots.pid}: it is another"):
+            ask()
+    k.check(roots.pid, ROOT)
     gone = procs.start(["true"])
     gone.wait(timeout=30)
     with pytest.raises(RefusedError, match=f"^cannot lease for pid {gone.pid}: no such process$"):

@@ -245,3 +245,32 @@ def test_a_loader_jobs_own_lease_is_named_on_a_root_store(shmstage_bin, open_tmp
     kill(job)
     r = cli(shmstage_bin, "evict", "ds", "--dest", str(dest))
     assert r.returncode == 0 and r.stdout == "evicted: ds\n", r.stderr
+
+
+def test_a_lease_is_let_go_by_its_taker_only(tmp_path):
+    """release() in the process that took a lease lets go though a forked child still has the
+    fd; the child's release() (its copy: a DataLoader worker's, a request's) lets go of
+    nothing."""
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    held = engine.lease_for("ds", dest)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            held.release()  # its copy only
+            os.write(w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        assert [h.pid for h in holders("ds", dest)] == [os.getpid()]
+        held.release()
+        assert holders("ds", dest) == ()  # the child's copy of the fd does not keep it
+    finally:
+        os.close(r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -123,6 +123,11 @@ class Keeper:
         self._wake()
         return h.token
 
+    def check(self, pid: int, caller: Caller) -> None:
+        """Refuse (RefusedError), before anything is staged, what :meth:`hold` would: ``pid``
+        not running, or not the caller's (``stage --lease-for`` asks this first)."""
+        leasefor.target(pid, caller.uid)
+
     def release(self, token: str, caller: Caller) -> None:
         """Let go of the lease ``token`` (its holder's user, or root)."""
         with self._lock:

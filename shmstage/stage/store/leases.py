@@ -106,6 +106,7 @@ class Lease:
     def __init__(self, store: Store, name: str, fd: int, dataset: Any) -> None:
         self.store, self.name, self.dataset = store, name, dataset
         self._fd: int | None = fd
+        self._pid = os.getpid()  # who took it: a forked child holds only a copy
 
     @property
     def held(self) -> bool:
@@ -118,13 +119,21 @@ class Lease:
         return self._fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            with suppress(Exception):  # the end of a job is a use too: LRU order (makeroom.py)
-                record = self.store.published(self.name)
-                if record is not None:
-                    self.store.touch(record)
-            os.close(fd)  # closing the last fd on it drops the flock
+        """Let go: unlock, so copies of the fd in forked children (a DataLoader worker, a
+        service's request) do not keep it held.  In such a child, only close its copy."""
+        if self._fd is None:
+            return
+        if os.getpid() != self._pid:
+            self.close_copy()
+            return
+        fd, self._fd = self._fd, None
+        with suppress(Exception):  # the end of a job is a use too: LRU order (makeroom.py)
+            record = self.store.published(self.name)
+            if record is not None:
+                self.store.touch(record)
+        with suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)  # the open file's lock, whoever else has the fd
+        os.close(fd)
 
     def close_copy(self) -> None:
         """Close this process's fd without a release's bookkeeping: the copy a forked child
