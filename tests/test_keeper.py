@@ -172,12 +172,20 @@ def test_a_restarted_keeper_takes_again_live_leases_and_drops_dead_ones(tmp_path
     kill(service)  # SIGKILL: no close(), the flocks go with the process
     kill(dead)
     assert holders("ds", dest) == ()
+    (state / "service.conf").write_text("not the keeper's\n")
+    entries = [
+        json.loads((state / e).read_text()) for e in os.listdir(state) if e.endswith(".json")
+    ]
+    [before_reboot] = [e for e in entries if e["pid"] == live.pid]
+    (state / ("f" * 32 + ".json")).write_text(json.dumps({**before_reboot, "boot": "another"}))
     k = Keeper(str(state))
     try:
         assert [(h.pid, h.via) for h in holders("ds", dest)] == [(live.pid, os.getpid())]
+        assert len(k.held()) == 1  # the entry of another boot is not taken
         assert [m.holder[0] for m in leases.marks(Store(dest))] == [os.getpid()]
-        [left] = os.listdir(state)
-        assert json.loads((state / left).read_text())["pid"] == live.pid
+        left = sorted(os.listdir(state))
+        assert len(left) == 2 and left[1] == "service.conf"  # others' files are left alone
+        assert json.loads((state / left[0]).read_text())["pid"] == live.pid
         kill(live)
         wait_for(lambda: holders("ds", dest) == (), "the restarted keeper to let go")
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import secrets
 import select
 import threading
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from shmstage.identity import Caller
 
 POLL_SECONDS = 0.5  # without pidfds (kernels before 5.3): how often /proc is looked at
+_STATE_FILE = re.compile(r"^([0-9a-f]{32})\.json(\.\d+\.tmp)?\Z")  # <token>.json[.<pid>.tmp]
 
 # NOTE [keeper]
 #
@@ -67,6 +69,7 @@ class _Held:
             "start": self.start,
             "uid": self.uid,
             "mark": self.mark,
+            "boot": _boot_id(),
         }
 
 
@@ -244,11 +247,14 @@ class Keeper:
         """Take again the leases of a previous service whose processes still run."""
         for entry in sorted(os.listdir(self.state_dir)):
             path = os.path.join(self.state_dir, entry)
-            if not entry.endswith(".json"):
+            found = _STATE_FILE.match(entry)
+            if found is None:
+                continue  # not ours: the state directory may hold the service's other files
+            if found.group(2):
                 with suppress(OSError):
-                    os.unlink(path)  # a half-written state file
+                    os.unlink(path)  # half written by a killed service
                 continue
-            h = self._restored(entry[: -len(".json")], path)
+            h = self._restored(found.group(1), path)
             if h is None:
                 with suppress(OSError):
                     os.unlink(path)
@@ -263,6 +269,8 @@ class Keeper:
             pid, start, uid = int(data["pid"]), int(data["start"]), int(data["uid"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if data.get("boot") != _boot_id():
+            return None  # held before a reboot: a pid and start time may name another now
         old = data.get("mark")
         mine = isinstance(old, str) and os.path.dirname(old) == Store(dest).lease_dir
         if mine and os.path.basename(old).startswith(f".{name}@"):
@@ -293,3 +301,13 @@ def _after_fork(ref: weakref.ref[Keeper]) -> None:
     keeper = ref()
     if keeper is not None:
         keeper._forget_in_child()
+
+
+@functools.cache
+def _boot_id() -> str:
+    """This boot's id: a state file of another boot names processes that are gone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
