@@ -77,14 +77,17 @@ def test_recipe_protects_a_batch_script_until_it_exits(shmstage_bin, tmp_path, p
 
 
 def test_lease_for_a_dead_pid_is_refused_before_staging(shmstage_bin, tmp_path, procs):
-    """--lease-for a pid that is not running: one line, exit 2, nothing staged or held."""
+    """--lease-for a pid that is not running: one line, exit 2, nothing staged or held (a dry
+    run says the same)."""
     gone = procs.start(["true"])
     gone.wait(timeout=30)
     src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
-    r = cli(shmstage_bin, "stage", str(src), "--dest", str(dest), "--lease-for", str(gone.pid))
-    assert (r.returncode, r.stdout) == (2, "")
-    assert r.stderr == f"Error: cannot lease for pid {gone.pid}: no such process\n"
-    assert find("ds", dest=dest) is None
+    for dry in ([], ["--dry-run"]):
+        argv = ["stage", str(src), "--dest", str(dest), "--lease-for", str(gone.pid), *dry]
+        r = cli(shmstage_bin, *argv)
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr == f"Error: cannot lease for pid {gone.pid}: no such process\n"
+        assert find("ds", dest=dest) is None
 
 
 @needs_setpriv

@@ -190,6 +190,8 @@ def stage_cmd(
     dest, policies = configured(dest, config_path)
     if reserve is None:  # the option and its variable win over the node config
         reserve = node_reserve(config_path)
+    if lease_for is not None:
+        check_lease_for(lease_for)  # refused before anything is copied (a dry run says it too)
     if dry_run:
         p = plan(
             src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
@@ -199,8 +201,6 @@ def stage_cmd(
         if p.tier is None:
             raise refusal(p.name, p.skipped)  # what the real run would say
         return
-    if lease_for is not None:
-        check_lease_for(lease_for)  # refused before anything is copied
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
     try:
