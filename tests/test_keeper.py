@@ -147,7 +147,7 @@ SERVICE = textwrap.dedent(
     from shmstage.service.keeper import Keeper
     k = Keeper(sys.argv[1])
     for pid in sys.argv[3:]:
-        k.hold("ds", sys.argv[2], int(pid), SimpleNamespace(uid=0, is_root=True))
+        k.hold("ds", sys.argv[2], int(pid), SimpleNamespace(uid=0, pid=0, is_root=True))
     print("held", flush=True)
     time.sleep(300)
     """
@@ -246,3 +246,32 @@ def test_use_by_another_user_moves_last_used_through_the_service(open_tmp_path, 
     wait_for(lambda: uid_of(j.pid) != 0, "setpriv to drop")
     keeper().hold("ds", str(dest), j.pid, Caller(uid_of(j.pid), 65534, ()))
     assert stamp.stat().st_mtime > recent
+
+
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_a_pid_from_another_pid_namespace_is_refused(tmp_path, keeper, procs):
+    """A caller in a container (its own pid namespace) names pids the service cannot read:
+    refused in one line, nothing held; the same pid from the service's namespace is leased."""
+    import psutil
+
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    k = keeper()
+    box = procs.start(["unshare", "--pid", "--fork", "--mount-proc", "sleep", "300"])
+    inside = wait_for(lambda: psutil.Process(box.pid).children(), "the contained sleep")[0]
+    wait_for(lambda: os.stat(f"/proc/{inside.pid}/ns/pid").st_ino
+             != os.stat("/proc/self/ns/pid").st_ino, "unshare to enter its namespace")  # fmt: skip
+    j = job(procs)
+    contained = Caller(0, 0, (), inside.pid)
+    for ask in (
+        lambda: k.check(j.pid, contained),
+        lambda: k.hold("ds", str(dest), j.pid, contained),
+    ):
+        with pytest.raises(
+            RefusedError, match=f"^cannot lease for pid {j.pid}: you run in another pid namespace"
+        ):
+            ask()
+    assert holders("ds", dest) == ()
+    k.hold("ds", str(dest), j.pid, Caller(0, 0, (), os.getpid()))
+    assert [h.pid for h in holders("ds", dest)] == [j.pid]

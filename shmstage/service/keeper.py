@@ -96,6 +96,7 @@ class Keeper:
         """Lease ``name`` (a name, a staged path or a source, as ``engine.lease``) in ``dest``
         until process ``pid`` exits; a token for :meth:`release`.  Refused (RefusedError) when
         ``pid`` is not running or is not the caller's (root may lease for any)."""
+        _same_pid_namespace(pid, caller)
         try:
             pidfd = leasefor.pidfd_of(pid)  # first: what /proc says next is about this process
         except OSError:
@@ -129,6 +130,7 @@ class Keeper:
     def check(self, pid: int, caller: Caller) -> None:
         """Refuse (RefusedError), before anything is staged, what :meth:`hold` would: ``pid``
         not running, or not the caller's (``stage --lease-for`` asks this first)."""
+        _same_pid_namespace(pid, caller)
         leasefor.target(pid, caller.uid)
 
     def release(self, token: str, caller: Caller) -> None:
@@ -311,3 +313,22 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _same_pid_namespace(pid: int, caller: Caller) -> None:
+    """Refuse a PID given from another pid namespace (a container): there it names another
+    process than here.  The caller's own pid (SO_PEERCRED) is translated by the kernel, the
+    number in the request is not."""
+    if not caller.pid:
+        return  # no peer pid known: the caller is this process (tests, in-process use)
+    try:
+        theirs = os.stat(f"/proc/{caller.pid}/ns/pid").st_ino
+        ours = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return  # gone already, or /proc says nothing: the owner check still applies
+    if theirs != ours:
+        raise RefusedError(
+            f"cannot lease for pid {pid}: you run in another pid namespace (a container), "
+            "where pids are not the service's; lease from the host's pid namespace, or "
+            "hold the lease in the job itself (shmstage.lease, run --stage)"
+        )
