@@ -76,6 +76,41 @@ def test_recipe_protects_a_batch_script_until_it_exits(shmstage_bin, tmp_path, p
     assert os.listdir(dest / ".shmstage" / "leases") == []  # no mark left behind
 
 
+@needs_setpriv
+@pytest.mark.root
+def test_a_user_leases_for_their_own_process(shmstage_bin, open_tmp_path, procs):
+    """nobody stages into their own store with --lease-for a process of theirs: the stage
+    returns (its stdout closed), the lease is held for that process by a holder of theirs,
+    their evict refuses naming it, and works once it is gone."""
+    home = open_tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    src, dest = make_src(open_tmp_path / "ds"), home / "dest"
+    j = sleeper(procs, *NOBODY)
+    wait_for(lambda: os.stat(f"/proc/{j.pid}").st_uid == 65534, "setpriv to drop")
+    r = subprocess.run(
+        [*NOBODY, *shmstage_bin, "stage", str(src), "--dest", str(dest), "-q",
+         "--lease-for", str(j.pid)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"{dest / 'ds'}\n", "")
+    held = holders("ds", dest)
+    assert [h.pid for h in held] == [j.pid] and held[0].via
+    assert os.stat(f"/proc/{held[0].via}").st_uid == 65534  # the holder is theirs too
+    r = subprocess.run(
+        [*NOBODY, *shmstage_bin, "evict", "ds", "--dest", str(dest)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith(f"Error: ds is in use by pid {j.pid} (")
+    kill(j)
+    wait_for(lambda: holders("ds", dest) == (), "the holder to let go")
+    r = subprocess.run(
+        [*NOBODY, *shmstage_bin, "evict", "ds", "--dest", str(dest)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (r.returncode, r.stdout) == (0, "evicted: ds\n"), r.stderr
+
+
 def test_lease_for_a_dead_pid_is_refused_before_staging(shmstage_bin, tmp_path, procs):
     """--lease-for a pid that is not running: one line, exit 2, nothing staged or held (a dry
     run says the same)."""
