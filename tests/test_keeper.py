@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from shmstage.errors import RefusedError
+from shmstage.errors import RefusedError, ShmstageError
 from shmstage.service.keeper import Keeper
 from shmstage.stage import find, holders, stage
 from shmstage.stage.store import leases
@@ -275,3 +275,12 @@ def test_a_pid_from_another_pid_namespace_is_refused(tmp_path, keeper, procs):
     assert holders("ds", dest) == ()
     k.hold("ds", str(dest), j.pid, Caller(0, 0, (), os.getpid()))
     assert [h.pid for h in holders("ds", dest)] == [j.pid]
+
+
+def test_a_state_directory_others_may_write_is_refused(tmp_path):
+    """What the state directory holds is taken as leases: one others may write is refused."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o777)
+    state.chmod(0o777)
+    with pytest.raises(ShmstageError, match=f"^lease state directory {state} must be a dir"):
+        Keeper(str(state))

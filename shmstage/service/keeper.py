@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import select
+import stat
 import threading
 import weakref
 from contextlib import suppress
@@ -79,6 +80,13 @@ class Keeper:
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        st = os.lstat(state_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            # what is in it is held as leases and unmarked in stores: it must be ours alone
+            raise ShmstageError(
+                f"lease state directory {state_dir} must be a directory of uid {os.geteuid()} "
+                "that no one else may write"
+            )
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._closed = False
@@ -288,7 +296,7 @@ class Keeper:
             if not same:
                 raise ShmstageError("another process")
             held = leases.acquire(name, dest)
-        except ShmstageError:  # its process is gone, or the dataset is
+        except (ShmstageError, OSError):  # its process is gone, or the dataset is
             if pidfd is not None:
                 os.close(pidfd)
             return None
