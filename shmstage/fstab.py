@@ -76,11 +76,33 @@ def _same_mountpoint(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def edit_fstab(text: str, mountpoint: str, size_option: str, *, fstab: str = "fstab") -> str:
-    """``text`` with the tmpfs line(s) for ``mountpoint`` set to ``size=size_option``.
+def _with_options(options: str, wanted: tuple[tuple[str, str], ...]) -> str:
+    """``options`` with each ``key=value`` of ``wanted`` set (replaced in place, else appended)."""
+    out = options.split(",")
+    for key, value in wanted:
+        spots = [i for i, o in enumerate(out) if o.partition("=")[0] == key]
+        if spots:
+            out[spots[0]] = f"{key}={value}"
+            out = [o for i, o in enumerate(out) if i not in spots[1:]]
+        else:
+            out.append(f"{key}={value}")
+    return ",".join(out)
+
+
+def edit_fstab(
+    text: str,
+    mountpoint: str,
+    size_option: str,
+    *,
+    fstab: str = "fstab",
+    options: tuple[tuple[str, str], ...] = (),
+    new_options: str = "defaults",
+) -> str:
+    """``text`` with the tmpfs line(s) for ``mountpoint`` set to ``size=size_option`` and
+    each ``key=value`` in ``options`` (``mode``, ``mpol``).
 
     Existing lines keep their other options; a missing line is appended as
-    ``tmpfs <mountpoint> tmpfs defaults,size=<size> 0 0``."""
+    ``tmpfs <mountpoint> tmpfs <new_options>,size=<size>[,options] 0 0``."""
     lines = text.split("\n")
     found = False
     for n, line in enumerate(lines):
@@ -99,19 +121,20 @@ def edit_fstab(text: str, mountpoint: str, size_option: str, *, fstab: str = "fs
             )
         if len(fields) > 3:
             start, end = fields[3]
-            body = body[:start] + _with_size(body[start:end], size_option) + body[end:]
+            opts = _with_size(body[start:end], size_option)
+            opts = _with_options(opts, options) if options else opts
+            body = body[:start] + opts + body[end:]
         else:
-            body = body + f"\tdefaults,size={size_option}\t0\t0"
+            opts = _with_options(f"defaults,size={size_option}", options)
+            body = body + f"\t{opts}\t0\t0"
         lines[n] = body + line[len(line.rstrip("\r")) :]
         found = True
     if found:
         return "\n".join(lines)
     if text and not text.endswith("\n"):
         text += "\n"
-    return (
-        text
-        + f"tmpfs {system.escape_mount_field(mountpoint)} tmpfs defaults,size={size_option} 0 0\n"
-    )
+    opts = _with_options(f"{new_options},size={size_option}", options)
+    return text + f"tmpfs {system.escape_mount_field(mountpoint)} tmpfs {opts} 0 0\n"
 
 
 def fstab_diff(before: str, after: str, path: str) -> str:

@@ -1,8 +1,9 @@
 """``shmstage prepare``: converge a node to its YAML config, idempotently.
 
-Steps run in order (inspect, size the tmpfs, stage each dataset, pillow-simd) and each
-reports ok / changed / skipped / failed (or would-change under ``dry_run``).  The first
-failed step stops the run; what earlier steps did stays in place.
+Steps run in order (inspect, size the tmpfs, the store's own tmpfs and the node service's
+units where the config asks, stage each dataset, pillow-simd) and each reports ok / changed /
+skipped / failed (or would-change under ``dry_run``).  The first failed step stops the run;
+what earlier steps did stays in place.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from shmstage import system
 from shmstage.capacity import MEMORY_BACKED, RESERVE_CAP
-from shmstage.config import DatasetConfig, NodeConfig
+from shmstage.config import DEFAULT_PATH, DatasetConfig, NodeConfig
 from shmstage.errors import ShmstageError
 from shmstage.paths import is_within
 from shmstage.sizes import format_size, parse_size
@@ -130,11 +131,15 @@ def prepare(
     dry_run: bool = False,
     log: Callable[[str], None] | None = None,
     peers: Any = None,
+    systemd_dir: str = "/etc/systemd/system",
+    systemd_running: str = "/run/systemd/system",
+    sys_root: str = "/sys",
 ) -> PrepareReport:
     """Converge the node to ``config``; never raises for a failed step (see ``report.failed``).
 
     ``peers`` (:class:`shmstage.cluster.Peers`): stage each dataset together with the
-    other nodes, which run ``prepare`` with the same datasets."""
+    other nodes, which run ``prepare`` with the same datasets.  ``systemd_dir``: where the
+    service's units go; ``systemd_running`` and ``sys_root`` (NUMA nodes): for tests."""
     say = log or (lambda _msg: None)
     steps: list[Step] = []
     error: str | None = None
@@ -142,6 +147,12 @@ def prepare(
         ("inspect", lambda: _inspect(config)),
         ("shm-size", lambda: _size_shm(config, dry_run)),
     ]
+    # The node service's steps show only on a node that uses it (the store mounted first:
+    # the service must find it when it starts).
+    if config.store_tmpfs is not None:
+        plan.append(("store-tmpfs", lambda: _store_tmpfs(config, dry_run, sys_root)))
+    if config.service.enabled:
+        plan.append(("service", lambda: _service(config, dry_run, systemd_dir, systemd_running)))
     for ds in config.datasets:
         plan.append((f"stage {ds.name}", lambda ds=ds: _stage(config, ds, dry_run, peers)))
     plan.append(("pillow-simd", lambda: _pillow(config, dry_run, say)))
@@ -216,6 +227,52 @@ def _size_shm(config: NodeConfig, dry_run: bool) -> tuple[str, str]:
         return WOULD_CHANGE, f"would {what}{why}"
     apply_remount(plan)
     return CHANGED, f"{what}{why}"
+
+
+def _store_tmpfs(config: NodeConfig, dry_run: bool, sys_root: str) -> tuple[str, str]:
+    store = config.store_tmpfs
+    assert store is not None  # the step runs only then
+    from shmstage.store_tmpfs import apply_store_mount, mpol_for, plan_store_mount
+
+    mpol = mpol_for(system.numa(sys_root))
+    plan = plan_store_mount(store.size, store.path, mode=store.mode, mpol=mpol, fstab=store.fstab)
+    options = f"size={plan.size_option},mode={plan.mode}" + (f",mpol={mpol}" if mpol else "")
+    if not plan.changed:
+        return OK, f"tmpfs at {plan.path} ({options}), persisted in {store.fstab}"
+    parts = [*plan.commands]
+    if plan.chmod:
+        parts.append(f"chmod {plan.mode} {plan.path}")
+    if plan.fstab_text is not None:
+        parts.append(f"persist it in {store.fstab}")
+    what = "; ".join(parts)
+    if dry_run:
+        return WOULD_CHANGE, f"would {what}"
+    apply_store_mount(plan)
+    return CHANGED, what
+
+
+def _service(config: NodeConfig, dry_run: bool, directory: str, running: str) -> tuple[str, str]:
+    from shmstage import systemd
+
+    conf = os.path.abspath(config.path or DEFAULT_PATH)
+    plan = systemd.plan_units(conf, directory=directory, running=running)
+    not_running = "systemd is not running here: no service started (run `shmstage serve` yourself)"
+    if not plan.changed:
+        if not plan.systemd:
+            return OK, f"units up to date in {directory}; {not_running}"
+        return OK, f"{systemd.SERVICE} up to date, enabled and active"
+    parts = []
+    if plan.to_write:
+        names = ", ".join(os.path.basename(p) for p, _ in plan.to_write)
+        parts.append(f"{'would write' if dry_run else 'wrote'} {names} in {directory}")
+    if plan.actions:
+        parts.append(f"{'would run' if dry_run else 'ran'} systemctl " + ", ".join(plan.actions))
+    if not plan.systemd:
+        parts.append(not_running)
+    if dry_run:
+        return WOULD_CHANGE, "; ".join(parts)
+    systemd.apply_units(plan)
+    return CHANGED, "; ".join(parts)
 
 
 def _describe_remount(plan: RemountPlan) -> str:

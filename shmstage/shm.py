@@ -1,7 +1,7 @@
 """Resize a tmpfs (normally /dev/shm) and persist its size in fstab.
 
-The only module that changes mounts or fstab (whose text :mod:`shmstage.fstab` edits and
-writes for it).  :func:`plan_remount` checks everything and changes nothing (``--dry-run``
+With :mod:`shmstage.store_tmpfs`, the only modules that change mounts or fstab (whose text
+:mod:`shmstage.fstab` edits and writes for them).  :func:`plan_remount` checks everything and changes nothing (``--dry-run``
 stops there); :func:`apply_remount` carries a plan out: remount first, then swap in the new
 fstab atomically.
 """

@@ -535,3 +535,41 @@ def block_device(path: str | os.PathLike[str], sys_root: str = "/sys") -> BlockD
     flag = _read(disk / "queue" / "rotational")
     rotational = None if flag is None or flag.strip() not in ("0", "1") else flag.strip() == "1"
     return BlockDevice(disk.name, rotational)
+
+
+def _node_list(text: str | None) -> tuple[int, ...] | None:
+    """A kernel node list (``"0-1,3"`` -> (0, 1, 3)); None when missing or malformed."""
+    if text is None:
+        return None
+    nodes: list[int] = []
+    for part in text.strip().split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+            return None
+        nodes.extend(range(int(lo), int(hi) + 1) if sep else (int(lo),))
+    return tuple(nodes)
+
+
+@dataclass(frozen=True)
+class Numa:
+    compute: tuple[int, ...]  # nodes with CPUs and (normal) memory: where a tmpfs spreads
+    memory: tuple[int, ...]  # every node with memory, a GPU's HBM included (Grace Hopper)
+
+
+def numa(sys_root: str = "/sys") -> Numa:
+    """The node's NUMA nodes, from sysfs; both () without NUMA there.
+
+    Nodes with memory but no CPU are not ``compute``: on Grace Hopper the GPU's HBM is such a
+    node, and a tmpfs interleaved onto it would eat GPU memory."""
+    base = Path(sys_root) / "devices" / "system" / "node"
+    cpus = _node_list(_read(base / "has_cpu"))
+    memory = _node_list(_read(base / "has_memory"))
+    normal = _node_list(_read(base / "has_normal_memory")) or memory
+    if cpus is None or memory is None or normal is None:  # an old kernel: every node*/ directory
+        try:
+            names = os.listdir(base)
+        except OSError:
+            return Numa((), ())
+        nodes = tuple(sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit()))
+        return Numa(nodes, nodes)
+    return Numa(tuple(n for n in cpus if n in normal), memory)

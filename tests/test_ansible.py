@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -113,8 +114,10 @@ def source_copy(dest: Path) -> Path:
 @pytest.mark.slow
 def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path):
     """Run the role twice against localhost, with ansible-core's builtin collection only:
-    tmpfs grown by shmstage prepare, the admin's fstab options kept, config, dataset; then
-    changed=0 (and in --check); a size above the ceiling fails the play with shmstage's error."""
+    tmpfs grown by shmstage prepare, the admin's fstab options kept, config, the store's own
+    tmpfs mounted and persisted, the node service's units installed and the service started
+    (a stand-in systemctl), dataset staged on the store; then changed=0 (and in --check); a
+    size above the ceiling fails the play with shmstage's error."""
     shm = tmpfs("32M")
     fstab = tmp_path / "fstab"
     fstab.write_text(
@@ -126,7 +129,16 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
         ANSIBLE_COLLECTIONS_PATH=str(tmp_path / "no-collections"),
         ANSIBLE_COLLECTIONS_SCAN_SYS_PATH="false",
         SHMSTAGE_PREPARE_LOCK=str(tmp_path / "prepare.lock"),
+        FAKE_SYSTEMCTL_STATE=str(tmp_path / "systemd.json"),
+        FAKE_SYSTEMCTL_LOG=str(tmp_path / "systemctl.log"),
     )
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "systemctl").write_text(FAKE_SYSTEMCTL.format(python=sys.executable))
+    (fake / "systemctl").chmod(0o755)
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    store, units = tmp_path / "store", tmp_path / "units"
+    units.mkdir()
     data = tmp_path / "src" / "images"
     data.mkdir(parents=True)
     for i in range(20):
@@ -144,6 +156,14 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
         "shmstage_config_path": str(config),
         "shmstage_datasets": [{"source": str(data), "name": "images"}],
         "shmstage_loader_num_workers": 2,
+        "shmstage_service_enabled": True,
+        "shmstage_systemd_dir": str(units),
+        "shmstage_store_tmpfs_path": str(store),
+        "shmstage_store_tmpfs_size": "8M",
+        "shmstage_shares": [
+            {"source": "s3://bkt/pub", "everyone": True},
+            {"source": "s3://bkt/team", "group": "root"},
+        ],
     }
 
     def write_play(**overrides) -> None:
@@ -161,6 +181,17 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
         assert result.returncode == rc, result.stdout[-4000:] + result.stderr[-2000:]
         return result.stdout
 
+    try:
+        check_converged(
+            converge, write_play, shm, fstab, store, units, config, data, venv, tmp_path
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)
+
+
+def check_converged(
+    converge, write_play, shm, fstab, store, units, config, data, venv, tmp_path
+) -> None:
     first = recap(converge())
     assert first["failed"] == 0
     assert first["changed"] >= 3  # venv, config, prepare (remount + fstab)
@@ -175,10 +206,26 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
     # The tmpfs now has the size the role asked for, persisted in the (temporary) fstab.
     st = os.statvfs(shm)
     assert st.f_blocks * st.f_frsize == 48 << 20
-    # shmstage rewrote only size= in the admin's line: nosuid,nodev,noexec stay.
+    # shmstage rewrote only size= in the admin's line: nosuid,nodev,noexec stay; the store's
+    # own tmpfs has its line (mpol=interleave only where the node has several NUMA nodes).
+    from shmstage.store_tmpfs import mpol_for
+    from shmstage.system import numa
+
+    mpol = mpol_for(numa())
     assert fstab.read_text() == (
         f"# test fstab\nproc /proc proc defaults 0 0\ntmpfs {shm} tmpfs rw,nosuid,nodev,noexec,size=48M 0 0\n"
+        f"tmpfs {store} tmpfs nosuid,nodev,size=8M,mode=0755{f',mpol={mpol}' if mpol else ''} 0 0\n"
     )
+    st = os.statvfs(store)
+    assert st.f_blocks * st.f_frsize == 8 << 20
+    # The service's units were rendered by the installed package; the service was started.
+    service = (units / "shmstage.service").read_text()
+    assert f"\nExecStart={venv}/bin/shmstage serve --config {config}\n" in service
+    assert (units / "shmstage.slice").exists()
+    assert json.loads((tmp_path / "systemd.json").read_text())["shmstage.service"] == {
+        "enabled": True,
+        "active": True,
+    }
     # The node config is valid and says what the role variables say.
     from shmstage.config import load_config
 
@@ -186,10 +233,15 @@ def test_role_converges_for_real_and_second_run_changes_nothing(tmpfs, tmp_path)
     assert [(d.source, d.name) for d in cfg.datasets] == [(str(data), "images")]
     assert cfg.shm.path == str(shm)
     assert cfg.loader.num_workers == 2
+    assert cfg.service.enabled is True and cfg.store_tmpfs.path == str(store)
+    assert [(x.source, x.gid, x.everyone) for x in cfg.shares] == [
+        ("s3://bkt/pub", None, True),
+        ("s3://bkt/team", 0, False),
+    ]
     # The dataset is staged, byte for byte, on the tmpfs.
     from shmstage.stage import find
 
-    staged = find("images", dest=shm / "shmstage")
+    staged = find("images", dest=store / "shmstage")  # dest defaults to the store's tmpfs
     assert staged is not None and staged.source == str(data)
     assert sorted(os.listdir(staged.path)) == sorted(os.listdir(data))
     for f in data.iterdir():
@@ -269,7 +321,7 @@ elif verb == "is-enabled":
 elif verb in ("enable", "disable"):
     u["enabled"] = verb == "enable"
 elif verb in ("start", "restart"):
-    u["active"] = not unit.endswith(".service")  # the service is a oneshot: done at once
+    u["active"] = unit != "shmstage-metrics.service"  # a oneshot: done at once
 elif verb == "stop":
     u["active"] = False
 json.dump(state, open(state_path, "w"))
@@ -333,3 +385,69 @@ def test_changed_metrics_units_are_reloaded_and_restarted(tmp_path):
     assert "OnUnitActiveSec=5min\n" in (units / "shmstage-metrics.timer").read_text()
     assert third[-2:] == ["daemon-reload", "restart shmstage-metrics.timer"], third
     assert not [c for c in third if "shmstage-metrics.service" in c], third
+
+
+def test_service_units_come_from_the_package_and_restart_only_on_change(tmp_path):
+    """ansible-playbook (real) with the role's service tasks: the unit and slice are the bytes
+    the installed shmstage renders (what `prepare` writes); a first run enables and starts the
+    service, then the handlers reload systemd and restart it; a converged run restarts nothing;
+    a new config path rewrites the unit, so systemd rereads it and the service restarts."""
+    from shmstage import systemd
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(FAKE_SYSTEMCTL.format(python=sys.executable))
+    (bindir / "systemctl").chmod(0o755)
+    log = tmp_path / "systemctl.log"
+    units = tmp_path / "units"
+    units.mkdir()
+    venv = Path(sys.executable).parent.parent
+    playbook = tmp_path / "service.yml"
+
+    def converge(config: str) -> list[str]:
+        role_vars = {
+            "shmstage_venv": str(venv),
+            "shmstage_config_path": config,
+            "shmstage_systemd_dir": str(units),
+            "shmstage_service_enabled": True,
+        }
+        play = [{
+            "name": "Service units", "hosts": "localhost", "gather_facts": False,
+            "tasks": [
+                {"name": "Install the units", "vars": role_vars, "ansible.builtin.include_role":
+                    {"name": "shmstage", "tasks_from": "service-units.yml"}},
+                {"name": "Start the service", "vars": role_vars, "ansible.builtin.include_role":
+                    {"name": "shmstage", "tasks_from": "service.yml"}},
+            ],
+        }]  # fmt: skip
+        playbook.write_text(yaml.safe_dump(play))
+        log.write_text("")
+        env = dict(
+            ansible_env(tmp_path),
+            PATH=f"{bindir}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            FAKE_SYSTEMCTL_STATE=str(tmp_path / "systemd.json"),
+            FAKE_SYSTEMCTL_LOG=str(log),
+        )
+        result = subprocess.run(
+            [tool("ansible-playbook"), "-c", "local", "-i", "localhost,", str(playbook)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        calls = log.read_text().splitlines()
+        return [c for c in calls if not c.startswith(("show ", "is-enabled", "is-active"))]
+
+    first = converge("/etc/shmstage.yaml")
+    for name in systemd.UNITS:
+        assert (units / name).read_text() == systemd.render(
+            name, command=f"{venv}/bin/shmstage", config="/etc/shmstage.yaml"
+        )
+    assert "enable shmstage.service" in first and "start shmstage.service" in first, first
+    assert first[-2:] == ["daemon-reload", "restart shmstage.service"], first
+
+    second = converge("/etc/shmstage.yaml")
+    assert not [c for c in second if c.startswith(("restart", "start", "enable"))], second
+
+    third = converge("/srv/node.yaml")
+    assert "--config /srv/node.yaml\n" in (units / "shmstage.service").read_text()
+    assert third[-2:] == ["daemon-reload", "restart shmstage.service"], third
+    assert not [c for c in third if c.startswith(("start", "enable"))], third

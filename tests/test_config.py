@@ -11,11 +11,18 @@ from shmstage.config import (
     DatasetConfig,
     LoaderConfig,
     PillowSimdConfig,
+    ServiceConfig,
+    ShareConfig,
     ShmConfig,
+    StoreTmpfsConfig,
     TierConfig,
     load_config,
     loader_env,
+    node_service,
+    node_shares,
+    node_store_tmpfs,
     parse_config,
+    share_for,
 )
 
 FULL = """\
@@ -140,7 +147,7 @@ def test_shm_size_forms(size, expected):
 BAD = [
     (
         "bogus: 1\n",
-        "1: bogus: unknown key; expected one of: version, shm, dest, reserve, datasets, pillow_simd, loader",
+        "1: bogus: unknown key; expected one of: version, shm, dest, reserve, datasets, pillow_simd, loader, service, store_tmpfs, shares",
     ),
     (
         "shm:\n  path: /dev/shm\n  sizee: 4G\n",
@@ -223,10 +230,85 @@ BAD = [
     ("shm: {}\nshm: {}\n", "2: shm: duplicate key"),
     (
         "- a\n- b\n",
-        "1: expected a mapping with keys version, shm, dest, reserve, datasets, pillow_simd, loader; got a list",
+        "1: expected a mapping with keys version, shm, dest, reserve, datasets, pillow_simd, loader, service, store_tmpfs, shares; got a list",
     ),
     ("shm: {size: 4G\n", "2: not valid YAML: expected ',' or '}', but got '<stream end>'"),
     ("", "the file is empty; see docs/config.md for the schema"),
+]
+
+
+# The node service's keys (issue 22): service, store_tmpfs, shares.
+BAD += [
+    (
+        "service: {enabled: yes please}\n",
+        "1: service.enabled: expected true or false, got 'yes please'",
+    ),
+    ("service: {socket: run/s.sock}\n", "1: service.socket: 'run/s.sock' is not an absolute path"),
+    (
+        "service: {port: 1}\n",
+        "1: service.port: unknown key; expected one of: enabled, socket",
+    ),
+    (
+        "store_tmpfs: {path: /var/cache/shmstage}\n",
+        "1: store_tmpfs: missing size; e.g. {path: /var/cache/shmstage, size: 64G}",
+    ),
+    (
+        "store_tmpfs:\n  size: 1G\n",
+        "2: store_tmpfs: missing path; e.g. {path: /var/cache/shmstage, size: 64G}",
+    ),
+    (
+        "store_tmpfs: {path: /dev/shm/store, size: 1G}\n",
+        "1: store_tmpfs.path: /dev/shm/store cannot hold the store's own tmpfs; use a directory of its own such as /var/cache/shmstage (not / nor /dev/shm, which Slurm and Kubernetes give each job privately)",
+    ),
+    (
+        "shm: {path: /mnt/ram}\nstore_tmpfs:\n  path: /mnt/ram\n  size: 1G\n",
+        "3: store_tmpfs.path: /mnt/ram is on the shm tmpfs (/mnt/ram); the store's own tmpfs needs a path of its own, e.g. /var/cache/shmstage",
+    ),
+    (
+        "store_tmpfs:\n  path: /srv/store\n  size: 0\n",
+        "3: store_tmpfs.size: a tmpfs size must be more than 0",
+    ),
+    (
+        "store_tmpfs:\n  path: /srv/store\n  size: 1G\n  mode: 0789\n",
+        '4: store_tmpfs.mode: \'0789\' is not an octal file mode; use e.g. "0755" or "1777"',
+    ),
+    (
+        "store_tmpfs: {path: /srv/store, size: 1G, uid: 0}\n",
+        "1: store_tmpfs.uid: unknown key; expected one of: path, size, mode, fstab",
+    ),
+    ("shares: s3://b/p\n", "1: shares: expected a list of shares, got 's3://b/p'"),
+    (
+        "shares:\n  - {source: /nfs/data, group: root}\n",
+        "2: shares[0].source: expected an object-store prefix (s3://, gs://, az://), got '/nfs/data'; a directory's copy keeps its source's owner, group and mode",
+    ),
+    (
+        "shares:\n  - {source: s3://bkt/p, group: no-such-group-here}\n",
+        "2: shares[0].group: no group 'no-such-group-here' on this node (getent group no-such-group-here)",
+    ),
+    (
+        "shares:\n  - {source: s3://bkt/p, group: -1}\n",
+        "2: shares[0].group: expected a group name or gid, got a number (-1)",
+    ),
+    (
+        "shares:\n  - {source: s3://bkt/p, group: root, everyone: true}\n",
+        "2: shares[0]: give group or everyone: true, not both",
+    ),
+    (
+        "shares:\n  - {source: s3://bkt/p}\n",
+        "2: shares[0]: missing group; name a group (or gid), or say everyone: true",
+    ),
+    (
+        "shares:\n  - {group: root}\n",
+        "2: shares[0].source: missing; every share needs an object-store prefix",
+    ),
+    (
+        "shares:\n  - {source: s3://bkt/p, everyone: true}\n  - {source: s3://bkt/p/, group: 0}\n",
+        "3: shares[1].source: s3://bkt/p is shared twice (also shares[0])",
+    ),
+    (
+        "shares:\n  - {source: s3://bkt/p, everyone: true, groups: [root]}\n",
+        "2: shares[0].groups: unknown key; expected one of: source, group, everyone",
+    ),
 ]
 
 
@@ -249,7 +331,7 @@ def test_every_problem_is_reported_at_once():
         "invalid config node.yaml (3 problems; nothing was run):",
         "  node.yaml:1: shm.size: invalid size '12Q': unknown unit 'Q'; use K, M, G, T, KiB, GiB, KB, GB or N%",
         "  node.yaml:4: datasets[0].verify: 'md5' is not a verify mode; use size or checksum",
-        "  node.yaml:5: extra: unknown key; expected one of: version, shm, dest, reserve, datasets, pillow_simd, loader",
+        "  node.yaml:5: extra: unknown key; expected one of: version, shm, dest, reserve, datasets, pillow_simd, loader, service, store_tmpfs, shares",
     ]
     assert [p.key for p in info.value.problems] == ["shm.size", "datasets[0].verify", "extra"]
 
@@ -423,12 +505,17 @@ def test_auto_size_keeps_a_percentage_reserve_of_the_size_it_computes(monkeypatc
     cfg = parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 20%\n")
     size = prepare.auto_size(cfg)
     assert size == 2 << 20  # 1 MiB of bookkeeping is 80%: 1.25 MiB, rounded up to MiB
-    assert prepare.auto_size(parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 0\n")) == 1 << 20
+    assert (
+        prepare.auto_size(parse(f"shm: {{path: {shm}, size: auto}}\ndest: {shm}/d\nreserve: 0\n"))
+        == 1 << 20
+    )
 
 
 @pytest.mark.root
 @pytest.mark.parametrize("command", ["stage", "run"])
-def test_stage_and_run_keep_a_percentage_reserve_of_the_tmpfs(tmpfs, tmp_path, shmstage_bin, command):
+def test_stage_and_run_keep_a_percentage_reserve_of_the_tmpfs(
+    tmpfs, tmp_path, shmstage_bin, command
+):
     """A config reserve of 90% refuses 10M on a 64M tmpfs (57.6M kept free), as --reserve 90% does; 10% lets it in."""
     import os
     import subprocess
@@ -453,3 +540,85 @@ def test_stage_and_run_keep_a_percentage_reserve_of_the_tmpfs(tmpfs, tmp_path, s
     r = sh("b", "10%")
     assert r.returncode == 0, r.stderr
     assert (mnt / "b" / "ds").is_dir()
+
+
+def test_service_keys_parse_into_typed_sections():
+    """service, store_tmpfs and shares land in their typed fields; a group name becomes its gid."""
+    cfg = parse(
+        """\
+        service: {enabled: true, socket: /run/x/s.sock}
+        store_tmpfs: {path: /var/cache/shmstage/, size: 50%, mode: 1777, fstab: /tmp/fstab}
+        shares:
+          - {source: "s3://bkt/pub/", everyone: true}
+          - {source: s3://bkt/pub/team, group: root}
+          - {source: gs://bkt2/x, group: 4242}
+        """
+    )
+    assert cfg.service == ServiceConfig(enabled=True, socket="/run/x/s.sock")
+    assert cfg.store_tmpfs == StoreTmpfsConfig("/var/cache/shmstage", "50%", "1777", "/tmp/fstab")
+    assert cfg.shares == (
+        ShareConfig("s3://bkt/pub", None, True, None),
+        ShareConfig("s3://bkt/pub/team", 0, False, "root"),
+        ShareConfig("gs://bkt2/x", 4242, False, "4242"),
+    )
+
+
+def test_service_defaults_and_store_mode_as_written():
+    """No service section: off, on the default socket; an unquoted 0755 stays 0755 (not 493)."""
+    cfg = parse("datasets: []\n")
+    assert cfg.service == ServiceConfig(False, "/run/shmstage/shmstage.sock")
+    assert cfg.store_tmpfs is None and cfg.shares == ()
+    cfg = parse("store_tmpfs: {path: /srv/s, size: 64G, mode: 0755}\n")
+    assert cfg.store_tmpfs == StoreTmpfsConfig("/srv/s", 64 << 30, "0755", "/etc/fstab")
+    assert parse("store_tmpfs: {path: /srv/s, size: 1G, mode: 755}\n").store_tmpfs.mode == "0755"
+    assert parse("store_tmpfs: {path: /srv/s, size: 1G}\n").store_tmpfs.mode == "0755"
+
+
+def test_dest_defaults_to_the_store_tmpfs():
+    """With store_tmpfs and no dest, copies go to <store_tmpfs.path>/shmstage; dest still wins."""
+    assert parse("store_tmpfs: {path: /srv/s, size: 1G}\n").dest == "/srv/s/shmstage"
+    text = "store_tmpfs: {path: /srv/s, size: 1G}\ndest: /scratch/x\n"
+    assert parse(text).dest == "/scratch/x"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("s3://bkt/pub/team/imagenet", (1001, False)),  # the longest prefix: the team's group
+        ("s3://bkt/pub/team", (1001, False)),
+        ("s3://bkt/pub/team/", (1001, False)),
+        ("s3://bkt/pub/other", (None, True)),  # only the shorter, everyone share contains it
+        ("s3://bkt/pub", (None, True)),
+        ("s3://bkt/public", (None, False)),  # a prefix matches whole components only
+        ("s3://bkt/pub/teamx", (None, True)),
+        ("s3://bkt", (None, False)),
+        ("gs://bkt/pub/team", (None, False)),  # another scheme: another store
+        ("s3://other/a", (7, False)),
+    ],
+)
+def test_share_for_longest_prefix_wins(source, expected):
+    """share_for picks the longest share prefix containing the source, by whole components."""
+    shares = (
+        ShareConfig("s3://bkt/pub", None, True),
+        ShareConfig("s3://bkt/pub/team", 1001, False, "ml"),
+        ShareConfig("s3://other", 7, False, "7"),
+    )
+    assert share_for(source, shares) == expected
+    assert share_for(source, ()) == (None, False)
+
+
+def test_node_service_store_and_shares_read_the_config(tmp_path, monkeypatch):
+    """The node_* readers: None / () without a config file, the sections with one."""
+    monkeypatch.delenv("SHMSTAGE_CONFIG", raising=False)
+    monkeypatch.setattr("shmstage.config.DEFAULT_PATH", str(tmp_path / "absent.yaml"))
+    assert node_service() is None and node_store_tmpfs() is None and node_shares() == ()
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        "service: {enabled: true}\nstore_tmpfs: {path: /srv/s, size: 2G}\n"
+        "shares: [{source: s3://bkt/a, group: 0}]\n"
+    )
+    assert node_service(path) == ServiceConfig(True)
+    assert node_store_tmpfs(path) == StoreTmpfsConfig("/srv/s", 2 << 30)
+    assert node_shares(path) == (ShareConfig("s3://bkt/a", 0, False, "0"),)
+    path.write_text("datasets: []\n")
+    assert node_service(path) == ServiceConfig() and node_store_tmpfs(path) is None

@@ -45,12 +45,20 @@ def render(report: PrepareReport) -> None:
     is_flag=True,
     help="Only check the config file (exit 2 with every problem if invalid); run no step.",
 )
+@click.option(
+    "--systemd-dir",
+    type=click.Path(file_okay=False),
+    default="/etc/systemd/system",
+    show_default=True,
+    help="Where the node service's unit and slice are written (config `service.enabled`).",
+)
 @cluster_options
 @json_option
 def prepare_cmd(
     config_path: str | None,
     dry_run: bool,
     validate: bool,
+    systemd_dir: str,
     nodes: int | None,
     node_rank: int | None,
     rendezvous: str | None,
@@ -61,7 +69,9 @@ def prepare_cmd(
     """Converge this node to its YAML config (/etc/shmstage.yaml).
 
     \b
-    Steps: inspect -> remount the tmpfs if needed -> stage each dataset ->
+    Steps: inspect -> remount the tmpfs if needed -> mount the store's own
+    tmpfs (store_tmpfs) -> install, enable and start the node service
+    (service.enabled; started only where systemd runs) -> stage each dataset ->
     install pillow-simd if enabled.  Safe to run again: a converged node reports
     "nothing changed".  The whole config is validated before anything runs.
     The first failing step stops the run (exit 1); earlier steps' changes stay.
@@ -81,7 +91,13 @@ def prepare_cmd(
 
     spec = None if dry_run else resolve(nodes, node_rank, rendezvous, timeout, inflight)
     with Peers(spec) if spec is not None else nullcontext() as peers:
-        report = prepare(config, dry_run=dry_run, log=log if stderr_is_tty() else None, peers=peers)
+        report = prepare(
+            config,
+            dry_run=dry_run,
+            log=log if stderr_is_tty() else None,
+            peers=peers,
+            systemd_dir=systemd_dir,
+        )
         if report.failed and peers is not None:
             peers.fail(report.error or "prepare failed")
     emit(report, as_json, render)

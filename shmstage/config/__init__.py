@@ -19,7 +19,10 @@ from shmstage.config.model import (
     NodeConfig,
     PillowSimdConfig,
     Problem,
+    ServiceConfig,
+    ShareConfig,
     ShmConfig,
+    StoreTmpfsConfig,
     TierConfig,
 )
 from shmstage.config.schema import parse_config
@@ -38,20 +41,26 @@ __all__ = [
     "NodeConfig",
     "PillowSimdConfig",
     "Problem",
+    "ServiceConfig",
+    "ShareConfig",
     "ShmConfig",
+    "StoreTmpfsConfig",
     "TierConfig",
     "config_path",
     "load_config",
     "loader_env",
     "node_dest",
     "node_reserve",
+    "node_service",
+    "node_shares",
+    "node_store_tmpfs",
     "node_tiers",
     "parse_config",
+    "share_for",
 ]
 
 DEFAULT_PATH = "/etc/shmstage.yaml"
 ENV_VAR = "SHMSTAGE_CONFIG"
-
 
 
 def config_path(path: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
@@ -135,6 +144,51 @@ def node_tiers(path: str | os.PathLike[str] | None = None) -> tuple[TierConfig, 
     if not explicit and not os.path.exists(file):
         return ()
     return load_config(file).tiers
+
+
+def _existing(path: str | os.PathLike[str] | None) -> NodeConfig | None:
+    """The node config, or None when none was asked for and the default file does not exist."""
+    file, explicit = config_path(path)
+    if not explicit and not os.path.exists(file):
+        return None
+    return load_config(file)
+
+
+def node_service(path: str | os.PathLike[str] | None = None) -> ServiceConfig | None:
+    """The config's ``service`` section (defaults when it has none); None without a config."""
+    config = _existing(path)
+    return config.service if config is not None else None
+
+
+def node_store_tmpfs(path: str | os.PathLike[str] | None = None) -> StoreTmpfsConfig | None:
+    """The store's own tmpfs (``store_tmpfs``); None when the config has none or there is none."""
+    config = _existing(path)
+    return config.store_tmpfs if config is not None else None
+
+
+def node_shares(path: str | os.PathLike[str] | None = None) -> tuple[ShareConfig, ...]:
+    """Who else may read an object-store copy (``shares``); () without a config."""
+    config = _existing(path)
+    return config.shares if config is not None else ()
+
+
+def share_for(source: str, shares: tuple[ShareConfig, ...]) -> tuple[int | None, bool]:
+    """(gid, everyone) that may read the copy of object-store ``source`` besides its requester.
+
+    The share with the longest prefix that contains ``source`` wins; a prefix matches whole
+    path components (``s3://b/data`` shares ``s3://b/data/train``, not ``s3://b/data-private``).
+    (None, False): the requester alone."""
+    source = source.rstrip("/")
+    best: ShareConfig | None = None
+    for share in shares:
+        top = share.source.rstrip("/")
+        if (source == top or source.startswith(top + "/")) and (
+            best is None or len(top) > len(best.source.rstrip("/"))
+        ):
+            best = share
+    if best is None:
+        return None, False
+    return (None, True) if best.everyone else (best.gid, False)
 
 
 def configured(

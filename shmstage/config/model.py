@@ -71,6 +71,38 @@ class TierConfig:
     policy: str = "lru"
 
 
+DEFAULT_SOCKET = "/run/shmstage/shmstage.sock"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The node service (``shmstage serve``, docs/service.md): whether ``prepare`` installs,
+    enables and starts its systemd unit, and the socket it listens on."""
+
+    enabled: bool = False
+    socket: str = DEFAULT_SOCKET
+
+
+@dataclass(frozen=True)
+class StoreTmpfsConfig:
+    """A tmpfs of the store's own, mounted by ``prepare`` and persisted in fstab."""
+
+    path: str
+    size: int | str  # bytes or "N%" (of the RAM this node/cgroup can hold)
+    mode: str = "0755"  # the mount's root: "0755" (the service stages) or "1777" (anyone)
+    fstab: str = "/etc/fstab"
+
+
+@dataclass(frozen=True)
+class ShareConfig:
+    """Who may read an object-store copy besides the user who asked for it: a group or all."""
+
+    source: str  # an object-store prefix: s3://bucket/prefix (no trailing slash)
+    gid: int | None = None
+    everyone: bool = False
+    group: str | None = None  # the group as written (a name or a number), for messages
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     path: str | None  # the file it was read from
@@ -84,6 +116,9 @@ class NodeConfig:
     pillow_simd: PillowSimdConfig = field(default_factory=PillowSimdConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     tiers: tuple[TierConfig, ...] = ()  # every tier of `dest`, fastest first
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    store_tmpfs: StoreTmpfsConfig | None = None
+    shares: tuple[ShareConfig, ...] = ()
 
     @property
     def dest_tiers(self) -> str:
