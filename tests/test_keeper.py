@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -200,7 +201,9 @@ def test_a_forked_child_keeps_no_lease_of_the_keeper(tmp_path, keeper, procs):
     k = keeper()
     j = job(procs)
     k.hold("ds", str(dest), j.pid, ROOT)
-    child = os.fork()
+    with warnings.catch_warnings():  # Python 3.12: fork() beside threads (the keeper's)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = os.fork()
     if child == 0:  # pragma: no cover - the child
         try:
             time.sleep(60)

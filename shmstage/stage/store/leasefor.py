@@ -16,6 +16,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from contextlib import suppress
 
 from shmstage.errors import RefusedError
@@ -71,7 +72,11 @@ def hold_until(lease: leases.Lease, pid: int, start: int) -> None:
     RefusedError, nothing held, when ``pid`` is gone (or its pid now names another)."""
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
-        child = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12 warns of fork() beside threads: the child takes no lock another
+            # thread may hold (plain os calls), then execs.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child = os.fork()
         if child == 0:  # pragma: no cover - the child's lines run in other processes
             try:
                 os.close(r)
