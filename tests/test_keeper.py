@@ -287,3 +287,25 @@ def test_a_state_directory_others_may_write_is_refused(tmp_path):
     state.chmod(0o777)
     with pytest.raises(ShmstageError, match=f"^lease state directory {state} must be a dir"):
         Keeper(str(state))
+
+
+def test_one_user_holds_a_bounded_number_of_leases(tmp_path, keeper, procs, monkeypatch):
+    """A user may not use up the service's fds with leases: past MAX_PER_USER, refused in one
+    line (root is not counted); a lease that ends makes room again."""
+    from shmstage.service import keeper as keeper_module
+
+    monkeypatch.setattr(keeper_module, "MAX_PER_USER", 2)
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    k = keeper()
+    j = job(procs)
+    # Only the count is under test: the job (root's) passes for the user's.
+    monkeypatch.setattr(keeper_module.leasefor, "target", lambda pid, uid, pidfd=None: 0)
+    user = Caller(4321, 4321, ())
+    tokens = [k.hold("ds", str(dest), j.pid, user) for _ in range(2)]
+    with pytest.raises(RefusedError, match="^you hold 2 leases through the service already"):
+        k.hold("ds", str(dest), j.pid, user)
+    k.hold("ds", str(dest), j.pid, ROOT)  # root: not counted
+    k.release(tokens[0], user)
+    k.hold("ds", str(dest), j.pid, user)
+    assert len(k.held()) == 3

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from shmstage.identity import Caller
 
 POLL_SECONDS = 0.5  # without pidfds (kernels before 5.3): how often /proc is looked at
+# Each lease takes two of the service's fds: one user must not use up what all share.
+MAX_PER_USER = 256
 _STATE_FILE = re.compile(r"^([0-9a-f]{32})\.json(\.\d+\.tmp)?\Z")  # <token>.json[.<pid>.tmp]
 
 # NOTE [keeper]
@@ -105,6 +107,7 @@ class Keeper:
         until process ``pid`` exits; a token for :meth:`release`.  Refused (RefusedError) when
         ``pid`` is not running or is not the caller's (root may lease for any)."""
         _same_pid_namespace(pid, caller)
+        self._check_count(caller)
         try:
             pidfd = leasefor.pidfd_of(pid)  # first: what /proc says next is about this process
         except OSError:
@@ -132,8 +135,24 @@ class Keeper:
         if closed:
             self._let_go(h)
             raise ShmstageError("the service is shutting down; lease again")
+        try:
+            self._check_count(caller, more=0)  # concurrent holds: the count after ours
+        except RefusedError:
+            self._drop(h)
+            raise
         self._wake()
         return h.token
+
+    def _check_count(self, caller: Caller, more: int = 1) -> None:
+        if caller.is_root:
+            return
+        with self._lock:
+            count = sum(1 for h in self._held.values() if h.uid == caller.uid)
+        if count + more > MAX_PER_USER:
+            raise RefusedError(
+                f"you hold {MAX_PER_USER} leases through the service already; each ends when "
+                "its process exits (or release one)"
+            )
 
     def check(self, pid: int, caller: Caller) -> None:
         """Refuse (RefusedError), before anything is staged, what :meth:`hold` would: ``pid``
