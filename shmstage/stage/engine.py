@@ -17,6 +17,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.identity import Caller
 from shmstage.sizes import format_size
 from shmstage.stage import staging, verification
 from shmstage.stage.build.estimate import Estimate
@@ -42,7 +43,7 @@ from shmstage.stage.cache.tiers import (
 )
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.staging import Progress
-from shmstage.stage.store import catalog, counters, eviction, inflight, leasefor, leases
+from shmstage.stage.store import access, catalog, counters, eviction, inflight, leasefor, leases
 from shmstage.stage.store.datasets import StagedDataset
 from shmstage.stage.store.eviction import EvictReport
 from shmstage.stage.store.gc import GcReport
@@ -64,8 +65,14 @@ def stage(
 ) -> Placed:
     """Stage ``src`` into the first tier where it fits (see the module docstring); ``kw``
     goes to :func:`shmstage.stage.staging.stage`.  Refuses (CapacityError) before removing
-    anything when no tier can take it."""
-    tiers, policies, name = check_request(src, name, dest, policies)
+    anything when no tier can take it.
+
+    ``reader`` (an identity.Caller, in ``kw``): every read of the source, the estimate's
+    included, runs with the reader's file-system ids (the store is written as this
+    process); ``credentials``: an object store's, instead of this process's environment;
+    ``share``: who else may read an object-store copy (identity.Share)."""
+    reader, credentials = kw.get("reader"), kw.get("credentials")
+    tiers, policies, name = check_request(src, name, dest, policies, reader)
     if kw.get("peers") is not None and len(tiers) > 1:
         raise RefusedError(
             "staging with several nodes takes one destination, not a list of tiers: "
@@ -107,7 +114,7 @@ def stage(
                             name, tier, reserve, policy, held, evicted, notes, refused
                         )
                     elif roomy:
-                        est = estimate_for(sized, src, tier)
+                        est = estimate_for(sized, src, tier, reader, credentials)
                         store = Store(tier).open() if capped else Store(tier)
                         with inflight.capping(store) if capped else nullcontext():
                             room = makeroom.plan(est, name, tier, reserve, policy)
@@ -209,16 +216,25 @@ def plan(
     policies: Mapping[str, CachePolicy] | None = None,
     force: bool = False,
     strip_components: int = 0,
+    reader: Caller | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> Plan:
     """Read-only: where ``stage`` would put ``src`` and what it would evict first (``force``
-    and ``strip_components`` as the real run's: a forced restage recopies everything)."""
-    tiers, policies, name = check_request(src, name, dest, policies)
+    and ``strip_components`` as the real run's: a forced restage recopies everything;
+    ``reader`` and ``credentials`` as stage's)."""
+    tiers, policies, name = check_request(src, name, dest, policies, reader)
     source = sources.location_of(os.fspath(src))
     home = holding(name, joined(tiers))
     if home is not None:  # restaged where it is; the engine copies only what changed
         policy = policies.get(home)
         need = staging.restage_need(
-            src, name=name, dest=home, force=force, strip_components=strip_components
+            src,
+            name=name,
+            dest=home,
+            force=force,
+            strip_components=strip_components,
+            reader=reader,
+            credentials=credentials,
         )
         if need is None or need == Need(0, 0, 0, 0):  # current: a no-op, nothing to fit
             return Plan(name, source, home, tiers.index(home), True, 0)
@@ -238,7 +254,7 @@ def plan(
             continue
         policy = policies.get(tier)
         roomy = may_make_room(make_room, policy)
-        est = estimate_for(sized, src, tier)
+        est = estimate_for(sized, src, tier, reader, credentials)
         room = makeroom.plan(est, name, tier, reserve, policy, evict=roomy)
         if room.fits:
             return Plan(
@@ -316,9 +332,26 @@ def _has_any(store: Store, name: str) -> bool:
 
 
 def verify(name: str, dest: str | os.PathLike[str] | None = None, **kw: Any) -> VerifyReport:
-    """:func:`shmstage.stage.verification.verify` in the tier holding ``name``."""
+    """:func:`shmstage.stage.verification.verify` in the tier holding ``name`` (``reader``,
+    ``credentials`` in ``kw``: --checksum reads the source as the reader)."""
     tiers = split(dest)
     return verification.verify(name, holding(name, joined(tiers)) or tiers[0], **kw)
+
+
+def grant(name: str, dest: str | os.PathLike[str] | None, uid: int) -> None:
+    """Let ``uid`` through the top directory of ``name``'s copy where its source path shut
+    them out (store/access.py ``grant``: an ACL entry ``user:uid:r-x``).  Only for a user who
+    passed the freshness check as themselves (a ``stage`` with ``reader``, which lets its
+    reader in by itself); the files below keep their source's modes.  Kept while the copy is
+    current; a restage (a changed source) makes everyone prove it again."""
+    check_name(name)
+    tiers = split(dest)
+    tier = holding(name, joined(tiers))
+    store = Store(tier) if tier is not None else None
+    if store is None or store.published(name) is None:
+        raise ShmstageError(f"{name} is not staged in {joined(tiers)} (see `shmstage list`)")
+    with store.lock(name, shared=True):
+        access.grant(store.path(name), uid)
 
 
 def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> GcReport:

@@ -7,21 +7,21 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
+from shmstage.identity import Caller, Share
 from shmstage.paths import is_within
+from shmstage.stage import topaccess
 from shmstage.stage.build import copier, fromdir
 from shmstage.stage.build import partial as build
 from shmstage.stage.signals import signals_raise
 from shmstage.stage.sources import kinds as sources
-from shmstage.stage.sources.beneath import SOURCE_TOP, ident, join_ident, split_ident
-from shmstage.stage.store import access, leases
+from shmstage.stage.store import leases
 from shmstage.stage.store.datasets import StagedDataset, dataset_of
 from shmstage.stage.store.layout import Record, Store, managed_by
 from shmstage.stage.store.names import check_name, name_for
@@ -65,6 +65,9 @@ def stage(
     strip_components: int = 0,
     peers: Any = None,
     admit: Callable[[build.Need], None] | None = None,
+    reader: Caller | None = None,
+    credentials: Mapping[str, str] | None = None,
+    share: Share | None = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
@@ -73,8 +76,17 @@ def stage(
     :class:`shmstage.cluster.Peers`) stages a directory together with other nodes:
     each reads a share of the source and they exchange the rest.  ``admit(need)`` runs
     once what a restage (or a resume) still writes is known, before its fit is claimed:
-    the cache's policy (engine.py, cache/) makes room there or refuses (CapacityError)."""
+    the cache's policy (engine.py, cache/) makes room there or refuses (CapacityError).
+
+    ``reader``: the source is read only with the reader's file-system ids (identity.py), the
+    store written with ours: a copy is made, or found current and handed out, only after
+    the reader's own walk of the source and a check that they may open every file of it
+    (else RefusedError, nothing staged).  ``credentials``: an object store's, instead of
+    this process's environment (with a reader and none: no credentials of ours are used);
+    ``share``: who besides the reader may read an object-store copy."""
     t0 = time.monotonic()
+    if reader is not None and reader.is_root:
+        reader = None
     if verify not in VERIFY_MODES:
         raise RefusedError(f"invalid verify mode {verify!r}: use size or checksum")
     if workers is not None and workers < 1:
@@ -84,7 +96,7 @@ def stage(
         peers.identify(os.path.abspath(raw), name, None if dest is None else os.path.abspath(dest))
     if strip_components < 0:
         raise RefusedError(f"invalid --strip-components {strip_components}: must be 0 or more")
-    kind, source = sources.resolve(raw)
+    kind, source = sources.resolve(raw, reader)
     if kind != "tar" and strip_components:
         raise RefusedError(
             f"--strip-components applies to tar archives, and {raw} is a "
@@ -134,6 +146,7 @@ def stage(
                 strip_components,
                 peers,
                 admit,
+                (reader, credentials, share),
             )
         except BaseException:
             drop_unused_lock(store, name)
@@ -199,7 +212,9 @@ def _stage_locked(
     strip_components: int = 0,
     peers: Any = None,
     admit: Callable[[build.Need], None] | None = None,
+    asker: tuple[Caller | None, Mapping[str, str] | None, Share | None] = (None, None, None),
 ) -> StagedDataset:
+    reader, credentials, share = asker
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
     clear_dead_trash(store, name)  # an old version whose remover was killed
@@ -211,7 +226,7 @@ def _stage_locked(
             "or pass --force to replace it"
         )
     same = record is not None and manifest is not None and record.source == source and not force
-    src = sources.open_source(kind, source, strip_components, peers)
+    src = sources.open_source(kind, source, strip_components, peers, reader, credentials, share)
     report("scanning")
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")
@@ -222,7 +237,7 @@ def _stage_locked(
     def unchanged() -> StagedDataset:
         drop_leftovers(store, name, marker)
         if kind not in sources.LISTED_KINDS:
-            _recheck_access(store, name, source, kind, manifest)
+            topaccess.recheck(store, name, source, kind, manifest, reader)
         return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
 
     try:
@@ -256,14 +271,7 @@ def _stage_locked(
             peers.barrier()  # all or nothing: publish only once every node has every byte
         report("publishing")
         if kind not in sources.LISTED_KINDS:  # no reader the source path shuts out
-            walked = getattr(src, "tree", None)
-            top = _checked_top(
-                source,
-                kind,
-                {SOURCE_TOP: split_ident(walked.top)} if walked is not None else {},
-                getattr(src, "fingerprint", None),
-            )
-            access.restrict_root(part, source, kind, owner=top)
+            topaccess.restrict_new(part, source, kind, src, reader)
         root = os.lstat(part)
         now = time.time()
         seconds = time.monotonic() - t0
@@ -331,12 +339,15 @@ def restage_need(
     dest: str | os.PathLike[str] | None = None,
     force: bool = False,
     strip_components: int = 0,
+    reader: Caller | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> build.Need | None:
     """Read-only: what ``stage`` would write restaging ``src`` over its published copy in
     ``dest`` (the engine's own count: unchanged files are linked, a resume keeps what it
     has), or None when ``name`` is not published there.  An unchanged source needs
-    nothing (``bytes`` 0, ``total`` 0).  The same refusal as ``stage`` for another source."""
-    kind, source = sources.resolve(os.fspath(src))
+    nothing (``bytes`` 0, ``total`` 0).  The same refusal as ``stage`` for another source.
+    ``reader``, ``credentials``: as ``stage`` reads the source."""
+    kind, source = sources.resolve(os.fspath(src), reader)
     store = Store(dest)
     if not os.path.lexists(store.book):
         return None
@@ -350,7 +361,7 @@ def restage_need(
         )
     manifest = store.manifest_for(record)
     same = manifest is not None and record.source == source and not force
-    opened = sources.open_source(kind, source, strip_components, None)
+    opened = sources.open_source(kind, source, strip_components, None, reader, credentials)
     stamp = opened.stamp()
     if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
         return build.Need(0, 0, 0, 0)
@@ -365,43 +376,6 @@ def restage_need(
         store, name, entries, listing.keys, manifest if same else None, resumable, incremental
     )
     return need
-
-
-def _recheck_access(
-    store: Store, name: str, source: str, kind: str, manifest: dict[str, Any] | None
-) -> None:
-    """An unchanged source: its path may have opened or closed since the copy was made.
-    The root's owner is put back only from the very top the stage walked (not a link, and
-    for a directory the [dev, ino] its manifest recorded)."""
-    with suppress(OSError, KeyError, IndexError, TypeError):  # best effort: not our copy, ...
-        access.restrict_root(
-            store.path(name),
-            source,
-            kind,
-            manifest["entries"][0][4],  # type: ignore[index]
-            _checked_top(source, kind, manifest, (manifest or {}).get("archive")),
-        )
-
-
-def _checked_top(
-    source: str, kind: str, manifest: dict[str, Any] | None, archive: list[int] | None
-) -> os.stat_result | None:
-    """The source's top as the stage read it (a directory's [dev, ino] as the manifest
-    records it; a tar archive's fingerprint [size, mtime, ino]), or None when it is not that
-    any more (its owner swapped it for a link to someone else's, say): the copy's root
-    takes its owner from it."""
-    try:
-        top = os.stat(source.rstrip("/") or "/", follow_symlinks=False)
-    except OSError:
-        return None
-    if kind == "dir":
-        recorded = (manifest or {}).get(SOURCE_TOP)
-        same = stat.S_ISDIR(top.st_mode) and (not recorded or ident(top) == join_ident(recorded))
-    else:
-        same = stat.S_ISREG(top.st_mode) and (
-            not archive or [top.st_size, top.st_mtime_ns, top.st_ino] == list(archive)
-        )
-    return top if same else None
 
 
 # NOTE [publish]: publish and record are one step a kill cannot split.

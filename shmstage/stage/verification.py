@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shmstage.errors import ShmstageError
+from shmstage.identity import Caller, is_denied, reading_as
 from shmstage.stage.build import copier
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.sources import s3
 from shmstage.stage.sources import tar as tarsrc
 from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, join_ident
-from shmstage.stage.sources.walk import walk
+from shmstage.stage.sources.walk import unreadable_by_reader, walk
 from shmstage.stage.store import access
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name
@@ -46,8 +48,15 @@ def verify(
     checksum: bool = False,
     *,
     workers: int | None = None,
+    reader: Caller | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> VerifyReport:
-    """Compare DEST/<name> with its manifest (and, with ``checksum``, every byte with the source)."""
+    """Compare DEST/<name> with its manifest (and, with ``checksum``, every byte with the
+    source, read with ``reader``'s file-system ids: verify is no oracle on files the reader
+    cannot read).  ``credentials``: unused (an object store is compared with its ETags as
+    recorded), accepted as stage accepts them."""
+    if reader is not None and reader.is_root:
+        reader = None
     store = Store(dest)
     record = (
         store.open(create=False).published(check_name(name))
@@ -60,6 +69,8 @@ def verify(
     path = store.path(name)
     expected = {e[0]: _norm(e) for e in manifest["entries"]}
     actual = {e[0]: _norm(list(e)) for e in walk(path, check_links=False, hardlinks=False).entries}
+    if "." in actual:  # users let in through a restricted top (access.grant) change no mode
+        actual["."][4] = access.without_grants(path, actual["."][4])
     diffs: list[Difference] = []
     for rel, want in expected.items():
         have = actual.get(rel)
@@ -76,15 +87,23 @@ def verify(
     if checksum:
         damaged = {d.path for d in diffs}
         if record.kind == "tar":
-            if not os.path.isfile(record.source):
+            with reading_as(reader):
+                gone = not os.path.isfile(record.source)
+            if gone:
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
-            bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0))
+            bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0), reader)
         elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
             bad = s3.compare(manifest, path)
         else:
-            if not os.path.isdir(record.source):
+            with reading_as(reader):
+                gone = not os.path.isdir(record.source)
+            if gone:
                 raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
-            top = _verified_top(record.source, manifest)
+            top = _verified_top(record.source, manifest, reader)
+            if reader is not None:  # every file readable by the reader, or one refusal line
+                with top:
+                    walk(record.source, top=top)
+                top = _verified_top(record.source, manifest, reader)
             jobs = [
                 (
                     os.path.join(record.source, rel),
@@ -110,7 +129,7 @@ def verify(
     return VerifyReport(name, path, record.source, checksum, files, not diffs, diffs)
 
 
-def _verified_top(source: str, manifest: dict[str, Any]) -> SourceTree:
+def _verified_top(source: str, manifest: dict[str, Any], reader: Caller | None) -> SourceTree:
     """The source's top for verify --checksum, opened once: the directory the stage walked
     (its [dev, ino] in the manifest), else at least no symlink in its place (a manifest of
     an older stage): a top swapped for another directory would make verify an oracle on
@@ -118,11 +137,13 @@ def _verified_top(source: str, manifest: dict[str, Any]) -> SourceTree:
     recorded = manifest.get(SOURCE_TOP)
     try:
         if recorded:
-            return SourceTree(source, join_ident(recorded))
+            return SourceTree(source, join_ident(recorded), reader)
         if os.path.islink(source.rstrip("/")):
             raise OSError(errno.ELOOP, "a symlink", source)
-        return SourceTree(source)
+        return SourceTree(source, reader=reader)
     except OSError as e:
+        if reader is not None and is_denied(e):
+            raise unreadable_by_reader(source, e.strerror or "") from None
         if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOTDIR):
             raise ShmstageError(
                 f"cannot compare checksums: the source {source} is not the directory that was "

@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from shmstage.identity import Caller, reading_as
 from shmstage.libc import load_libc
 from shmstage.stage.build.chown import give_owner
 from shmstage.stage.build.copypipe import (
@@ -143,17 +144,48 @@ def _do_task(
         elif not _same_range(job, task.offset, task.length, state):
             send(res_w, MISMATCH, idx, 0, 0, 0, 0, job[6])
         return task.length, int(last)
-    for i in range(task.first, task.last):
-        job = jobs[i]
-        if task.op == COPY:
-            _copy_file(job, state)
-            if slow:
-                time.sleep(slow)
-        elif not _same_range(job, 0, job[2], state):
-            send(res_w, MISMATCH, idx, 0, 0, 0, 0, job[6])
-        nbytes += job[2]
-        nfiles += 1
+    opened: dict[int, int | _Fail] = {}
+    try:
+        for i in range(task.first, task.last):
+            job = jobs[i]
+            if task.op == COPY:
+                if i not in opened and _reader_of(job, state) is not None:
+                    _open_ahead(jobs, i, task.last, state, opened)
+                _copy_file(job, state, opened.pop(i, None))
+                if slow:
+                    time.sleep(slow)
+            elif not _same_range(job, 0, job[2], state):
+                send(res_w, MISMATCH, idx, 0, 0, 0, 0, job[6])
+            nbytes += job[2]
+            nfiles += 1
+    finally:
+        for fd in opened.values():
+            if isinstance(fd, int):
+                os.close(fd)
     return nbytes, nfiles
+
+
+AHEAD = 64  # source files a reader's worker opens in one switch of its file-system ids
+
+
+def _reader_of(job: Job, state: _State) -> Caller | None:  # pragma: no cover - child
+    """The reader of the tree ``job`` is read from (None: this process reads it)."""
+    tree = state.trees.get(job[0][: len(job[0]) - len(job[6])])
+    return tree.reader if tree is not None else None
+
+
+def _open_ahead(
+    jobs: Sequence[Job], first: int, last: int, state: _State, opened: dict[int, int | _Fail]
+) -> None:  # pragma: no cover - child
+    """Open the sources of the next jobs as their reader in one switch (~10 us) instead of
+    one per file; each failure is kept and raised when its file's turn comes, as it would
+    have been.  The destination side is written as this process, outside the switch."""
+    with reading_as(_reader_of(jobs[first], state)):
+        for i in range(first, min(last, first + AHEAD)):
+            try:
+                opened[i] = _open_src(jobs[i], state)
+            except _Fail as f:
+                opened[i] = f
 
 
 def _open_src(job: Job, state: _State) -> int:  # pragma: no cover - child
@@ -232,9 +264,14 @@ def _which_side(
     return K_READ, e.errno or 0, src
 
 
-def _copy_file(job: Job, state: _State) -> None:  # pragma: no cover - child
+def _copy_file(
+    job: Job, state: _State, opened: int | _Fail | None = None
+) -> None:  # pragma: no cover - child
+    """Copy one file; ``opened``: its source, opened ahead (:func:`_open_ahead`)."""
     src, dst, size, mtime, atime, mode = job[:6]
-    fi = _open_src(job, state)
+    if isinstance(opened, _Fail):
+        raise opened
+    fi = _open_src(job, state) if opened is None else opened
     try:
         try:
             fo = os.open(dst, _WR_NEW, mode)

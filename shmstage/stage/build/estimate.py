@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import CapacityError
+from shmstage.identity import Caller, reading_as
 from shmstage.stage.sources import kinds, tarformat
 from shmstage.stage.sources.tar import scan
 
@@ -123,23 +124,28 @@ def of_archive(archive: Any, page: int) -> Estimate:
 
 
 def estimate(
-    source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
+    source: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None = None,
+    reader: Caller | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> Estimate:
     """Size ``source`` (a directory or a tar archive) as it would be staged under ``dest``.
 
     A directory is walked with lstat (symlinks are not followed; unreadable entries are
     counted, not fatal); an archive's headers are all read (sources.tar.scan), so a 48 MB
-    ``.tar.gz`` is sized by what it extracts to."""
+    ``.tar.gz`` is sized by what it extracts to.  ``reader``, ``credentials``: as stage
+    reads it (a size is told only to someone who may read the source)."""
     path = os.fspath(source)
     page = page_size(dest)
     if kinds.is_url(path):  # an object-store prefix: one LIST, the tree stage would build
         kind, location = kinds.resolve(path)
-        listing = kinds.open_listed(kind, location).listing()
+        listing = kinds.open_listed(kind, location, reader, credentials).listing()
         return of_entries(location, listing.entries, page, kind)
-    if os.path.isdir(path):
-        return _walk(path, page)
-    tarformat.detect(path)  # by content, like stage: refuses what is not a readable tar
-    return of_archive(scan(path), page)
+    with reading_as(reader):
+        if os.path.isdir(path):
+            return _walk(path, page)
+        tarformat.detect(path)  # by content, like stage: refuses what is not a readable tar
+        return of_archive(scan(path), page)
 
 
 def _walk(root: str, page: int) -> Estimate:

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from shmstage.errors import ShmstageError
+from shmstage.identity import Caller, reading_as
 from shmstage.stage.sources.base import Tick, Want
 from shmstage.stage.sources.tar import BUF, Archive, Member, TarSource, open_archive
 from shmstage.stage.sources.tarformat import DamagedArchive, reading
@@ -37,8 +38,9 @@ def fill(
 ) -> Tree:
     """Extract the whole archive into ``root``; the tree it made, as walked."""
     assert src.archive is not None, "listing() first"
-    extract(src.archive, root, tick)
-    st = os.stat(src.location)
+    extract(src.archive, root, tick, src.reader)
+    with reading_as(src.reader):
+        st = os.stat(src.location)
     if [st.st_size, st.st_mtime_ns, st.st_ino] != src.fingerprint:
         raise ShmstageError(
             f"cannot read tar archive {src.location}: it changed while it was being staged; "
@@ -48,9 +50,14 @@ def fill(
 
 
 def extract(
-    archive: Archive, root: str, progress: Callable[[int, int], None] | None = None
+    archive: Archive,
+    root: str,
+    progress: Callable[[int, int], None] | None = None,
+    reader: Caller | None = None,
 ) -> None:
-    """Extract the checked members into ``root`` (an existing, empty, private directory)."""
+    """Extract the checked members into ``root`` (an existing, empty, private directory).
+    ``reader``: the archive is opened with the reader's file-system ids (the tree is
+    written with ours)."""
     dirs: list[Member] = []
     fmt = archive.format
     plain = all(m.offset >= 0 for m in archive.members if m.kind == "f")
@@ -63,7 +70,8 @@ def extract(
 
     try:
         if plain:
-            fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
+            with reading_as(reader):
+                fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 for m in archive.members:
                     _extract_one(
@@ -79,7 +87,9 @@ def extract(
                 os.close(fd)
         else:
             wanted = {m.index: m for m in archive.members}
-            with open_archive(archive.path, fmt, stream=True) as tf:
+            with reading_as(reader):
+                opened = open_archive(archive.path, fmt, stream=True)
+            with opened as tf:
                 headers = iter(tf)
                 index = -1
                 while True:
@@ -105,7 +115,8 @@ def extract(
                     f"{min(wanted.items())[1].name!r}, which it had when it was checked; it changed "
                     "while it was being staged or is damaged: re-run, or re-download it"
                 )
-            fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
+            with reading_as(reader):
+                fd = os.open(archive.path, os.O_RDONLY | os.O_CLOEXEC)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
     except OSError as e:

@@ -14,6 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
+from shmstage.identity import Caller
 from shmstage.stage.build.estimate import Estimate, estimate, page_size
 from shmstage.stage.cache.makeroom import CachePolicy, Victim
 from shmstage.stage.sources import kinds as sources
@@ -169,10 +170,12 @@ def check_request(
     name: str | None,
     dest: str | os.PathLike[str] | None,
     policies: Mapping[str, CachePolicy] | None,
+    reader: Caller | None = None,
 ) -> tuple[tuple[str, ...], dict[str, CachePolicy], str]:
-    """Check a stage request: (tiers, policies by tier path, dataset name)."""
+    """Check a stage request: (tiers, policies by tier path, dataset name); the source is
+    looked up as ``reader``."""
     tiers = split(dest)
-    _kind, source = sources.resolve(os.fspath(src))  # a path that exists, or an s3:// URL
+    _kind, source = sources.resolve(os.fspath(src), reader)  # a path that exists, or a URL
     name = check_name(name) if name is not None else name_for(source)
     return tiers, {resolve_dest(k): v for k, v in (policies or {}).items()}, name
 
@@ -182,11 +185,18 @@ def may_make_room(make_room: bool, policy: CachePolicy | None) -> bool:
     return make_room or (policy is not None and policy.max_size is not None)
 
 
-def estimate_for(cache: dict[int, Estimate], src: str | os.PathLike[str], tier: str) -> Estimate:
-    """The new dataset's estimate for ``tier`` (one walk per page size, not per tier)."""
+def estimate_for(
+    cache: dict[int, Estimate],
+    src: str | os.PathLike[str],
+    tier: str,
+    reader: Caller | None = None,
+    credentials: Mapping[str, str] | None = None,
+) -> Estimate:
+    """The new dataset's estimate for ``tier`` (one walk per page size, not per tier), read
+    as ``reader`` with ``credentials`` (see engine.stage)."""
     page = page_size(tier)
     if page not in cache:
-        cache[page] = estimate(src, tier)
+        cache[page] = estimate(src, tier, reader, credentials)
     return cache[page]
 
 

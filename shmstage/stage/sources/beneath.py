@@ -18,6 +18,7 @@ import stat
 import sys
 from collections.abc import Callable
 
+from shmstage.identity import Caller, reading_as
 from shmstage.libc import load_libc
 
 
@@ -87,11 +88,18 @@ class SourceTree:
     :func:`ident`, 0: none) is the top the walk found: any other directory (the top renamed
     away and a symlink or another directory put in its place since) is OSError EXDEV.  Keep
     one open for as long as the source is read: reopening the top by path lets its owner
-    swap it between two opens."""
+    swap it between two opens.
 
-    def __init__(self, root: str, expect: int = 0) -> None:
+    ``reader``: every open and stat here (the top's included, every component of its path
+    searched) runs with the reader's file-system ids (identity.reading_as): the tree holds
+    nothing the reader could not open themselves.  A forked copier worker inherits the tree
+    and with it the reader."""
+
+    def __init__(self, root: str, expect: int = 0, reader: Caller | None = None) -> None:
         self.root = root
-        self.fd = os.open(os.path.realpath(root), _DIR)
+        self.reader = reader if reader is not None and not reader.is_root else None
+        with reading_as(self.reader):
+            self.fd = os.open(os.path.realpath(root), _DIR)
         self.top = ident(os.fstat(self.fd))
         if expect and self.top != expect:
             os.close(self.fd)
@@ -119,6 +127,12 @@ class SourceTree:
 
     def open(self, rel: str, flags: int) -> int:
         """An fd for ``rel`` (relative, ``/``-separated), opened with ``flags``."""
+        if self.reader is not None:
+            with reading_as(self.reader):
+                return self._open(rel, flags)
+        return self._open(rel, flags)
+
+    def _open(self, rel: str, flags: int) -> int:
         if self._two:  # the hot path: one call per file, no Python-level helper
             how = self._hows.get(flags)
             if how is None:
@@ -172,7 +186,7 @@ class SourceTree:
     def stat(self, rel: str, expect: int = 0) -> os.stat_result:
         """``rel``'s own stat, from an fd opened beneath the top (thread-safe, unlike
         :meth:`lstat`); ``expect``: the walk's :func:`ident` of it, else OSError EXDEV."""
-        fd = self.open(rel, os.O_PATH | os.O_CLOEXEC)
+        fd = self.open(rel, os.O_PATH | os.O_CLOEXEC)  # as the reader (fstat needs no right)
         try:
             st = os.fstat(fd)
         finally:
@@ -183,6 +197,10 @@ class SourceTree:
 
     def lstat(self, rel: str) -> os.stat_result:
         """``rel``'s own lstat (the last component may be a symlink; none above it may)."""
+        with reading_as(self.reader):  # the parent's search right is the reader's
+            return self._lstat(rel)
+
+    def _lstat(self, rel: str) -> os.stat_result:
         if rel in (".", ""):
             return os.fstat(self.fd)
         parent, _, name = rel.rpartition("/")

@@ -13,10 +13,11 @@ import os
 from typing import Any
 
 from shmstage.errors import ShmstageError
+from shmstage.identity import Caller, is_denied
 from shmstage.stage.sources.base import Listing, Source
 from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, split_ident
 from shmstage.stage.sources.owners import keeps_owner, stager_groups
-from shmstage.stage.sources.walk import Tree, scan_threads, walk
+from shmstage.stage.sources.walk import Tree, scan_threads, unreadable_by_reader, walk
 
 
 class DirSource(Source):
@@ -24,9 +25,12 @@ class DirSource(Source):
 
     kind = "dir"
 
-    def __init__(self, location: str, peers: Any = None) -> None:
+    def __init__(self, location: str, peers: Any = None, reader: Caller | None = None) -> None:
         self.location = location
         self.peers = peers  # a cluster.Peers: each node reads a share, they exchange the rest
+        # whose file-system ids every read of the source uses (the walk, the copier's opens,
+        # owners' lstats): the caller of the node service; None: this process's own
+        self.reader = reader
         self.prefix = location.rstrip("/") + "/"
         self.own = keeps_owner()  # root copies like `cp -a`: every entry keeps its owner
         # a user's copies keep the source's group where it is one of the user's, else they get
@@ -45,8 +49,10 @@ class DirSource(Source):
         """The source's top as the walk opens it (once; kept for the whole stage)."""
         if self._below is None:
             try:
-                self._below = SourceTree(self.location)
+                self._below = SourceTree(self.location, reader=self.reader)
             except OSError as e:
+                if self.reader is not None and is_denied(e):
+                    raise unreadable_by_reader(self.location, e.strerror or "") from None
                 raise ShmstageError(f"cannot read {self.location}: {e.strerror}") from None
         return self._below
 
@@ -85,6 +91,8 @@ class DirSource(Source):
         try:
             return self.top().lstat(rel)
         except OSError as e:
+            if self.reader is not None and is_denied(e):
+                raise unreadable_by_reader(self.prefix + rel, e.strerror or "") from None
             raise replaced(self.prefix + rel, e) from None
 
 

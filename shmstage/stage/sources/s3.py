@@ -196,7 +196,7 @@ class S3Source(S3Prefix):
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            _finish(fd, w)
+            _finish(fd, w, self.copy_ids)
         finally:
             os.close(fd)
         return w.size, 1
@@ -209,7 +209,7 @@ class S3Source(S3Prefix):
             self._stream(fd, w, None)
             if self.checksum:
                 _check_md5(path, w)
-            _finish(fd, w)
+            _finish(fd, w, self.copy_ids)
         finally:
             os.close(fd)
         return w.size, 1
@@ -240,7 +240,7 @@ class S3Source(S3Prefix):
         # Every byte is in and no task writes to the file any more: it counts as copied.
         if self.checksum:
             _check_md5(big.path, w)
-        _finish(big.path, w)
+        _finish(big.path, w, self.copy_ids)
         return landed, 1
 
     def _stream(self, fd: int, w: Want, rng: tuple[int, int] | None) -> None:
@@ -338,8 +338,11 @@ class _Big:
             return landed, last
 
 
-def _finish(file: str | int, w: Want) -> None:
-    """The last byte is in: the mode and mtime that make the file count as copied."""
+def _finish(file: str | int, w: Want, ids: tuple[int, int] | None) -> None:
+    """The last byte is in: the owner (``ids``: a reader's copy), mode and mtime that make
+    the file count as copied."""
+    if ids is not None:
+        os.chown(file, *ids)
     os.chmod(file, w.mode)
     os.utime(file, ns=(w.mtime_ns, w.mtime_ns))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from shmstage.errors import (
@@ -55,7 +56,8 @@ class S3Prefix(S3Bucket):
             raise
         except Exception as e:  # obstore's errors: mapped by kind and S3 code
             raise self.error(e) from None
-        return _tree(self.location, files, markers)
+        tree = _tree(self.location, files, markers)
+        return replace(tree, entries=self.moded(tree.entries))
 
     # NOTE [keys obstore strips]: obstore drops a key's leading and trailing "/" (in LIST
     # and GET alike), so `a`, `a/` (a console "folder" marker) and, at the bucket's root,

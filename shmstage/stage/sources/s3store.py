@@ -24,6 +24,7 @@ from shmstage.errors import (
     SourceLost,
     UnknownAccessKey,
 )
+from shmstage.identity import Caller, Share
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.signedget import SignedGets
 
@@ -142,6 +143,11 @@ class S3Bucket(Source):
     credentials_hint = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
     endpoint_hint = "AWS_ENDPOINT_URL"
 
+    # The copy's owner and group, and its files' and directories' modes: this process's and
+    # the listing's 0644/0755 unless a reader asked (readable_by).
+    copy_ids: tuple[int, int] | None = None
+    copy_modes: tuple[int, int] | None = None
+
     def __init__(self, location: str) -> None:
         self.obs = import_obstore(self.kind, self.extra)
         self.where = self.parse(location)
@@ -157,6 +163,38 @@ class S3Bucket(Source):
             raise
         except Exception as e:  # obstore refused the configuration (e.g. a malformed key)
             raise self.error(e) from None
+
+    def readable_by(self, reader: Caller | None, share: Share | None) -> None:
+        """The copy is the reader's (owner, and group unless ``share`` names one), readable by
+        the reader alone: files 0600, directories 0700; by the share's group 0640/0750; by
+        everyone 0644/0755.  None: as this process makes it (0644/0755, its own)."""
+        if reader is None or reader.is_root:
+            return
+        share = share or Share()
+        gid = share.gid if share.gid is not None else reader.gid
+        self.copy_ids = (reader.uid, gid)
+        if share.everyone:
+            self.copy_modes = (0o644, 0o755)
+        elif share.gid is not None:
+            self.copy_modes = (0o640, 0o750)
+        else:
+            self.copy_modes = (0o600, 0o700)
+
+    def owner(self, rel: str) -> os.stat_result | None:
+        if self.copy_ids is None:
+            return None
+        uid, gid = self.copy_ids
+        return os.stat_result((0, 0, 0, 0, uid, gid, 0, 0, 0, 0))  # what copy_owner reads
+
+    def moded(self, entries: list[tuple]) -> list[tuple]:
+        """The listing's entries with the modes :meth:`readable_by` chose."""
+        if self.copy_modes is None:
+            return entries
+        fmode, dmode = self.copy_modes
+        return [
+            (e[0], e[1], e[2], e[3], dmode if e[1] == "d" else fmode if e[1] == "f" else e[4], e[5])
+            for e in entries
+        ]
 
     # --- the store (hooks) ---------------------------------------------------------
 

@@ -19,9 +19,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shmstage.errors import RefusedError
+from shmstage.identity import Caller, is_denied, reading_as
 from shmstage.stage.sources.base import Listing, Source
 from shmstage.stage.sources.tarformat import DamagedArchive, Format, check_end, detect, reading, why
-from shmstage.stage.sources.walk import FILE_MODE_MASK, climbs_out, page_bytes
+from shmstage.stage.sources.walk import (
+    FILE_MODE_MASK,
+    climbs_out,
+    page_bytes,
+    unreadable_by_reader,
+)
 
 if TYPE_CHECKING:
     import tarfile
@@ -226,12 +232,17 @@ def scan(path: str, strip_components: int = 0) -> Archive:
     return Archive(path, members, total, nfiles, fmt, strip)
 
 
-def compare(archive_path: str, root: str, strip_components: int = 0) -> list[str]:
-    """Relative paths of regular members whose bytes differ from the tree at ``root``."""
-    fmt = detect(archive_path)
+def compare(
+    archive_path: str, root: str, strip_components: int = 0, reader: Caller | None = None
+) -> list[str]:
+    """Relative paths of regular members whose bytes differ from the tree at ``root`` (the
+    archive opened with ``reader``'s file-system ids)."""
+    with reading_as(reader):
+        fmt = detect(archive_path)
+        opened = open_archive(archive_path, fmt, stream=True)
     differ: dict[str, bool] = {}
     with (
-        open_archive(archive_path, fmt, stream=True) as tf,
+        opened as tf,
         reading(archive_path, fmt, lambda: "while comparing"),
     ):
         for info in tf:
@@ -269,21 +280,36 @@ class TarSource(Source):
     kind = "tar"
     incremental = False
 
-    def __init__(self, location: str, strip_components: int = 0) -> None:
+    def __init__(
+        self, location: str, strip_components: int = 0, reader: Caller | None = None
+    ) -> None:
         self.location = location
         self.strip = strip_components
+        self.reader = reader  # the archive is opened (and stat'ed) with its file-system ids
         self.archive: Archive | None = None
         self.fingerprint: list[int] = []
 
     def stamp(self) -> dict[str, Any]:
-        st = os.stat(self.location)
+        """The archive's size, mtime and inode.  With a reader, stamp also proves that the
+        reader may open the archive for reading: an unchanged archive is handed out on its
+        stamp alone."""
+        with reading_as(self.reader):
+            try:
+                st = os.stat(self.location)
+                if self.reader is not None:
+                    os.close(os.open(self.location, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            except OSError as e:
+                if self.reader is not None and is_denied(e):
+                    raise unreadable_by_reader(self.location, e.strerror or "") from None
+                raise
         self.fingerprint = [st.st_size, st.st_mtime_ns, st.st_ino]
         return {"archive": self.fingerprint, "strip_components": self.strip}
 
     def listing(self) -> Listing:
         """The members as they will be extracted (the numbers inspect prints)."""
         record = self.stamp()
-        archive = scan(self.location, self.strip)
+        with reading_as(self.reader):
+            archive = scan(self.location, self.strip)
         self.archive = archive
         return Listing(
             self.location, archive.entries(), None, archive.bytes, archive.files, record=record

@@ -13,13 +13,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+from shmstage.identity import Caller, may_read, reading_as
 from shmstage.paths import is_within
+from shmstage.stage.sources.acls import acl_bits, acl_group
 from shmstage.stage.sources.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
@@ -110,42 +111,22 @@ def climbs_out(
 # name, lstat, a symlink's target (else the group bits its access ACL allows: acl_group)
 Scanned = list[tuple[str, os.stat_result, str | int | None]]
 
-_ACL = "system.posix_acl_access"
-_ACL_GROUP_OBJ = 0x04  # linux/posix_acl_xattr.h: the owning group's entry (group::)
-_ACL_ENTRY = struct.Struct("<HHI")  # tag, perm, id; after a 4-byte version header
-
-
-def acl_group(path: str, mode: int) -> int:
-    """The group bits (``0o070`` form) a copy of ``path`` may keep.  With an access ACL the
-    mode's group bits are the ACL's mask, not what the owning group may: ``group::---`` with
-    ``user:bob:r--`` shows as 0640.  The copy has no ACL, so its group bits are the mask AND
-    the owning group's entry: a member of the group reads the copy only if she could read the
-    source (named users and groups lose their access: a restriction, never a widening)."""
-    if not mode & 0o070:
-        return 0o070  # nothing to narrow (most files: one syscall saved)
-    try:  # listxattr first: most files have no ACL, and a raised ENODATA costs twice as much
-        listed = _ACL in os.listxattr(path, follow_symlinks=False)
-    except OSError:  # E2BIG (more names than a listing holds), or none listable: ask for it
-        listed = True
-    if not listed:
-        return 0o070
-    try:
-        raw = os.getxattr(path, _ACL, follow_symlinks=False)
-    except OSError:  # no ACL (ENODATA), none supported, or gone (the stat tells)
-        return 0o070
-    for off in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
-        tag, perm, _ = _ACL_ENTRY.unpack_from(raw, off)
-        if tag == _ACL_GROUP_OBJ:
-            return (perm & 0o7) << 3
-    return 0  # an ACL without its owning group's entry: malformed, grant the group nothing
-
 
 def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
     """One directory's entries with their lstat (and symlinks' targets), sorted by name (runs
     in a thread).  The directory is opened below the tree's top without following a symlink
     and must be the one its parent listed (``expect``, copy.ident): a directory swapped for a
-    symlink mid-walk is not listed through it."""
+    symlink mid-walk is not listed through it.  With a reader, all of it runs with the
+    reader's file-system ids (this thread switches itself), and each regular file must be
+    one the reader may open for reading: a copy is made, or handed out, only of what the
+    reader could read at its source."""
+    with reading_as(tree.reader):
+        return _scan_as(tree, rel_dir, expect)
+
+
+def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
     abs_dir = os.path.join(tree.root, rel_dir) if rel_dir else tree.root
+    reader = tree.reader
     try:
         fd = tree.open(rel_dir or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -155,7 +136,7 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
             raise _replaced_dir(abs_dir) from None
-        raise _unreadable(e, f"cannot read source directory {abs_dir}") from None
+        raise _unreadable(e, f"cannot read source directory {abs_dir}", abs_dir, reader) from None
     try:
         if ident(os.fstat(fd)) != expect:
             raise _replaced_dir(abs_dir)
@@ -163,8 +144,14 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
             with os.scandir(fd) as it:
                 items = sorted(it, key=lambda e: e.name)
         except OSError as e:
-            raise _unreadable(e, f"cannot read source directory {abs_dir}") from None
+            raise _unreadable(
+                e, f"cannot read source directory {abs_dir}", abs_dir, reader
+            ) from None
         out: Scanned = []
+        # The kernel's answer for one file stands for the others of this directory with the
+        # same owner, group and mode and no ACL: the permission check reads nothing else (an
+        # ImageNet folder: one check, not 200; 20k checks from 4 threads cost ~50 ms here)
+        alike: dict[tuple[int, int, int], bool] = {}
         for item in items:
             path = os.path.join(abs_dir, item.name)
             try:
@@ -173,24 +160,43 @@ def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
                 if stat.S_ISLNK(st.st_mode):
                     target = os.readlink(item.name, dir_fd=fd)
                 else:  # (by path: at worst the narrowing of another file, never a widening)
-                    target = acl_group(path, st.st_mode)
+                    target, acl = acl_bits(path, st.st_mode)
+                    if reader is not None and stat.S_ISREG(st.st_mode):
+                        # (no group bits: Linux consults no ACL, acl_permission_check)
+                        plain = acl is False or not st.st_mode & 0o070
+                        key = (st.st_uid, st.st_gid, st.st_mode) if plain else None
+                        ok = alike.get(key) if key is not None else None
+                        if ok is None:
+                            ok = may_read(item.name, fd)
+                            if key is not None:
+                                alike[key] = ok
+                        if not ok:
+                            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
             except FileNotFoundError:
                 raise ShmstageError(
                     f"source file vanished while scanning: {path}; re-run when the source is stable"
                 ) from None
             except OSError as e:
-                raise _unreadable(e, f"cannot stat source file {path}") from None
+                raise _unreadable(e, f"cannot stat source file {path}", path, reader) from None
             out.append((item.name, st, target))
         return out
     finally:
         os.close(fd)
 
 
-def _unreadable(e: OSError, what: str) -> ShmstageError:
-    """PermissionDenied when we may not read it (a hand-out refuses that in one line)."""
+def _unreadable(e: OSError, what: str, path: str, reader: Caller | None) -> ShmstageError:
+    """PermissionDenied when we may not read it (a hand-out refuses that in one line); with
+    a reader, a refusal that says whose credentials were used (exit 2, nothing staged)."""
     if e.errno in (errno.EACCES, errno.EPERM):
+        if reader is not None:
+            return unreadable_by_reader(path, e.strerror or "Permission denied")
         return PermissionDenied(f"{what}: {e.strerror}")
     return ShmstageError(f"{what}: {e.strerror}")
+
+
+def unreadable_by_reader(path: str, why: str = "Permission denied") -> RefusedError:
+    """The one refusal for a source the caller may not read (the walk, the copy, a hand-out)."""
+    return RefusedError(f"you cannot read {path} at the source ({why}): nothing staged")
 
 
 def _replaced_dir(path: str) -> ShmstageError:
@@ -231,6 +237,7 @@ class Walker:
         # climbs out is judged on these once the walk ended, never by a live lookup (which
         # the tree's owner could race: a link flipped after the check, before its listing)
         self._links: dict[str, str] = {}
+        reader = top.reader if top is not None else None
         try:
             st = os.fstat(top.fd) if top is not None else os.lstat(root)
         except OSError as e:
@@ -239,7 +246,8 @@ class Walker:
         # another, the copy's group gets only what others get (a 0640 file becomes 0600, a
         # 0755 one stays 0755): else the user's primary group could read what it could not.
         self.groups = groups
-        top_mode = self._mode(st) & (~0o070 | acl_group(root, st.st_mode))
+        with reading_as(reader):
+            top_mode = self._mode(st) & (~0o070 | acl_group(root, st.st_mode))
         self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, top_mode, None)]
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0

@@ -3,7 +3,10 @@
 A staged tree keeps its source's modes, but the source may be shut off by a
 directory above it (``/home/alice`` at 0700) that the copy under DEST does not
 have.  ``restrict_root`` clears, on the published root, the permission class
-(owner, group, other) that some directory on the way to the source denies.
+(owner, group, other) that some directory on the way to the source denies;
+``grant`` lets one user who proved they can read the source (the node service's
+freshness check, run as them) through that root again: a POSIX ACL entry
+``user:UID:r-x`` on it, which ``restrict_root`` keeps.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import errno
 import os
 import pwd
 import stat
+import struct
 
 _CLASSES = ((stat.S_IRWXU, "owner"), (stat.S_IRWXG, "group"), (stat.S_IRWXO, "other"))
 
@@ -103,6 +107,7 @@ def restrict_root(
     the walk.  ``mode``: the unrestricted mode to start from (the manifest's, when
     re-checking a published copy whose source path may have opened or closed since);
     default: root's own.  Returns the new mode."""
+    named = granted(root)
     st = os.lstat(root)
     if (
         os.geteuid() == 0
@@ -112,11 +117,77 @@ def restrict_root(
     ):
         copy_owner(root, owner)
         st = os.lstat(root)
-    now = stat.S_IMODE(st.st_mode)
+    now = without_grants(root, stat.S_IMODE(st.st_mode), named)
     new = (now if mode is None else mode) & ~denied_classes(source, kind, st.st_uid, st.st_gid)
     if new != now:
-        os.chmod(root, new, follow_symlinks=False)
+        os.chmod(root, new, follow_symlinks=False)  # (sets an ACL's mask: written again below)
+        if named:
+            _write_acl(root, new, named)
     return new
+
+
+# POSIX ACLs as the kernel stores them in system.posix_acl_access (linux/posix_acl_xattr.h):
+# a version, then (tag, perm, id) entries sorted by tag, then id.
+_ACL = "system.posix_acl_access"
+_HEADER, _ENTRY = struct.Struct("<I"), struct.Struct("<HHI")
+_VERSION, _NO_ID = 2, 0xFFFFFFFF
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_SEARCH = 0o5  # r-x: list and pass through the copy's top directory
+
+
+def _acl_entries(path: str) -> list[tuple[int, int, int]]:
+    try:
+        raw = os.getxattr(path, _ACL, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.EOPNOTSUPP):
+            return []
+        raise
+    return [_ENTRY.unpack_from(raw, off) for off in range(_HEADER.size, len(raw), _ENTRY.size)]
+
+
+def without_grants(path: str, mode: int, named: dict[int, int] | None = None) -> int:
+    """``path``'s mode as it would be without the users ``grant`` let in: where an ACL names
+    users, the mode's group bits are the ACL's mask; the owning group's are its own entry."""
+    if not (granted(path) if named is None else named):
+        return mode
+    group = next((perm for t, perm, _ in _acl_entries(path) if t == _GROUP_OBJ), 0)
+    return mode & ~0o070 | group << 3
+
+
+def granted(path: str) -> dict[int, int]:
+    """The users ``path``'s ACL names, with their permissions ({}: no ACL)."""
+    return {uid: perm for tag, perm, uid in _acl_entries(path) if tag == _USER}
+
+
+def _write_acl(path: str, mode: int, named: dict[int, int]) -> None:
+    """The ACL of ``mode`` (owner, group, other) plus the ``named`` users; its mask lets the
+    named users have their permissions (the owning group keeps only its own)."""
+    group = mode >> 3 & 7
+    mask = group
+    for perm in named.values():
+        mask |= perm
+    entries = [(_USER_OBJ, mode >> 6 & 7, _NO_ID)]
+    entries += [(_USER, named[uid], uid) for uid in sorted(named)]
+    entries += [(_GROUP_OBJ, group, _NO_ID), (_MASK, mask, _NO_ID), (_OTHER, mode & 7, _NO_ID)]
+    raw = _HEADER.pack(_VERSION) + b"".join(_ENTRY.pack(*e) for e in entries)
+    os.setxattr(path, _ACL, raw, follow_symlinks=False)
+
+
+def grant(root: str, uid: int) -> bool:
+    """Let ``uid`` list and pass through ``root`` (a copy's top that ``restrict_root``
+    closed): an ACL entry ``user:uid:r-x``, the rest of the ACL as the mode says.  What is
+    below the top keeps the source's modes.  False: nothing to do (``uid`` owns it, or
+    everyone may pass already)."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid == uid or st.st_mode & 0o001:
+        return False
+    named = granted(root)
+    if named.get(uid, 0) & _SEARCH == _SEARCH:
+        return False
+    mode = without_grants(root, stat.S_IMODE(st.st_mode), named)
+    named[uid] = named.get(uid, 0) | _SEARCH
+    _write_acl(root, mode, named)
+    return True
 
 
 def is_restriction(want: int, have: int) -> bool:
