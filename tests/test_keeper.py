@@ -15,33 +15,17 @@ import sys
 import textwrap
 import time
 import warnings
-from dataclasses import dataclass
 
 import pytest
 
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.identity import Caller
 from shmstage.service.keeper import Keeper
 from shmstage.stage import find, holders, stage
 from shmstage.stage.store import leases
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import start_time
 from tests.test_stage_lease import kill, make_src, wait_for
-
-try:
-    from shmstage.identity import Caller
-except ImportError:  # TODO(leases): identity.py (helper A) not merged yet: its Caller's shape
-
-    @dataclass(frozen=True)
-    class Caller:  # type: ignore[no-redef]
-        uid: int
-        gid: int
-        groups: tuple[int, ...]
-        pid: int = 0
-
-        @property
-        def is_root(self) -> bool:
-            return self.uid == 0
-
 
 ROOT = Caller(0, 0, ())
 needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
@@ -144,11 +128,11 @@ def test_hold_refuses_another_users_process_and_a_dead_one(tmp_path, keeper, pro
 SERVICE = textwrap.dedent(
     """
     import sys, time
-    from types import SimpleNamespace
+    from shmstage.identity import Caller
     from shmstage.service.keeper import Keeper
     k = Keeper(sys.argv[1])
     for pid in sys.argv[3:]:
-        k.hold("ds", sys.argv[2], int(pid), SimpleNamespace(uid=0, pid=0, is_root=True))
+        k.hold("ds", sys.argv[2], int(pid), Caller(0, 0, ()))
     print("held", flush=True)
     time.sleep(300)
     """
