@@ -12,7 +12,15 @@ from shmstage.cli.output import dumps, log, stderr_is_tty
 from shmstage.cli.params import RESERVE, cluster_options, config_option, no_service_option
 from shmstage.config import configured, node_reserve
 from shmstage.sizes import format_size
-from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, summary
+from shmstage.stage import (
+    DEFAULT_DEST,
+    Placed,
+    Plan,
+    Progress,
+    check_lease_for,
+    lease_until,
+    summary,
+)
 from shmstage.stage.cache.tiers import refusal
 
 
@@ -123,6 +131,14 @@ def _log_waiting(p: Progress) -> None:
 @cluster_options
 @no_service_option
 @click.option(
+    "--lease-for",
+    type=click.IntRange(min=1),
+    metavar="PID",
+    help="Hold a lease on the staged dataset until process PID exits, so nobody evicts it "
+    "under the job: DATA=$(shmstage stage SRC --lease-for $$ -q) protects a batch script. "
+    "A process of your own (root: any).",
+)
+@click.option(
     "--quiet",
     "-q",
     is_flag=True,
@@ -149,6 +165,7 @@ def stage_cmd(
     timeout: float,
     inflight: int,
     no_service: bool,
+    lease_for: int | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -174,6 +191,8 @@ def stage_cmd(
     dest, policies = configured(dest, config_path)
     if reserve is None:  # the option and its variable win over the node config
         reserve = node_reserve(config_path)
+    if lease_for is not None:
+        check_lease_for(lease_for)  # refused before anything is copied (a dry run says it too)
     if dry_run:
         p = api.plan(
             src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
@@ -212,6 +231,8 @@ def stage_cmd(
     finally:
         if bar is not None:
             bar.close()
+    if lease_for is not None:
+        lease_until(ds.path, ds.tier, lease_for)
     if as_json:
         click.echo(dumps(ds))
         return

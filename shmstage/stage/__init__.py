@@ -14,6 +14,8 @@ Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
     DEST/.shmstage/trash/                 old versions on their way out
     DEST/.shmstage/leases/<name>.lease    shared flock held by each job reading <name>
                                           (see :mod:`shmstage.stage.store.leases`)
+    DEST/.shmstage/leases/.<name>@<holder>@<pid>   a lease held for pid by another process
+                                          (``stage --lease-for``, the service): who it is for
     DEST/.shmstage/reservations/<name>    bytes a live stager still has to write, flocked
                                           while it runs (see :mod:`shmstage.stage.store.reserve`)
     DEST/.shmstage/meta/.<name>.used      last used (its mtime; any job may set it to now)
@@ -39,11 +41,13 @@ from shmstage.stage.cache.tiers import InTier, Placed, Plan, Skipped, split
 
 # DEST may list tiers (fastest first): these look in, and choose among, all of them.
 from shmstage.stage.engine import (
+    check_lease_for,
     evict,
     evict_report,
     find,
     gc,
     lease,
+    lease_until,
     list_staged,
     plan,
     stage,
@@ -74,6 +78,7 @@ __all__ = [
     "Leased",
     "Listed",
     "Leftover",
+    "check_lease_for",
     "describe",
     "Progress",
     "StagedDataset",
@@ -84,6 +89,7 @@ __all__ = [
     "gc",
     "holders",
     "lease",
+    "lease_until",
     "list_staged",
     "plan",
     "resolve_dest",

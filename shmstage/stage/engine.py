@@ -1,4 +1,4 @@
-"""stage / plan / find / list / verify / evict / gc / lease: the staging engine's public
+"""stage / plan / find / list / verify / evict / gc / lease(_until): the staging engine's public
 operations, written once on top of the parts.
 
 DEST may be an ordered list of tiers, fastest first (``/dev/shm/shmstage,/nvme/shmstage``).
@@ -43,7 +43,7 @@ from shmstage.stage.cache.tiers import (
 )
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.staging import Progress
-from shmstage.stage.store import access, catalog, counters, eviction, inflight, leases
+from shmstage.stage.store import access, catalog, counters, eviction, inflight, leasefor, leases
 from shmstage.stage.store.datasets import StagedDataset
 from shmstage.stage.store.eviction import EvictReport
 from shmstage.stage.store.gc import GcReport
@@ -399,6 +399,27 @@ def lease_for(
     if found is None:
         raise ShmstageError(f"{key} is not staged in {','.join(tiers)} (see `shmstage list`)")
     return leases.acquire(found.name, os.path.dirname(found.path))
+
+
+def lease_until(
+    path_or_name: str | os.PathLike[str], dest: str | os.PathLike[str] | None, pid: int
+) -> StagedDataset:
+    """Lease a staged dataset (resolved like :func:`lease`) until process ``pid`` exits,
+    from a detached holder process (stage/store/leasefor.py).  This process's user may lease
+    for its own processes only (root for any); RefusedError when ``pid`` is not running."""
+    start = check_lease_for(pid)  # before the holder forks: pid reuse is seen
+    held = lease_for(path_or_name, dest)
+    try:
+        leasefor.hold_until(held, pid, start)
+    finally:
+        held.release()
+    return held.dataset
+
+
+def check_lease_for(pid: int) -> int:
+    """Refuse (RefusedError) a ``lease_until`` for ``pid`` before staging anything: it is not
+    running, or not this user's.  Its start time."""
+    return leasefor.target(pid, os.geteuid())
 
 
 def summary(ds: StagedDataset) -> str:

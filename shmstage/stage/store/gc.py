@@ -1,9 +1,11 @@
 """``gc``: remove what killed and failed runs left under DEST, but nothing a live process owns.
 
 Partial trees, source markers, ``.<name>.json.new`` manifests, half-written records, lock
-and lease files of datasets that are gone, space reservations of dead stagers, records whose tree is gone, old trees in
-trash, ``placing/`` locks nobody holds, and the max_size claims of dead stagers.  Each dataset's leftovers are removed only while holding its lock (taken without
-waiting: a dataset being staged is skipped), so gc is safe while others stage.
+and lease files of datasets that are gone, space reservations of dead stagers, records
+whose tree is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size
+claims of dead stagers and the "held for" marks of lease holders that are gone.  Each
+dataset's leftovers are removed only while holding its lock (taken without waiting: a
+dataset being staged is skipped), so gc is safe while others stage.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from shmstage.errors import RefusedError
 from shmstage.stage.store import inflight, leases
 from shmstage.stage.store.layout import Store
-from shmstage.stage.store.locks import Busy, alive, trash_owner
+from shmstage.stage.store.locks import Busy, alive, running, trash_owner
 from shmstage.stage.store.names import check_name
 from shmstage.stage.store.trees import cannot_remove, listdir, rmtree, tree_size
 
@@ -102,12 +104,19 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         path = os.path.join(store.trash_dir, entry)
         _, pid, start = trash_owner(entry)
         size = tree_size(path)[0]
+        # Our own pid: ours (a removal of this process that failed), or, whatever the start
+        # time says, a dead process's (one pid cannot name two live processes): removable.
         if pid is not None and pid != os.getpid() and alive(pid, start):
             skipped.append(Leftover(path, "trash", size, f"being removed by pid {pid}"))
             continue
         removed.append(Leftover(path, "trash", size))
         if not dry_run:
             _remove(path)
+    for m in leases.marks(store):  # "held for pid N" marks of holders that are gone
+        if not running(*m.holder):  # a zombie holds no lock either
+            removed.append(Leftover(m.path, "lease mark", 0))
+            if not dry_run:
+                leases.unmark(m.path)
     for entry in store.placing_names():  # the tiers' placing locks: only while a stager places
         path = store.placing_path(entry)
         if not store.drop_placing(entry, dry_run=dry_run):

@@ -4,7 +4,9 @@ A lease is a shared ``flock`` on ``DEST/.shmstage/leases/<name>.lease``, held fo
 as the job (or the ``with`` block) lives; the kernel drops it when the process dies, so
 there are no pid files to go stale.  ``evict``, ``run --cleanup`` and ``prepare`` take the
 same lock exclusively (non-blocking) before removing a dataset and refuse when they cannot,
-naming the holders they find in /proc/locks.
+naming the holders they find in /proc/locks, or the process a holder holds it for (marks).
+No pid is trusted alone: a pid in /proc/locks is a live lock's, and a mark names both
+processes by pid and start time (a mark whose processes are not those is ignored).
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.store.checks import check_owner, mkdir_checked
 from shmstage.stage.store.datasets import dataset_of
 from shmstage.stage.store.layout import Store
+from shmstage.stage.store.locks import running
 from shmstage.stage.store.names import BOOK, NAME_RE
 from shmstage.terminal import printable
 
 _COMMAND_CHARS = 120
+_PYTHON_FLAGS = ("-I", "-S", "-E", "-s", "-B", "-u", "-O", "-OO", "-P")  # none takes a value
 
 
 @dataclass(frozen=True)
 class Holder:
-    """A process holding a lease (from /proc/locks) and its command line."""
+    """A process holding a lease (from /proc/locks) and its command line; or the process a
+    lease is held for (``stage --lease-for PID``, the node service), and who holds it."""
 
     pid: int
     command: str  # its command line, shortened ("" when hidden or gone)
+    via: int = 0  # the process holding the flock for ``pid`` (0: ``pid`` holds it itself)
 
 
 class InUse(RefusedError):
@@ -51,7 +57,12 @@ def describe(holders: tuple[Holder, ...]) -> str:
     known = [h for h in holders if h.pid > 0]  # pid 0: locked, but not in our /proc/locks view
     if not known:
         return "another process"
-    return ", ".join(f"pid {h.pid} ({h.command})" if h.command else f"pid {h.pid}" for h in known)
+    return ", ".join(_one(h) for h in known)
+
+
+def _one(h: Holder) -> str:
+    text = f"pid {h.pid} ({h.command})" if h.command else f"pid {h.pid}"
+    return f"{text} held for it by shmstage (pid {h.via})" if h.via else text
 
 
 def lease_path(store: Store, name: str) -> str:
@@ -95,19 +106,41 @@ class Lease:
     def __init__(self, store: Store, name: str, fd: int, dataset: Any) -> None:
         self.store, self.name, self.dataset = store, name, dataset
         self._fd: int | None = fd
+        self._pid = os.getpid()  # who took it: a forked child holds only a copy
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
+    def fileno(self) -> int:
+        """The fd holding the flock (a holder for another process reopens it)."""
+        if self._fd is None:
+            raise ValueError("lease released")
+        return self._fd
+
     def release(self) -> None:
+        """Let go: unlock, so copies of the fd in forked children (a DataLoader worker, a
+        service's request) do not keep it held.  In such a child, only close its copy."""
+        if self._fd is None:
+            return
+        if os.getpid() != self._pid:
+            self.close_copy()
+            return
+        fd, self._fd = self._fd, None
+        with suppress(Exception):  # the end of a job is a use too: LRU order (makeroom.py)
+            record = self.store.published(self.name)
+            if record is not None:
+                self.store.touch(record)
+        with suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)  # the open file's lock, whoever else has the fd
+        os.close(fd)
+
+    def close_copy(self) -> None:
+        """Close this process's fd without a release's bookkeeping: the copy a forked child
+        inherited (the lease stays held by the parent's)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            with suppress(Exception):  # the end of a job is a use too: LRU order (makeroom.py)
-                record = self.store.published(self.name)
-                if record is not None:
-                    self.store.touch(record)
-            os.close(fd)  # closing the last fd on it drops the flock
+            os.close(fd)
 
     def __enter__(self) -> Any:
         return self.dataset
@@ -188,18 +221,19 @@ def try_exclusive(store: Store, name: str) -> tuple[int | None, tuple[Holder, ..
     except BlockingIOError:
         st = os.fstat(fd)
         os.close(fd)
-        found = holders_of(st.st_dev, st.st_ino)
+        found = on_behalf(store, name, holders_of(st.st_dev, st.st_ino))
         return None, found or (Holder(0, ""),)
     return fd, ()
 
 
 def holders(name: str, dest: str | os.PathLike[str] | None = None) -> tuple[Holder, ...]:
     """Who holds a lease on ``name`` right now (empty when nobody does)."""
+    store = Store(dest)
     try:
-        st = os.lstat(lease_path(Store(dest), name))
+        st = os.lstat(lease_path(store, name))
     except OSError:
         return ()
-    return holders_of(st.st_dev, st.st_ino)
+    return on_behalf(store, name, holders_of(st.st_dev, st.st_ino))
 
 
 def holders_of(dev: int, ino: int) -> tuple[Holder, ...]:
@@ -246,8 +280,12 @@ def command_of(pid: int) -> str:
     except OSError:
         return ""
     argv = [printable(a.decode(errors="replace")) for a in raw.split(b"\0") if a]
-    if len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1][:1] != "-":
-        argv = argv[1:]  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
+    if len(argv) > 1 and os.path.basename(argv[0]).startswith("python"):
+        script = argv[1:]
+        while script and script[0] in _PYTHON_FLAGS:
+            script = script[1:]
+        if script and script[0][:1] != "-":
+            argv = script  # `python /usr/bin/torchrun ...` reads better as `torchrun ...`
     if argv:
         argv[0] = os.path.basename(argv[0])
     text = " ".join(argv)
@@ -256,10 +294,81 @@ def command_of(pid: int) -> str:
 
 def unlink_locked(store: Store, name: str) -> None:
     """Remove the lease file of a dataset that is gone (call while holding it exclusively)."""
+    for path in [lease_path(store, name), *(m.path for m in marks(store, name))]:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM):
+                raise
+
+
+# --- leases held for another process --------------------------------------------------------
+#
+# `stage --lease-for PID` leaves a detached holder process, and the node service holds
+# leases in its own process: /proc/locks names the holder, not the job.  The holder leaves
+# a mark beside the lease file, leases/.<name>@<holder pid>-<start>@<pid>-<start> (an
+# empty file: a dataset name never starts with '.' or holds '@'), and evict, list and gc
+# name the process it holds for.  Only words: the flock alone decides what may be removed,
+# so a mark that cannot be written (a store the holder may not write) only names the holder.
+
+
+@dataclass(frozen=True)
+class Mark:
+    path: str
+    holder: tuple[int, int]  # pid, start time
+    owner: tuple[int, int]  # the process the lease is held for: pid, start time
+
+
+def mark(store: Store, name: str, holder: tuple[int, int], owner: tuple[int, int]) -> str | None:
+    """Say that ``holder`` holds ``name``'s lease for ``owner``; the mark's path, or None
+    when it cannot be written (best effort)."""
+    path = os.path.join(store.lease_dir, f".{name}@{holder[0]}-{holder[1]}@{owner[0]}-{owner[1]}")
     try:
-        os.unlink(lease_path(store, name))
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM):
-            raise
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+    except OSError:
+        return None
+    return path
+
+
+def unmark(path: str | None) -> None:
+    if path is not None:
+        with suppress(OSError):
+            os.unlink(path)
+
+
+def marks(store: Store, name: str | None = None) -> list[Mark]:
+    """The marks of ``name`` (of every dataset when None)."""
+    try:
+        entries = os.listdir(store.lease_dir)
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        parts = entry[1:].split("@") if entry[:1] == "." else []
+        if len(parts) != 3 or (name is not None and parts[0] != name):
+            continue
+        try:
+            holder, owner = (tuple(int(x) for x in p.split("-")) for p in parts[1:])
+        except ValueError:
+            continue
+        if len(holder) == 2 and len(owner) == 2:
+            out.append(Mark(os.path.join(store.lease_dir, entry), holder, owner))  # type: ignore[arg-type]
+    return out
+
+
+def on_behalf(store: Store, name: str, found: tuple[Holder, ...]) -> tuple[Holder, ...]:
+    """``found`` (from /proc/locks) with each holder that marked whom it holds for replaced
+    by those processes, while holder and owner are both the processes that were marked."""
+    every = marks(store, name) if found else []
+    if not every:
+        return found
+    out: list[Holder] = []
+    for h in found:
+        owners = [m.owner for m in every if m.holder[0] == h.pid and running(*m.holder)]
+        owners = [o for o in dict.fromkeys(owners) if running(*o)]
+        if not owners:
+            out.append(h)
+        out += [Holder(pid, command_of(pid), via=h.pid) for pid, _ in owners]
+    return tuple(out)

@@ -121,8 +121,8 @@ def drop_unheld(path: str, *, dry_run: bool = False) -> bool:
 # clock ticks since boot), and a process is that one only if both match.
 
 
-def start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat; None when there is no such process."""
+def _stat(pid: int) -> tuple[bytes, int] | None:
+    """(state, start time): fields 3 and 22 of /proc/PID/stat; None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -130,9 +130,35 @@ def start_time(pid: int) -> int | None:
         return None
     # comm (field 2) may hold spaces and parentheses: the fields after the last ')' are 3...
     try:
-        return int(raw[raw.rindex(b")") + 2 :].split()[19])
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        return fields[0], int(fields[19])
     except (ValueError, IndexError):
         return None
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat; None when there is no such process."""
+    stat = _stat(pid)
+    return stat[1] if stat is not None else None
+
+
+def running(pid: int, start: int) -> bool:
+    """Whether the process that started at ``start`` with ``pid`` still runs: a zombie has
+    exited (its pid stays taken until it is reaped, which ``alive`` counts)."""
+    stat = _stat(pid)
+    return stat is not None and stat[1] == start and stat[0] not in (b"Z", b"X", b"x")
+
+
+def real_uid(pid: int) -> int | None:
+    """The real uid of process ``pid`` (/proc/PID/status), None when there is none."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def me(sep: str = "-") -> str:
