@@ -188,6 +188,7 @@ class Keeper:
         for fd in (self._wake_r, self._wake_w):
             with suppress(OSError):
                 os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def held(self) -> list[tuple[str, str, int]]:
         """(dataset name, DEST, pid) of every lease held now."""
@@ -242,7 +243,11 @@ class Keeper:
 
     def _forget_in_child(self) -> None:
         """After a fork, in the child: close its copies of the keeper's fds (NOTE [keeper]).
-        No lock is taken: another thread of the parent may have held it at the fork."""
+        No lock is taken: another thread of the parent may have held it at the fork.
+        Once only: a child's own children (the copier's workers) run this hook again, and
+        by then these fd numbers may be the copier's pipes."""
+        if self._wake_r < 0:
+            return
         self._lock = threading.Lock()
         self._closed = True
         held, self._held = list(self._held.values()), {}
@@ -254,6 +259,7 @@ class Keeper:
         for fd in (self._wake_r, self._wake_w):
             with suppress(OSError):
                 os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     # --- the state directory ----------------------------------------------------------------
 
