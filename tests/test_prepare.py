@@ -475,7 +475,7 @@ def test_service_units_are_written_once_and_not_started_without_systemd(runner, 
     )
     service = (units / "shmstage.service").read_text()
     assert f"\nExecStart={shmstage_command()} serve --config {config}\n" in service
-    assert "\nSlice=shmstage.slice\n" in service and "\nKillMode=control-group\n" in service
+    assert "\nSlice=shmstage.slice\n" in service and "\nKillMode=mixed\n" in service
     assert "\nMemoryAccounting=yes\n" in (units / "shmstage.slice").read_text()
     assert oct((units / "shmstage.service").stat().st_mode & 0o777) == "0o644"
     analyze = shutil.which("systemd-analyze")
