@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "demo": "demo_cmd:demo_cmd",
     "pillow-simd": "pillow_cmd:pillow_cmd",
     "run": "run_cmd:run_cmd",
+    "serve": "serve_cmd:serve_cmd",
 }
 
 

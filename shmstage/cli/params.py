@@ -125,3 +125,15 @@ def cluster_options(f: Any) -> Any:
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def no_service_option(f: Any) -> Any:
+    """``--no-service`` (parameter ``no_service``): run in this process even when the node's
+    shmstage service answers (`shmstage serve`, docs/service.md)."""
+    return click.option(
+        "--no-service",
+        "no_service",
+        is_flag=True,
+        help="Run in this process, not through the node's shmstage service (which is used when "
+        "its socket, $SHMSTAGE_SOCKET or /run/shmstage/shmstage.sock, answers and DEST is its store).",
+    )(f)

@@ -9,10 +9,10 @@ import click
 
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import RESERVE, cluster_options, config_option
+from shmstage.cli.params import RESERVE, cluster_options, config_option, no_service_option
 from shmstage.config import configured, node_reserve
 from shmstage.sizes import format_size
-from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, plan, stage, summary
+from shmstage.stage import DEFAULT_DEST, Placed, Plan, Progress, summary
 from shmstage.stage.cache.tiers import refusal
 
 
@@ -121,6 +121,7 @@ def _log_waiting(p: Progress) -> None:
     "option (1 turns an archive of one top folder into that folder's contents).",
 )
 @cluster_options
+@no_service_option
 @click.option(
     "--quiet",
     "-q",
@@ -147,6 +148,7 @@ def stage_cmd(
     rendezvous: str | None,
     timeout: float,
     inflight: int,
+    no_service: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -166,25 +168,33 @@ def stage_cmd(
     them and exchange the rest; every node publishes, or none.
     """
     from shmstage.cluster import Peers, resolve
+    from shmstage.service import api
 
     spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
     dest, policies = configured(dest, config_path)
     if reserve is None:  # the option and its variable win over the node config
         reserve = node_reserve(config_path)
     if dry_run:
-        p = plan(
+        p = api.plan(
             src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
-            force=force, strip_components=strip_components,
+            force=force, strip_components=strip_components, service=not no_service,
         )  # fmt: skip
         click.echo(dumps(p) if as_json else _render_plan(p))
         if p.tier is None:
             raise refusal(p.name, p.skipped)  # what the real run would say
         return
+    if spec is not None and not no_service and not quiet:
+        conn = api.service_for(dest)
+        if conn is not None:  # issue 22 item 7
+            log(
+                f"note: staging with --nodes runs in this process, not through the shmstage "
+                f"service on {conn.path}"
+            )
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
     try:
         with Peers(spec) if spec is not None else nullcontext() as peers:
-            ds = stage(
+            ds = api.stage(
                 src,
                 name=name,
                 dest=dest,
@@ -197,6 +207,7 @@ def stage_cmd(
                 progress=progress,
                 strip_components=strip_components,
                 peers=peers,
+                service=not no_service,
             )
     finally:
         if bar is not None:

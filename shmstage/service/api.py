@@ -1,0 +1,187 @@
+"""The engine's operations as the CLI and the loader call them: through the node service when
+one answers and DEST is its store, else in this process (a user's own DEST, ``--no-service``,
+or no service on this node).  Same names, same typed results, same errors either way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shmstage import metrics as node_metrics
+from shmstage.errors import RefusedError
+from shmstage.service.client import Connection, connect
+from shmstage.service.protocol import socket_path
+from shmstage.stage import engine
+from shmstage.stage.cache.makeroom import CachePolicy
+from shmstage.stage.cache.tiers import Placed, Plan, split
+from shmstage.stage.store.layout import Store, managed_by
+
+# The caller's object-store settings, handed to the service so it reads as them
+CREDENTIAL_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "AZURE_", "GCS_")
+
+
+def service_for(dest: str | os.PathLike[str] | None, service: bool = True) -> Connection | None:
+    """The service to route to: one answers, and every tier of ``dest`` is one of its."""
+    if not service:
+        return None
+    conn = connect()
+    if conn is None or not conn.serves(",".join(split(dest))):  # None: $SHMSTAGE_DEST, default
+        return None
+    return conn
+
+
+def credentials(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(CREDENTIAL_PREFIXES)}
+
+
+def absolute(src: str | os.PathLike[str]) -> str:
+    """A local path resolved against our cwd (the service has another); a URL as it is."""
+    text = os.fspath(src)
+    return text if "://" in text else os.path.abspath(text)
+
+
+def _dest_arg(dest: str | os.PathLike[str] | None) -> str | None:
+    return None if dest is None else ",".join(absolute(t) for t in split(dest))
+
+
+def _no_service_line(dest: str | os.PathLike[str] | None) -> Callable[[RefusedError], None]:
+    """Item 8: a user's write refused on a root-managed store, no service answering: say
+    so, and what to do (start the service, or stage into a directory of their own)."""
+
+    def check(e: RefusedError) -> None:
+        if os.geteuid() == 0:
+            return
+        for tier in split(dest):
+            if managed_by(Store(tier).dest, 0) in str(e):
+                raise RefusedError(
+                    f"{tier} is managed by root and no shmstage service answers on "
+                    f"{socket_path()}: ask an admin to start it (systemctl start shmstage) "
+                    "or stage into a directory of your own with --dest, e.g. "
+                    "--dest /dev/shm/shmstage-$USER"
+                ) from None
+
+    return check
+
+
+def _in_process(fn: Callable[..., Any], dest: Any, service: bool, *a: Any, **kw: Any) -> Any:
+    try:
+        return fn(*a, **kw)
+    except RefusedError as e:
+        if service:  # --no-service: the user chose this process; today's words
+            _no_service_line(dest)(e)
+        raise
+
+
+def stage(
+    src: str | os.PathLike[str],
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    policies: Mapping[str, CachePolicy] | None = None,
+    progress: Callable[[Any], None] | None = None,
+    service: bool = True,
+    **kw: Any,
+) -> Placed:
+    """:func:`shmstage.stage.engine.stage`; ``kw``: name, reserve, make_room, workers, verify,
+    force, strip_components (``peers`` always runs here: cluster staging is in-process)."""
+    conn = service_for(dest, service) if kw.get("peers") is None else None
+    if conn is None:
+        return _in_process(
+            engine.stage, dest, service, src, dest=dest, policies=policies, progress=progress, **kw
+        )  # fmt: skip
+    kw.pop("peers", None)
+    args = {k: v for k, v in kw.items() if v is not None}
+    args.update(src=absolute(src), dest=_dest_arg(dest), credentials=credentials())
+    return conn.call("stage", args, progress)
+
+
+def plan(
+    src: str | os.PathLike[str],
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    policies: Mapping[str, CachePolicy] | None = None,
+    service: bool = True,
+    **kw: Any,
+) -> Plan:
+    conn = service_for(dest, service)
+    if conn is None:
+        return _in_process(engine.plan, dest, service, src, dest=dest, policies=policies, **kw)
+    args = {k: v for k, v in kw.items() if v is not None}
+    args.update(src=absolute(src), dest=_dest_arg(dest), credentials=credentials())
+    return conn.call("plan", args)
+
+
+def find(
+    name_or_source: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None = None,
+    *,
+    service: bool = True,
+) -> Any:
+    """:func:`shmstage.stage.engine.find`; through the service, a copy the caller may not
+    read yet is handed out only after its source is read as the caller."""
+    conn = service_for(dest, service)
+    if conn is None:
+        return engine.find(name_or_source, dest)
+    key = os.fspath(name_or_source)
+    key = absolute(key) if os.sep in key else key  # a name has no slash
+    return conn.call("find", {"key": key, "dest": _dest_arg(dest), "credentials": credentials()})
+
+
+def list_staged(
+    dest: str | os.PathLike[str] | None = None, *, unfinished: bool = False, service: bool = True
+) -> Any:
+    conn = service_for(dest, service)
+    if conn is None:
+        return engine.list_staged(dest, unfinished=unfinished)
+    return conn.call("list", {"dest": _dest_arg(dest), "unfinished": unfinished})
+
+
+def verify(
+    name: str,
+    dest: str | os.PathLike[str] | None = None,
+    *,
+    checksum: bool = False,
+    service: bool = True,
+) -> Any:
+    conn = service_for(dest, service)
+    if conn is None:
+        return engine.verify(name, dest, checksum=checksum)
+    args = {"name": name, "dest": _dest_arg(dest), "checksum": checksum}
+    return conn.call("verify", {**args, "credentials": credentials()})
+
+
+def evict_report(
+    name: str | None = None,
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    service: bool = True,
+    **kw: Any,
+) -> Any:
+    """``kw``: all, older_than, dry_run, force (see :func:`shmstage.stage.engine.evict_report`)."""
+    conn = service_for(dest, service)
+    if conn is None:
+        return _in_process(engine.evict_report, dest, service, name, dest=dest, **kw)
+    return conn.call("evict", {"name": name, "dest": _dest_arg(dest), **kw})
+
+
+def gc(
+    dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False, service: bool = True
+) -> Any:
+    conn = service_for(dest, service)
+    if conn is None:
+        return _in_process(engine.gc, dest, service, dest, dry_run=dry_run)
+    return conn.call("gc", {"dest": _dest_arg(dest), "dry_run": dry_run})
+
+
+def metrics(
+    dest: str | os.PathLike[str] | None = None,
+    policies: Mapping[str, CachePolicy] | None = None,
+    *,
+    service: bool = True,
+) -> Any:
+    conn = service_for(dest, service)
+    if conn is None:
+        return node_metrics.collect(dest, policies)
+    return conn.call("metrics", {"dest": _dest_arg(dest)})

@@ -1,0 +1,297 @@
+"""What each request does in the service's child, and who may ask for it: the engine's ops
+over the service's own tiers, with the caller's identity (reads run as the caller, the
+engine publishes as root), and the few rules of who may remove what.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import stat
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shmstage import metrics
+from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
+from shmstage.stage import engine
+from shmstage.stage.cache.tiers import holding, joined, split
+from shmstage.stage.store.layout import Store
+from shmstage.stage.store.names import name_for
+
+try:  # issue 22's identity layer (helper A); until it lands: the same fields, groups only
+    from shmstage.identity import Caller, adopt_groups
+except ImportError:  # pragma: no cover - removed once shmstage.identity is in main
+
+    @dataclass(frozen=True)
+    class Caller:  # type: ignore[no-redef]
+        uid: int
+        gid: int
+        groups: tuple[int, ...]
+        pid: int = 0
+
+        @property
+        def is_root(self) -> bool:
+            return self.uid == 0
+
+    def adopt_groups(caller: Caller) -> None:  # type: ignore[misc]
+        os.setgroups(list(caller.groups))
+
+
+try:  # the lease keeper (helper C)
+    from shmstage.service.keeper import Keeper
+except ImportError:  # pragma: no cover - removed once keeper.py is in main
+    Keeper = None  # type: ignore[assignment,misc]
+
+
+Progress = Callable[[Any], None]
+
+
+def warm_up() -> None:
+    """Import, in the service before it forks, what the ops import lazily (a child forked
+    while another thread imports would wait forever on the import lock)."""
+    from shmstage.stage.sources import kinds
+
+    for src in ("s3://x/y", "gs://x/y", "az://x/y", "/x.tar", "/x.tar.gz", "/x"):
+        try:
+            kinds.location_of(src)
+        except Exception:  # noqa: S112 - only the imports matter here
+            continue
+
+
+def make_keeper(service: Any) -> Any:
+    if Keeper is None:
+        return None
+    state = os.environ.get("SHMSTAGE_STATE_DIR", "/var/lib/shmstage")
+    return Keeper(state)
+
+
+# --- who asks, where --------------------------------------------------------------------
+
+
+def tiers_of(service: Any, dest: str | None) -> str:
+    """The tiers a request names: all the service's when ``dest`` is None, else ``dest``'s,
+    each of which must be one of the service's (a user's own DEST never comes here)."""
+    if dest is None:
+        return joined(service.tiers)
+    ours = {os.path.realpath(t) for t in service.tiers}
+    asked = split(dest)
+    for t in asked:
+        if os.path.realpath(t) not in ours:
+            raise RefusedError(
+                f"{t} is not a tier of the shmstage service ({joined(service.tiers)}): "
+                "stage into your own directory with --dest and --no-service"
+            )
+    return joined(asked)
+
+
+def _reader(fn: Callable[..., Any], caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
+    """``reader=``/``credentials=`` where the engine takes them (helper A's plumbing)."""
+    params = inspect.signature(fn).parameters
+    kw: dict[str, Any] = {}
+    if "reader" in params:
+        kw["reader"] = caller
+    if "credentials" in params:
+        kw["credentials"] = dict(args.get("credentials") or {})
+    return kw
+
+
+def _grant(ds: Any, caller: Caller) -> None:
+    """Let ``caller`` (who passed the freshness check as themselves) into the copy."""
+    grant = getattr(engine, "grant", None)
+    if grant is not None and ds is not None and not caller.is_root:
+        grant(ds.name, os.path.dirname(ds.path), caller.uid)
+
+
+def may_read(path: str, caller: Caller) -> bool:
+    """Whether ``caller`` may list ``path`` by its mode bits (the copy's top directory)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if caller.is_root:
+        return True
+    if st.st_uid == caller.uid:
+        want = stat.S_IRUSR | stat.S_IXUSR
+    elif st.st_gid == caller.gid or st.st_gid in caller.groups:
+        want = stat.S_IRGRP | stat.S_IXGRP
+    else:
+        want = stat.S_IROTH | stat.S_IXOTH
+    return st.st_mode & want == want
+
+
+def owner_of(dest: str, name: str) -> int | None:
+    """The uid owning ``name``'s top directory in the tier holding it (None: not there)."""
+    tier = holding(name, dest)
+    for t in [tier] if tier else split(dest):
+        try:
+            return os.lstat(Store(t).path(name)).st_uid
+        except OSError:
+            continue
+    return None
+
+
+def _may_replace(dest: str, name: str | None, src: str, caller: Caller) -> None:
+    """``--force`` replaces a dataset of the same name from another source: the owner's or
+    root's call, never another user's."""
+    if caller.is_root:
+        return
+    if name is None:
+        name = name_for(src)
+    if name is None:
+        return
+    owner = owner_of(dest, name)
+    if owner is not None and owner != caller.uid:
+        raise PermissionDenied(
+            f"--force would replace {name}, which uid {owner} staged: only they or root may"
+        )
+
+
+# --- the ops ------------------------------------------------------------------------------
+
+
+def op_stage(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    dest = tiers_of(service, a.get("dest"))
+    if a.get("force"):
+        _may_replace(dest, a.get("name"), a["src"], caller)
+    ds = engine.stage(
+        a["src"],
+        name=a.get("name"),
+        dest=dest,
+        reserve=_reserve(service, a),
+        make_room=bool(a.get("make_room")),
+        policies=service.policies,
+        workers=a.get("workers"),
+        verify=a.get("verify", "size"),
+        force=bool(a.get("force")),
+        strip_components=a.get("strip_components", 0),
+        progress=progress,
+        **_reader(engine.stage, caller, a),
+    )
+    _grant(ds, caller)
+    return ds
+
+
+def op_plan(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    return engine.plan(
+        a["src"],
+        name=a.get("name"),
+        dest=tiers_of(service, a.get("dest")),
+        reserve=_reserve(service, a),
+        make_room=bool(a.get("make_room")),
+        policies=service.policies,
+        force=bool(a.get("force")),
+        strip_components=a.get("strip_components", 0),
+        **_reader(engine.plan, caller, a),
+    )
+
+
+def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    """The copy, when the caller may have it: readable to them as it is, or, after the
+    freshness check reads its source as the caller, granted to them."""
+    dest = tiers_of(service, a.get("dest"))
+    found = engine.find(a["key"], dest)
+    if found is None or may_read(found.path, caller):
+        return found
+    engine.plan(
+        found.source,
+        name=found.name,
+        dest=os.path.dirname(found.path),
+        policies=service.policies,
+        **_reader(engine.plan, caller, a),
+    )  # raises when the caller cannot read the source
+    _grant(found, caller)
+    return found
+
+
+def op_list(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    return engine.list_staged(
+        tiers_of(service, a.get("dest")), unfinished=bool(a.get("unfinished"))
+    )
+
+
+def op_verify(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    return engine.verify(
+        a["name"],
+        tiers_of(service, a.get("dest")),
+        checksum=bool(a.get("checksum")),
+        **_reader(engine.verify, caller, a),
+    )
+
+
+def op_evict(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    """Root evicts anything; a user only a dataset whose top directory they own, never
+    with --force (that takes data from under a running job) nor --all/--older-than."""
+    dest = tiers_of(service, a.get("dest"))
+    name = a.get("name")
+    if not caller.is_root:
+        if a.get("force"):
+            raise PermissionDenied("only root may evict with --force through the shmstage service")
+        if name is None:
+            raise PermissionDenied(
+                "only root may evict --all or --older-than through the shmstage service: "
+                "evict your own datasets by NAME"
+            )
+        owner = owner_of(dest, name)
+        if owner is not None and owner != caller.uid:
+            raise PermissionDenied(
+                f"{name} was staged by uid {owner}: only they or root may evict it"
+            )
+    return engine.evict_report(
+        name,
+        dest=dest,
+        all=bool(a.get("all")),
+        older_than=a.get("older_than"),
+        dry_run=bool(a.get("dry_run")),
+        force=bool(a.get("force")),
+    )
+
+
+def op_gc(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    return engine.gc(tiers_of(service, a.get("dest")), dry_run=bool(a.get("dry_run")))
+
+
+def op_metrics(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    return metrics.collect(tiers_of(service, a.get("dest")), service.policies)
+
+
+def op_lease(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    """In the service itself, not a child: the keeper holds its pidfds for the service's life."""
+    if service.keeper is None:
+        raise ShmstageError("this shmstage service cannot hold leases yet")
+    dest = tiers_of(service, a.get("dest"))
+    found = engine.find(a["key"], dest)
+    if found is None:
+        raise ShmstageError(f"{a['key']} is not staged in {dest} (see `shmstage list`)")
+    return service.keeper.hold(found.name, os.path.dirname(found.path), a["pid"], caller)
+
+
+def op_unlease(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    if service.keeper is None:
+        raise ShmstageError("this shmstage service cannot hold leases yet")
+    return service.keeper.release(a["token"], caller)
+
+
+def _reserve(service: Any, a: Mapping[str, Any]) -> int | str | None:
+    """The node's reserve wins: a user may not shrink the room kept for DataLoaders."""
+    return service.reserve if service.reserve is not None else a.get("reserve")
+
+
+OPS: dict[str, Callable[[Any, Caller, dict[str, Any], Progress], Any]] = {
+    "stage": op_stage,
+    "plan": op_plan,
+    "find": op_find,
+    "list": op_list,
+    "verify": op_verify,
+    "evict": op_evict,
+    "gc": op_gc,
+    "metrics": op_metrics,
+}
+IN_SERVICE: dict[str, Callable[[Any, Caller, dict[str, Any], Progress], Any]] = {
+    "lease": op_lease,
+    "unlease": op_unlease,
+}
+
+
+def run(service: Any, caller: Caller, op: str, args: dict[str, Any], progress: Progress) -> Any:
+    return (OPS.get(op) or IN_SERVICE[op])(service, caller, args, progress)

@@ -1,0 +1,406 @@
+"""The node service (issue 22): a real `shmstage serve` as root on a socket in a private tmpfs,
+clients as real other users through setpriv; what they get, what they are refused, and how the
+service survives bad clients and its own death."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.stage.build import copier
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
+]
+
+ALICE, BOB = 4551, 4552
+
+
+def as_user(uid: int, gid: int | None = None) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid if gid is None else gid}", "--clear-groups"]
+
+
+def own(path: Path, uid: int, gid: int | None = None) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.lchown(p, uid, uid if gid is None else gid)
+
+
+def make_ds(path: Path, files: int = 4, size: int = 64 * 1024, uid: int | None = None) -> Path:
+    path.mkdir(parents=True)
+    for i in range(files):
+        (path / f"f{i}").write_bytes(os.urandom(size))
+    if uid is not None:
+        own(path, uid)
+    return path
+
+
+class Service:
+    """A `shmstage serve` on ``world/run/shmstage.sock`` owning ``world/store``."""
+
+    def __init__(self, world: Path, shmstage_bin: list[str], procs, config: str = "") -> None:
+        self.world, self.bin, self.procs = world, shmstage_bin, procs
+        self.store = world / "store"
+        self.socket = world / "run" / "shmstage.sock"
+        self.config = world / "shmstage.yaml"
+        self.config.write_text(config or f"version: 1\ndest: {self.store}\n")
+        self.config.chmod(0o644)
+        self.env = {
+            **os.environ,
+            "SHMSTAGE_SOCKET": str(self.socket),
+            "SHMSTAGE_CONFIG": str(self.config),
+        }
+        self.env.pop("SHMSTAGE_DEST", None)
+        self.proc: subprocess.Popen | None = None
+        self.log = world / "serve.log"
+
+    def start(self, **env: str) -> subprocess.Popen:
+        out = open(self.log, "ab")  # noqa: SIM115 - the service keeps it open
+        self.proc = self.procs.start(
+            [*self.bin, "serve"], env={**self.env, **env}, stdout=out, stderr=out
+        )
+        out.close()
+        deadline = time.monotonic() + 60
+        while not self.answers():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+        return self.proc
+
+    def answers(self) -> bool:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(self.socket))
+        except OSError:
+            return False
+        finally:
+            s.close()
+        return True
+
+    def run(self, *args: str, uid: int | None = None, **kw) -> subprocess.CompletedProcess:
+        who = as_user(uid) if uid is not None else []
+        return subprocess.run(
+            [*who, *self.bin, *args], env={**self.env, **kw.pop("env", {})},
+            capture_output=True, text=True, timeout=120, **kw,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def world(open_tmpfs):
+    return open_tmpfs("256M")
+
+
+@pytest.fixture
+def service(world, shmstage_bin, procs):
+    svc = Service(world, shmstage_bin, procs)
+    svc.start()
+    yield svc
+    if svc.proc is not None and svc.proc.poll() is None:
+        svc.proc.terminate()
+        svc.proc.wait(timeout=30)
+
+
+def record(store: Path, name: str) -> dict:
+    return json.loads((store / ".shmstage" / "meta" / f"{name}.json").read_text())
+
+
+def has_identity() -> bool:
+    try:
+        import shmstage.identity  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --- the service itself -----------------------------------------------------------------
+
+
+def test_serve_refuses_to_run_as_a_user(world, shmstage_bin):
+    """Not root: one line, exit 2, no socket."""
+    sock = world / "run" / "s.sock"
+    r = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "serve", "--socket", str(sock)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("Error: shmstage serve runs as root") and r.stderr.count("\n") == 1
+    assert not sock.exists()
+
+
+def test_a_second_serve_on_a_live_socket_refuses_and_a_stale_socket_is_replaced(
+    service, shmstage_bin
+):
+    """A live service keeps its socket; one SIGKILLed leaves a file that the next replaces."""
+    r = subprocess.run(
+        [*shmstage_bin, "serve"], env=service.env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert r.stderr == f"Error: another shmstage service is running on {service.socket}\n"
+    assert service.answers()
+    service.proc.kill()
+    service.proc.wait()
+    assert service.socket.exists() and not service.answers()  # stale
+    service.start()
+    assert oct(service.socket.stat().st_mode & 0o777) == "0o666"
+    assert oct((service.socket.parent).stat().st_mode & 0o777) == "0o755"
+
+
+def test_sigterm_removes_the_socket_and_exits_0(service):
+    service.proc.send_signal(signal.SIGTERM)
+    assert service.proc.wait(timeout=30) == 0
+    assert not service.socket.exists()
+
+
+# --- staging through it -----------------------------------------------------------------
+
+
+def test_two_users_share_one_copy(service, world):
+    """Alice stages her readable dataset through the service; Bob asks for it too and gets the
+    same path, the copy made once (its staged_at unchanged), the store staying root's."""
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    r = service.run("stage", str(src), "--json", uid=ALICE)
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout)
+    assert first["path"] == str(service.store / "ds") and first["changed"]
+    staged_at = record(service.store, "ds")["staged_at"]
+    r = service.run("stage", str(src), uid=BOB)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{service.store}/ds\n"
+    assert "is up to date" in r.stderr
+    assert record(service.store, "ds")["staged_at"] == staged_at
+    assert (service.store / "ds" / "f1").read_bytes() == (src / "f1").read_bytes()
+    assert os.stat(service.store).st_uid == 0  # the store stays the service's
+
+
+def test_output_through_the_service_is_todays(service, world):
+    """stage -q, list --json, verify, evict --dry-run, gc, metrics: the same through the
+    service as in-process (--no-service)."""
+    src = make_ds(world / "data" / "ds")
+    r = service.run("stage", str(src), "-q")
+    assert r.returncode == 0 and r.stdout == f"{service.store}/ds\n" and r.stderr == ""
+    for args in (
+        ("list",),
+        ("list", "--json"),
+        ("verify", "ds"),
+        ("verify", "ds", "--json"),
+        ("evict", "ds", "--dry-run"),
+        ("gc", "--dry-run"),
+    ):
+        via = service.run(*args)
+        here = service.run(*args, "--no-service")
+        assert (via.returncode, via.stdout, via.stderr) == (
+            here.returncode,
+            here.stdout,
+            here.stderr,
+        ), args
+    via = service.run("metrics")
+    assert via.returncode == 0 and "shmstage_" in via.stdout
+
+
+def test_a_relative_source_is_the_clients(service, world):
+    """SRC relative to the client's cwd, not the service's."""
+    make_ds(world / "data" / "rel", uid=ALICE)
+    r = service.run("stage", "rel", "-q", uid=ALICE, cwd=world / "data")
+    assert r.returncode == 0 and r.stdout == f"{service.store}/rel\n", r.stderr
+
+
+@pytest.mark.skipif(
+    not has_identity(), reason="needs shmstage.identity (issue 22, reads as the caller)"
+)
+def test_a_user_is_refused_a_source_they_cannot_read_and_nothing_is_copied(service, world):
+    src = make_ds(world / "data" / "secret", uid=ALICE)
+    src.chmod(0o700)
+    r = service.run("stage", str(src), uid=BOB)
+    assert r.returncode != 0
+    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert not (service.store / "secret").exists()
+    assert not any((service.store / ".shmstage" / "partial").glob("*"))
+
+
+def test_evict_is_the_owners_or_roots(service, world):
+    """Bob may not evict what Alice staged, nor use --force or --all; Alice may; root may."""
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    assert service.run("stage", str(src), uid=ALICE).returncode == 0
+    for args in (("evict", "ds"), ("evict", "ds", "--force"), ("evict", "--all")):
+        r = service.run(*args, uid=BOB)
+        assert r.returncode == 1 and r.stderr.startswith("Error: ") and "root" in r.stderr, args
+    assert (service.store / "ds").exists()
+    r = service.run("evict", "ds", uid=ALICE)
+    assert r.returncode == 0 and r.stdout == "evicted: ds\n", r.stderr
+    assert not (service.store / "ds").exists()
+
+
+def test_no_service_runs_in_process(service, world):
+    """--no-service: a user's stage into the root store is today's in-process refusal."""
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    service.run("stage", str(make_ds(world / "data" / "other")))  # the store exists, root's
+    r = service.run("stage", str(src), "--no-service", uid=ALICE)
+    assert r.returncode == 2 and "may not write there" in r.stderr
+    assert not (service.store / "ds").exists()
+    assert service.run("stage", str(src), uid=ALICE).returncode == 0
+
+
+def test_a_dest_of_the_users_own_runs_in_process(service, world):
+    """--dest outside the service's tiers: staged by the user, into their own directory."""
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    mine = world / "alice"
+    mine.mkdir()
+    own(mine, ALICE)
+    r = service.run("stage", str(src), "--dest", str(mine), "-q", uid=ALICE)
+    assert r.returncode == 0 and r.stdout == f"{mine}/ds\n", r.stderr
+    assert os.stat(mine / ".shmstage").st_uid == ALICE
+
+
+# --- items 7 and 8 ----------------------------------------------------------------------
+
+
+def test_stage_nodes_says_in_one_line_that_it_runs_in_process(service, world):
+    src = make_ds(world / "data" / "ds")
+    r = service.run("stage", str(src), "--nodes", "1", "--node-rank", "0", "--rendezvous",
+                    "127.0.0.1:0", "--timeout", "30")  # fmt: skip
+    line = f"note: staging with --nodes runs in this process, not through the shmstage service on {service.socket}\n"
+    assert r.stderr.startswith(line), r.stderr
+    assert r.stderr.count("through the shmstage service") == 1
+
+
+def test_a_user_on_a_root_store_with_no_service_is_told_what_to_do(world, shmstage_bin):
+    """Item 8: no service answers; a user's stage into root's store: one line, exit 2."""
+    store = world / "store"
+    root_src = make_ds(world / "data" / "a")
+    subprocess.run([*shmstage_bin, "stage", str(root_src), "--dest", str(store)], check=True,
+                   capture_output=True)  # fmt: skip
+    src = make_ds(world / "data" / "b", uid=ALICE)
+    sock = world / "run" / "none.sock"
+    r = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--dest", str(store)],
+        env={**os.environ, "SHMSTAGE_SOCKET": str(sock)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"Error: {store} is managed by root and no shmstage service answers on {sock}: ask an "
+        "admin to start it (systemctl start shmstage) or stage into a directory of your own "
+        "with --dest, e.g. --dest /dev/shm/shmstage-$USER\n"
+    )
+
+
+def test_the_client_refuses_a_socket_another_user_owns(world, shmstage_bin, procs):
+    """A socket served by Bob is not the service for Alice: one line, exit 1, nothing read."""
+    sock_dir = world / "bobs"
+    sock_dir.mkdir()
+    own(sock_dir, BOB)
+    sock = sock_dir / "s.sock"
+    fake = (
+        "import socket,os,time\n"
+        f"s=socket.socket(socket.AF_UNIX);s.bind({str(sock)!r});os.chmod({str(sock)!r},0o666)\n"
+        "s.listen(8)\nwhile True:\n c,_=s.accept();time.sleep(0.2);c.close()\n"
+    )
+    procs.start([*as_user(BOB), sys.executable, "-c", fake])
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    src = make_ds(world / "data" / "ds", uid=ALICE)
+    r = subprocess.run(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--dest", str(world / "a")],
+        env={**os.environ, "SHMSTAGE_SOCKET": str(sock)}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr == f"Error: {sock} is not the shmstage service (owned by uid {BOB})\n"
+
+
+# --- robustness ---------------------------------------------------------------------------
+
+
+def test_garbage_half_and_oversized_requests_then_a_good_client(service, world):
+    """Garbage, a wrong schema, half a line (then silence), 2 MiB without a newline and 1000
+    idle connections: each gets an error or is dropped; the service then answers a stage."""
+
+    def send(data: bytes, wait: bool = True) -> bytes:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(service.socket))
+        with contextlib.suppress(OSError):
+            s.sendall(data)
+        if not wait:
+            return b""
+        s.settimeout(30)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except OSError:
+            pass
+        s.close()
+        return out
+
+    for bad in (
+        b"\x00\xffgarbage\n",
+        b'{"v":1,"op":"rm -rf","args":{}}\n',
+        b'{"v":1,"op":"stage","args":{"src":"relative"}}\n',
+        b'{"v":1,"op":"stage","args":{"src":"/x","uid":0}}\n',
+        b'{"v":2,"op":"hello","args":{}}\n',
+        b'{"v":1,"op":"hello"',  # half a line, then nothing: the deadline
+        b"x" * (2 << 20),
+    ):
+        reply = send(bad)
+        (size,) = struct.unpack("!I", reply[:4])
+        assert size == len(reply) - 4 and b"bad request" in reply, bad[:40]
+    idle = []
+    for _ in range(1000):
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError, OSError):
+            s.connect(str(service.socket))
+        idle.append(s)
+    src = make_ds(world / "data" / "ds")
+    r = service.run("stage", str(src), "-q")
+    for s in idle:
+        s.close()
+    assert r.returncode == 0 and r.stdout == f"{service.store}/ds\n", r.stderr
+    assert service.proc.poll() is None
+
+
+def test_the_service_killed_mid_stage_then_restarted_resumes(world, shmstage_bin, procs):
+    """SIGKILL mid-copy: the client says so in one line (exit 1), nothing is published, no
+    copier is left; restarted, the same stage resumes the partial copy and publishes it whole."""
+    svc = Service(world, shmstage_bin, procs)
+    svc.start(**{copier.SLOW_ENV: "0.3"})
+    src = make_ds(world / "data" / "ds", files=12, uid=ALICE)
+    client = procs.start(
+        [*as_user(ALICE), *shmstage_bin, "stage", str(src), "--workers", "1"],
+        env=svc.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    partial = svc.store / ".shmstage" / "partial" / "ds"
+    deadline = time.monotonic() + 60
+    while len(list(partial.glob("f*"))) < 3:
+        assert client.poll() is None and time.monotonic() < deadline, client.communicate()
+        time.sleep(0.02)
+    svc.proc.kill()
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == 1 and out == ""
+    assert err == (
+        f"Error: the shmstage service on {svc.socket} closed the connection mid-request "
+        "(restarted?): run the command again; a partial copy resumes\n"
+    )
+    assert not (svc.store / "ds").exists()
+    svc.start()
+    r = svc.run("stage", str(src), "--json", uid=ALICE)
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout)
+    assert done["copied_bytes"] < done["bytes"]  # resumed: what was copied stayed
+    for f in src.iterdir():
+        assert (svc.store / "ds" / f.name).read_bytes() == f.read_bytes()
+    assert sorted(p.name for p in (svc.store / "ds").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
