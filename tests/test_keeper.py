@@ -97,10 +97,10 @@ def test_release_by_its_user_only(tmp_path, keeper, procs):
 
 @needs_setpriv
 @pytest.mark.root
-def test_hold_refuses_another_users_process_and_a_dead_one(tmp_path, keeper, procs):
+def test_hold_refuses_another_users_process_and_a_dead_one(tmp_path, open_tmp_path, keeper, procs):
     """A caller may lease for a process of their own only (root for any); a pid that is not
-    running is refused; nothing is held either way."""
-    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    running is refused; nothing is held either way.  (A store every user may read.)"""
+    src, dest = make_src(open_tmp_path / "ds"), open_tmp_path / "dest"
     stage(src, dest=dest)
     k = keeper()
     nobody_job = job(procs, *NOBODY)
@@ -273,13 +273,13 @@ def test_a_state_directory_others_may_write_is_refused(tmp_path):
         Keeper(str(state))
 
 
-def test_one_user_holds_a_bounded_number_of_leases(tmp_path, keeper, procs, monkeypatch):
+def test_one_user_holds_a_bounded_number_of_leases(open_tmp_path, keeper, procs, monkeypatch):
     """A user may not use up the service's fds with leases: past MAX_PER_USER, refused in one
     line (root is not counted); a lease that ends makes room again."""
     from shmstage.service import keeper as keeper_module
 
     monkeypatch.setattr(keeper_module, "MAX_PER_USER", 2)
-    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    src, dest = make_src(open_tmp_path / "ds"), open_tmp_path / "dest"
     stage(src, dest=dest)
     k = keeper()
     j = job(procs)
@@ -293,3 +293,32 @@ def test_one_user_holds_a_bounded_number_of_leases(tmp_path, keeper, procs, monk
     k.release(tokens[0], user)
     k.hold("ds", str(dest), j.pid, user)
     assert len(k.held()) == 3
+
+
+@needs_setpriv
+@pytest.mark.root
+def test_a_copy_the_caller_may_not_read_is_not_theirs_to_lease(open_tmp_path, keeper, procs):
+    """A user may not pin a copy they cannot read (by its name, staged path or source): the
+    refusal is the same line as for a dataset that is not staged, so it says nothing of what
+    others staged, and nothing is held.  Readable through a supplementary group: leased."""
+    src, dest = make_src(open_tmp_path / "private"), open_tmp_path / "dest"
+    stage(src, dest=dest)
+    top = find("private", dest=dest).path
+    os.chown(top, 0, 4480)
+    os.chmod(top, 0o750)
+    k = keeper()
+    j = job(procs, *NOBODY)
+    wait_for(lambda: uid_of(j.pid) != 0, "setpriv to drop")
+    nobody = Caller(uid_of(j.pid), 65534, (65534,))
+    for key in ("private", top, str(src), "nope", str(open_tmp_path / "nope")):
+        with pytest.raises(RefusedError) as e:
+            k.hold(key, str(dest), j.pid, nobody)
+        assert (
+            str(e.value)
+            == f"cannot lease {key}: it is not staged in {dest}, or you may not read it"
+        )
+    assert holders("private", dest) == () and k.held() == []
+    assert os.listdir(k.state_dir) == [] and leases.marks(Store(dest)) == []
+    in_group = Caller(nobody.uid, 65534, (65534, 4480))
+    k.hold("private", str(dest), j.pid, in_group)
+    assert [h.pid for h in holders("private", dest)] == [j.pid]

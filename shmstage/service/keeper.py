@@ -14,7 +14,9 @@ import os
 import re
 import secrets
 import select
+import shutil
 import stat
+import subprocess
 import threading
 import weakref
 from contextlib import suppress
@@ -105,7 +107,8 @@ class Keeper:
     def hold(self, name: str, dest: str, pid: int, caller: Caller) -> str:
         """Lease ``name`` (a name, a staged path or a source, as ``engine.lease``) in ``dest``
         until process ``pid`` exits; a token for :meth:`release`.  Refused (RefusedError) when
-        ``pid`` is not running or is not the caller's (root may lease for any)."""
+        ``pid`` is not running or is not the caller's (root may lease for any), and, in one
+        line for both, when ``name`` is not staged or the caller may not read the copy."""
         _same_pid_namespace(pid, caller)
         self._check_count(caller)
         try:
@@ -114,7 +117,7 @@ class Keeper:
             raise RefusedError(f"cannot lease for pid {pid}: no such process") from None
         try:
             start = leasefor.target(pid, caller.uid, pidfd)
-            held = engine.lease_for(name, dest)  # as root: last_used moves for any caller
+            held = _lease_readable(name, dest, caller)
         except BaseException:
             if pidfd is not None:
                 os.close(pidfd)
@@ -330,6 +333,43 @@ class Keeper:
         with suppress(OSError):
             self._save(h)
         return h
+
+
+def _lease_readable(name: str, dest: str, caller: Caller) -> leases.Lease:
+    """The lease on ``name`` (taken as root: last_used moves for any caller), when the caller
+    may read the copy.  A copy the caller may not read is not theirs to pin (evict and
+    make-room would have to skip it for them), and "not staged" must not differ from "not
+    yours", or the answer says what another user has staged: one line for both."""
+    refused = RefusedError(
+        f"cannot lease {name}: it is not staged in {dest}, or you may not read it"
+    )
+    try:
+        held = engine.lease_for(name, dest)
+    except ShmstageError:
+        raise refused from None
+    if not _may_read(held.store.path(held.name), caller):
+        held.close_copy()  # not a use: last_used stays as it was
+        raise refused
+    return held
+
+
+def _may_read(top: str, caller: Caller) -> bool:
+    """Whether ``caller`` may reach ``top`` and list it (root always).  Asked of the kernel by
+    a process with the caller's uid, gid and groups (access(2): every ancestor's search right,
+    ACLs): the service's own thread could take the caller's fsuid, not their groups."""
+    if caller.is_root:
+        return True
+    test = shutil.which("test") or "/usr/bin/test"
+    try:
+        done = subprocess.run(
+            [test, "-r", top, "-a", "-x", top],
+            user=caller.uid, group=caller.gid, extra_groups=list(caller.groups), env={},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _after_fork(ref: weakref.ref[Keeper]) -> None:
