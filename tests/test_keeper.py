@@ -140,9 +140,10 @@ SERVICE = textwrap.dedent(
 
 
 def test_a_restarted_keeper_takes_again_live_leases_and_drops_dead_ones(tmp_path, procs):
-    """A service killed by SIGKILL leaves its state; the next Keeper(state_dir) holds again the
-    lease of the job still running (evict names it, held by the new service) and forgets the
-    lease of the job that exited meanwhile; the old service's marks go."""
+    """A service killed by SIGKILL leaves its state and marks: while it is down, the job still
+    running keeps its lease through the mark; the next Keeper(state_dir) holds it again
+    (evict names it, held by the new service) and forgets the lease of the job that exited
+    meanwhile; the old service's marks go."""
     src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
     stage(src, dest=dest)
     state = tmp_path / "state"
@@ -156,7 +157,7 @@ def test_a_restarted_keeper_takes_again_live_leases_and_drops_dead_ones(tmp_path
     assert len(os.listdir(state)) == 2
     kill(service)  # SIGKILL: no close(), the flocks go with the process
     kill(dead)
-    assert holders("ds", dest) == ()
+    assert [(h.pid, h.via) for h in holders("ds", dest)] == [(live.pid, service.pid)]
     (state / "service.conf").write_text("not the keeper's\n")
     entries = [
         json.loads((state / e).read_text()) for e in os.listdir(state) if e.endswith(".json")
@@ -322,3 +323,40 @@ def test_a_copy_the_caller_may_not_read_is_not_theirs_to_lease(open_tmp_path, ke
     in_group = Caller(nobody.uid, 65534, (65534, 4480))
     k.hold("private", str(dest), j.pid, in_group)
     assert [h.pid for h in holders("private", dest)] == [j.pid]
+
+
+def test_a_killed_services_leases_hold_until_their_jobs_exit(tmp_path, procs):
+    """Between a SIGKILLed service and its restart, its marks are the leases: evict (no
+    --force) refuses naming the job, gc keeps the mark; when the job exits, gc removes the
+    mark and evict goes ahead.  A mark another user wrote for root's job pins nothing."""
+    from shmstage.stage import engine
+
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    live = job(procs)
+    service = procs.start(
+        [sys.executable, "-c", SERVICE, str(tmp_path / "state"), str(dest), str(live.pid)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert service.stdout.readline() == "held\n"
+    kill(service)
+    with pytest.raises(leases.InUse, match=f"^ds is in use by pid {live.pid} \\(sleep 300\\)"):
+        engine.evict_report("ds", dest=dest)
+    engine.gc(dest)
+    assert [m.owner[0] for m in leases.marks(Store(dest))] == [live.pid]
+    assert find("ds", dest=dest) is not None
+    kill(live)
+    assert holders("ds", dest) == ()
+    engine.gc(dest)
+    assert leases.marks(Store(dest)) == []
+    engine.evict_report("ds", dest=dest)
+    assert find("ds", dest=dest) is None
+
+    stage(src, dest=dest)
+    roots = job(procs)
+    gone = procs.start(["true"])
+    gone.wait(timeout=30)
+    forged = leases.mark(Store(dest), "ds", (gone.pid, 1), (roots.pid, start_time(roots.pid)))
+    os.chown(forged, 65534, 65534)
+    assert holders("ds", dest) == ()
+    engine.evict_report("ds", dest=dest)

@@ -48,9 +48,11 @@ _STATE_FILE = re.compile(r"^([0-9a-f]{32})\.json(\.\d+\.tmp)?\Z")  # <token>.jso
 #                                                 drop: unflock (touches last_used), unmark,
 #                                                 close the pidfd, remove the state file
 #
-# close() stops the thread and lets go of every flock but keeps the state files: the next
-# Keeper(state_dir) takes again each lease whose process is still the same (pid and start
-# time) and forgets the others.  A child forked by the service (a request's process)
+# close() stops the thread and lets go of every flock but keeps the state files and the
+# marks: the next Keeper(state_dir) takes again each lease whose process is still the same
+# (pid and start time) and forgets the others.  Meanwhile (the service stopped, or killed:
+# its flocks are gone) a mark of a dead holder naming a live job is a lease by itself
+# (leases.orphaned), so evict, make-room, run --cleanup and prepare still spare the data.  A child forked by the service (a request's process)
 # closes its copies of the keeper's fds at once (os.register_at_fork): a flock lives as
 # long as any fd of its open file, so a long request must not keep a released lease held.
 
@@ -232,13 +234,15 @@ class Keeper:
 
     def _let_go(self, h: _Held, *, forget: bool = True) -> None:
         h.lease.release()  # the end of a job is a use too: it touches last_used
-        leases.unmark(h.mark)
         if h.pidfd is not None:
             with suppress(OSError):
                 os.close(h.pidfd)
         if forget:
+            leases.unmark(h.mark)
             with suppress(FileNotFoundError):
                 os.unlink(self._path(h.token))
+        # else (close: the service stops): the mark stays with the state file, and keeps the
+        # lease once this process is gone until a restarted service holds it again.
 
     def _wake(self) -> None:
         with suppress(OSError):  # full (the thread will look anyway) or closed
@@ -311,11 +315,14 @@ class Keeper:
             return None  # held before a reboot: a pid and start time may name another now
         old = data.get("mark")
         mine = isinstance(old, str) and os.path.dirname(old) == Store(dest).lease_dir
-        if mine and os.path.basename(old).startswith(f".{name}@"):
-            leases.unmark(old)  # the previous service's: its pid is gone
+        if not (mine and os.path.basename(old).startswith(f".{name}@")):
+            old = None
+        # The previous service's mark kept the lease while no service ran (leases.orphaned);
+        # it goes once this keeper holds the flock and its own mark, or the job is gone.
         try:
             pidfd = leasefor.pidfd_of(pid)
         except OSError:
+            leases.unmark(old)
             return None  # exited
         same = start_time(pid) == start and (
             not leasefor.exited(pidfd) if pidfd is not None else running(pid, start)
@@ -327,9 +334,12 @@ class Keeper:
         except (ShmstageError, OSError):  # its process is gone, or the dataset is
             if pidfd is not None:
                 os.close(pidfd)
+            leases.unmark(old)
             return None
         h = _Held(token, pid, start, uid, pidfd, held)
         h.mark = leases.mark(held.store, held.name, self._me, (pid, start))
+        if old != h.mark:
+            leases.unmark(old)
         with suppress(OSError):
             self._save(h)
         return h
