@@ -236,12 +236,7 @@ def _store_tmpfs(config: NodeConfig, dry_run: bool, sys_root: str) -> tuple[str,
 
     mpol = mpol_for(system.numa(sys_root))
     plan = plan_store_mount(
-        store.size,
-        store.path,
-        mode=store.mode,
-        mpol=mpol,
-        fstab=store.fstab,
-        shm=config.shm.path,
+        store.size, store.path, mode=store.mode, mpol=mpol, fstab=store.fstab, shm=config.shm.path
     )
     options = f"size={plan.size_option},mode={plan.mode}" + (f",mpol={mpol}" if mpol else "")
     if not plan.changed:
