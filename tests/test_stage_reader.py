@@ -385,3 +385,29 @@ def test_an_acl_that_shuts_the_reader_out_of_one_file_among_alike_ones_is_seen(w
         f"you cannot read {src}/a/shut at the source (Permission denied): nothing staged",
     )
     nothing_staged(dest, "src")
+
+
+def test_a_reader_cannot_replace_another_users_copy_by_name_or_force(world):
+    """alice stages her src as "shared"; bob (who can read his own, other source) staging it under
+    that name is refused, with --force too, naming alice's copy; the copy stays alice's data.
+    bob may not --force a restage of alice's copy of alice's source either; alice may."""
+    alice = Caller(ALICE, ALICE, ())
+    mine = world / "bobs"
+    mine.mkdir()
+    (mine / "f").write_bytes(b"bob-data")
+    own(mine, BOB)
+    dest = world / "dest"
+    assert stage_as(alice, world / "src", dest, name="shared")[1] is True
+    refused = (
+        "error",
+        "RefusedError",
+        f"shared is uid {ALICE}'s copy of {world}/src: only they or root may replace it; "
+        f"stage {mine} under another --name",
+    )
+    assert stage_as(BOB_ALONE, mine, dest, name="shared") == refused
+    assert stage_as(BOB_ALONE, mine, dest, name="shared", force=True) == refused
+    assert sorted(os.listdir(dest / "shared")) == ["a"]
+    out = stage_as(BOB_ALONE, world / "src", dest, name="shared", force=True)
+    assert out[:2] == ("error", "RefusedError") and "only they or root" in out[2], out
+    assert stage_as(BOB_ALONE, world / "src", dest, name="shared")[1] is False  # using it is fine
+    assert stage_as(alice, world / "src", dest, name="shared", force=True)[1] is True

@@ -3,21 +3,24 @@ the stage read, the permission classes its source path denies cleared (store/acc
 and a reader who proved they can read the source (the node service's caller) let in.
 
 staging.py calls it when it publishes a directory or an archive, and again each time it
-finds the copy current: a path may have opened or closed since.
+finds the copy current: a path may have opened or closed since; and, before a stage would
+replace a copy, asks it whether this reader may (``check_replace``).
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from contextlib import suppress
 from typing import Any
 
+from shmstage.errors import RefusedError
 from shmstage.identity import Caller, reading_as
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.beneath import SOURCE_TOP, ident, join_ident, split_ident
 from shmstage.stage.store import access
-from shmstage.stage.store.layout import Store
+from shmstage.stage.store.layout import Record, Store
 
 
 def restrict_new(part: str, source: str, kind: str, src: Source, reader: Caller | None) -> None:
@@ -89,3 +92,29 @@ def checked_top(
             not archive or [top.st_size, top.st_mtime_ns, top.st_ino] == list(archive)
         )
     return top if same else None
+
+
+def check_replace(
+    store: Store, record: Record, source: str, force: bool, reader: Caller | None
+) -> None:
+    """A non-root reader may not replace someone else's copy: neither of another source
+    (a name collision) nor by ``--force``.  The engine checks it itself: whatever calls it
+    (the service, a loader) need not."""
+    if reader is None or reader.is_root or (record.source == source and not force):
+        return
+    try:
+        owner = os.lstat(store.path(record.name)).st_uid
+    except OSError:
+        return  # nothing published to replace
+    if owner != reader.uid:
+        raise RefusedError(
+            f"{record.name} is {user_name(owner)}'s copy of {record.source}: only they or root "
+            f"may replace it; stage {source} under another --name"
+        )
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
