@@ -351,7 +351,8 @@ def grant(name: str, dest: str | os.PathLike[str] | None, uid: int) -> None:
     if store is None or store.published(name) is None:
         raise ShmstageError(f"{name} is not staged in {joined(tiers)} (see `shmstage list`)")
     with store.lock(name, shared=True):
-        access.grant(store.path(name), uid)
+        if access.grant(store.path(name), uid):
+            store.share_bookkeeping(name)  # its manifest and record too
 
 
 def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> GcReport:

@@ -408,6 +408,7 @@ def _kill_at(step: str) -> None:
 def _publish(store: Store, name: str, new: Record, marker: str) -> None:
     """Publish partial/<name> as ``new`` (see NOTE [publish])."""
     leases.ensure_file(store, name)  # before readers can see it: a reader may not write DEST
+    store.share_bookkeeping(name, store.partial(name))  # the manifest: as the new copy's top
     store.write_next(new)
     _kill_at("record")
     old = store.publish(name)

@@ -59,6 +59,8 @@ def recheck(
             checked_top(source, kind, manifest, (manifest or {}).get("archive"), reader),
         )
     let_in(store.path(name), reader)
+    with suppress(OSError):  # its manifest and record: read by who may list the top now
+        store.share_bookkeeping(name)
 
 
 def let_in(root: str, reader: Caller | None) -> None:
@@ -111,6 +113,17 @@ def check_replace(
             f"{record.name} is {user_name(owner)}'s copy of {record.source}: only they or root "
             f"may replace it; stage {source} under another --name"
         )
+
+
+def may_list(top: str, reader: Caller) -> bool:
+    """Whether ``reader`` may list and pass through ``top``, as the kernel judges it."""
+    try:
+        with reading_as(reader):
+            os.stat(os.path.join(top, "."))  # search (x)
+            os.close(os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except OSError:
+        return False
+    return True
 
 
 def user_name(uid: int) -> str:
