@@ -220,6 +220,8 @@ def _stage_locked(
     clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
+    if record is not None and record.source == source:
+        topaccess.check_shared(store.path(name), name, source, reader, share)
     if record is not None:
         topaccess.check_replace(store, record, source, force, reader)
     if record is not None and record.source != source and not force:
@@ -356,6 +358,7 @@ def restage_need(
     record = store.published(check_name(name))
     if record is None:
         return None
+    topaccess.check_shared(store.path(name), name, record.source, reader)
     if record.source != source and not force:  # stage's own refusal
         raise RefusedError(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "

@@ -16,7 +16,7 @@ from contextlib import suppress
 from typing import Any
 
 from shmstage.errors import RefusedError
-from shmstage.identity import Caller, reading_as
+from shmstage.identity import Caller, Share, reading_as
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.beneath import SOURCE_TOP, ident, join_ident, split_ident
 from shmstage.stage.store import access
@@ -113,6 +113,30 @@ def check_replace(
             f"{record.name} is {user_name(owner)}'s copy of {record.source}: only they or root "
             f"may replace it; stage {source} under another --name"
         )
+
+
+def check_shared(
+    top: str, name: str, source: str, reader: Caller | None, share: Share | None = None
+) -> None:
+    """An object-store copy is its stager's alone unless the node config shares it: another
+    reader who may not list it (and whom ``share`` does not name) is refused, instead of being
+    handed a path they cannot read.  Their own keys do not matter: the copy is not theirs."""
+    if reader is None or reader.is_root or "://" not in source:
+        return
+    if share is not None and (
+        share.everyone or (share.gid is not None and share.gid in (reader.gid, *reader.groups))
+    ):
+        return  # the stage re-shares the copy as the config says now
+    try:
+        owner = os.lstat(top).st_uid
+    except OSError:
+        return
+    if owner == reader.uid or may_list(top, reader):
+        return
+    raise RefusedError(
+        f"{name} is {user_name(owner)}'s copy of {source}; it is not shared with you: ask an "
+        "admin to add it to shares: in the node config, or stage it under another --name"
+    )
 
 
 def may_list(top: str, reader: Caller) -> bool:
