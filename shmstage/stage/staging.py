@@ -220,6 +220,10 @@ def _stage_locked(
     clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
+    if record is not None and record.source == source:
+        topaccess.check_shared(store.path(name), name, source, reader, share)
+    if record is not None:
+        topaccess.check_replace(store, record, source, force, reader)
     if record is not None and record.source != source and not force:
         raise RefusedError(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
@@ -354,6 +358,7 @@ def restage_need(
     record = store.published(check_name(name))
     if record is None:
         return None
+    topaccess.check_shared(store.path(name), name, record.source, reader)
     if record.source != source and not force:  # stage's own refusal
         raise RefusedError(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
@@ -406,6 +411,7 @@ def _kill_at(step: str) -> None:
 def _publish(store: Store, name: str, new: Record, marker: str) -> None:
     """Publish partial/<name> as ``new`` (see NOTE [publish])."""
     leases.ensure_file(store, name)  # before readers can see it: a reader may not write DEST
+    store.share_bookkeeping(name, store.partial(name))  # the manifest: as the new copy's top
     store.write_next(new)
     _kill_at("record")
     old = store.publish(name)
