@@ -94,7 +94,7 @@ class Service:
         who = as_user(uid) if uid is not None else []
         return subprocess.run(
             [*who, *self.bin, *args], env={**self.env, **kw.pop("env", {})},
-            capture_output=True, text=True, timeout=120, **kw,
+            capture_output=True, text=True, timeout=kw.pop("timeout", 120), **kw,
         )  # fmt: skip
 
 

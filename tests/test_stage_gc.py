@@ -36,8 +36,10 @@ def make_src(root: Path, files: int = 4, tag: bytes = b"") -> Path:
 
 
 def skeleton(dest: Path) -> list[str]:
-    # counters.json: the metrics' persistent counters (stage/counters.py), kept on purpose
-    return sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.name != "counters.json")
+    # counters.json: the metrics' persistent counters (stage/counters.py), kept on purpose, and
+    # the store-wide locks (locks/.counters, reservations/.fitting), which are the store's
+    kept = {"counters.json", ".counters", ".fitting"}
+    return sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.name not in kept)
 
 
 EMPTY = [

@@ -9,6 +9,8 @@ Layout under DEST (default /dev/shm/shmstage, ``$SHMSTAGE_DEST`` overrides)::
                                           last_used, inode of DEST/<name>
     DEST/.shmstage/manifests/<name>.json  every entry (path, kind, size, mtime_ns, mode, link)
     DEST/.shmstage/locks/<name>.lock      flock held while staging or evicting <name>
+                                          (locks/, reservations/, placing/: 0700 in a store
+                                          root owns, see store.checks.lock_dir_mode)
     DEST/.shmstage/partial/<name>/        the next version being built (0700; resumed after
                                           a crash, removed on any handled failure)
     DEST/.shmstage/trash/                 old versions on their way out

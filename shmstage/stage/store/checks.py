@@ -66,6 +66,29 @@ def mkdir_checked(path: str, mode: int) -> None:
     check_dir(path, "bookkeeping directory")
 
 
+def lock_dir_mode(book: str) -> int:
+    """The mode of a directory of locks that stagers wait on, in the store whose bookkeeping
+    directory is ``book``: 0700 in a store root owns (a user who could open a lock there could
+    flock it and hang every stage), 0755 in a user's own store (its readers lock there)."""
+    try:
+        owner = os.lstat(book).st_uid
+    except OSError:
+        owner = os.geteuid()  # about to be made by us
+    return 0o700 if owner == 0 else 0o755
+
+
+def lock_dir_checked(path: str, mode: int) -> None:
+    """:func:`mkdir_checked`, and a directory of ours made open by an earlier version closed to
+    ``mode``."""
+    mkdir_checked(path, mode)
+    try:
+        st = os.lstat(path)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & ~mode:
+            os.chmod(path, mode)
+    except OSError as e:
+        raise os_error(e, f"cannot close {path}") from None
+
+
 def makedirs_checked(path: str) -> None:
     if os.path.lexists(path):
         return

@@ -1,7 +1,7 @@
 """Persistent counters of one DEST (a tier): stage hits and misses, bytes copied, evictions.
 
 They live in ``DEST/.shmstage/counters.json`` and survive restarts, so Prometheus sees
-monotonic counters.  Every update is a read-modify-write under a flock of ``DEST/.shmstage`` and
+monotonic counters.  Every update is a read-modify-write under a flock of ``locks/.counters`` and
 lands by atomic rename, so concurrent stagers never lose an increment and a reader never
 sees half a file.  Best effort: a caller that may not write DEST counts nothing.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from shmstage.stage.store.layout import Store
 
 FILENAME = "counters.json"
+LOCKNAME = ".counters"  # DEST/.shmstage/locks/.counters: held while updating them
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,16 @@ def add(dest: str | os.PathLike[str], **increments: int) -> None:
         return
     if not os.access(book, os.W_OK):
         return  # a reader who may not write DEST
-    # The bookkeeping directory itself is the lock: no extra file to leave behind.
-    lock = os.open(book, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # A file only the store's owner may open (not DEST/.shmstage itself, which anyone may
+    # open and flock: every stager would wait on them for ever).
+    try:
+        lock = os.open(
+            os.path.join(book, "locks", LOCKNAME),
+            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+    except OSError:
+        return  # best effort: no locks/ directory (yet), or a full tmpfs
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         now = read(dest).__dict__

@@ -27,6 +27,8 @@ from shmstage.stage.store import access
 from shmstage.stage.store.checks import (
     check_dir,
     check_owner,
+    lock_dir_checked,
+    lock_dir_mode,
     makedirs_checked,
     mkdir_checked,
     os_error,
@@ -104,17 +106,23 @@ class Store:
         check_dir(self.dest, "destination", shared_ok=True)
         if not create and not os.path.lexists(self.book):
             return self
+        # Locks every stager waits on (locks/, reservations/, placing/; counters' and the fit
+        # check's): in root's store only root may open one, so no user can flock one and hang
+        # every stage.  Readers there take none (lock_file); leases/ stays open (leases.py).
+        locks = lock_dir_mode(self.book)
         for path, mode in (
             (self.book, 0o755),
             (self.meta_dir, 0o755),
             (self.manifest_dir, 0o755),
-            (self.lock_dir, 0o755),
+            (self.lock_dir, locks),
             (self.partial_dir, 0o700),
             (self.trash_dir, 0o700),
             (self.lease_dir, 0o755),
-            (self.reservation_dir, 0o755),
+            (self.reservation_dir, locks),
         ):
-            if create:
+            if create and mode == 0o700:
+                lock_dir_checked(path, mode)
+            elif create:
                 mkdir_checked(path, mode)
             elif os.path.lexists(path):
                 check_dir(path, "bookkeeping directory")
@@ -209,10 +217,9 @@ class Store:
             yield
             return
         try:
-            with suppress(FileExistsError):
-                os.mkdir(where, 0o755)
-        except OSError as e:
-            raise ShmstageError(f"cannot lock {name} in {where}: {e.strerror}") from None
+            lock_dir_checked(where, lock_dir_mode(self.book))
+        except ShmstageError as e:
+            raise ShmstageError(f"cannot lock {name}: {e}") from None
         with lock_file(
             self.placing_path(name),
             on_wait=on_wait,
@@ -277,7 +284,8 @@ class Store:
         """Give ``name``'s manifests and record the access of its copy's top (``top``: the
         one about to be published), after that top's mode or ACL changed."""
         want = access.bookkeeping_access(self.path(name) if top is None else top)
-        paths = [self.new_manifest_path(name)]
+        # The lease file too: only who may read the copy may lease it (leases.ensure_file).
+        paths = [self.new_manifest_path(name), self.lease_path(name)]
         if top is None:
             paths += [self.manifest_path(name), self.meta_path(name)]
         for path in paths:
@@ -289,6 +297,9 @@ class Store:
                 access.share_like(fd, want)
             finally:
                 os.close(fd)
+
+    def lease_path(self, name: str) -> str:
+        return os.path.join(self.lease_dir, name + ".lease")
 
     def new_manifest_path(self, name: str) -> str:
         return os.path.join(self.manifest_dir, f".{name}.json.new")

@@ -15,11 +15,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
+from shmstage.stage.store import access
 from shmstage.stage.store.checks import check_owner, mkdir_checked
 from shmstage.stage.store.datasets import dataset_of
 from shmstage.stage.store.layout import Store
@@ -67,7 +69,7 @@ def _one(h: Holder) -> str:
 
 
 def lease_path(store: Store, name: str) -> str:
-    return os.path.join(store.lease_dir, name + ".lease")
+    return store.lease_path(name)
 
 
 def _open(path: str, *, create: bool) -> int | None:
@@ -75,11 +77,21 @@ def _open(path: str, *, create: bool) -> int | None:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     if create:
         try:
-            return os.open(path, flags | os.O_CREAT, 0o644)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
         except PermissionError:
             pass  # a reader that may not write DEST: the store created the file at publish
         except FileNotFoundError:
             return None  # no leases/ directory (a store from before leases)
+        else:
+            # Made 0600; then as the copy's top, like its manifest: only who may read the
+            # copy may open it, so lease it (share_bookkeeping keeps it so at a restage).
+            dest = os.path.dirname(os.path.dirname(os.path.dirname(path)))  # DEST/.shmstage/leases/
+            top = os.path.join(dest, os.path.basename(path).removesuffix(".lease"))
+            with suppress(OSError):  # else 0600: the owner's alone until a publish shares it
+                access.share_like(fd, access.bookkeeping_access(top))
+            return fd
     try:
         return os.open(path, flags)
     except FileNotFoundError:
@@ -89,7 +101,8 @@ def _open(path: str, *, create: bool) -> int | None:
 
 
 def ensure_file(store: Store, name: str) -> None:
-    """Create the lease file (0644) so readers who cannot write DEST can lease it."""
+    """Create the lease file, with its copy's access, so readers who cannot write DEST (and
+    may read the copy) can lease it."""
     if not os.path.isdir(store.lease_dir):  # a store from before leases
         with suppress(ShmstageError):
             mkdir_checked(store.lease_dir, 0o755)
@@ -174,7 +187,7 @@ def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
         try:
             st = os.fstat(fd)
             check_owner(path, st)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # blocks only while an evict is removing it
+            _lock_shared(fd, name, path)
             try:
                 now = os.lstat(path)
             except FileNotFoundError:
@@ -189,6 +202,31 @@ def acquire(name: str, dest: str | os.PathLike[str] | None = None) -> Lease:
             os.close(fd)
             raise
         return Lease(store, name, fd, dataset_of(store.touch(record), store))
+
+
+LEASE_WAIT = 30.0  # seconds a lease waits for an exclusive hold (an evict's) to end
+
+
+def _lock_shared(fd: int, name: str, path: str) -> None:
+    """LOCK_SH on the lease file.  Exclusive holds are an evict's, only while it removes the
+    copy; anyone who may read the copy may open this file, so a hold that outlasts
+    LEASE_WAIT is refused with who holds it rather than waited on for ever."""
+    deadline = time.monotonic() + LEASE_WAIT
+    pause = 0.01
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                st = os.fstat(fd)
+                raise RefusedError(
+                    f"cannot lease {name}: {path} has been held exclusively for "
+                    f"{LEASE_WAIT:.0f} s by {describe(holders_of(st.st_dev, st.st_ino))}; "
+                    "try again once it lets go"
+                ) from None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def locate(path_or_name: str | os.PathLike[str]) -> tuple[str, str] | None:

@@ -3,7 +3,7 @@ both pass the fit check and then run the destination (and its reserve) out of sp
 
 Each live stager holds ``DEST/.shmstage/reservations/<name>``, flocked for as long as it
 runs, holding the bytes it still has to write (lowered as the copy proceeds).  The fit
-check runs under a flock of the ``reservations/`` directory itself and takes the live others' outstanding bytes off
+check runs under a flock of ``reservations/.fitting`` (owner only) and takes the live others' outstanding bytes off
 the free space.  A stager that dies loses its flock with its life, so its file no longer
 counts (``gc`` removes the file later).  Reservations are per DEST: two
 DESTs on one tmpfs do not see each other's (docs/staging.md).
@@ -19,8 +19,10 @@ from collections.abc import Callable
 from types import TracebackType
 
 from shmstage.errors import ShmstageError
+from shmstage.stage.store.checks import lock_dir_checked, lock_dir_mode
 
-DIRNAME = "reservations"
+DIRNAME = "reservations"  # 0700 in root's store: see checks.lock_dir_mode
+FITTING = ".fitting"  # reservations/.fitting: the store-wide lock of the fit check
 _WIDTH = 20  # fixed-width numbers: one pwrite replaces the whole value
 _UPDATE_EVERY = 16 << 20  # rewrite the outstanding bytes after this many were written
 
@@ -29,6 +31,7 @@ class Claim:
     """This stager's reservation (a context manager; enter it under the dataset's lock)."""
 
     def __init__(self, book: str, name: str) -> None:
+        self.book = book
         self.dir = os.path.join(book, DIRNAME)
         self.path = os.path.join(self.dir, name)
         self.fd = -1
@@ -40,8 +43,7 @@ class Claim:
 
     def _create(self) -> None:
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.dir, 0o755)
+            lock_dir_checked(self.dir, lock_dir_mode(self.book))
             self.fd = os.open(
                 self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
             )
@@ -70,8 +72,12 @@ class Claim:
         next to what the live others still have to write), then claim ``needed`` bytes."""
         if self.fd < 0:
             self._create()
-        # The directory is the store-wide lock: no extra file to leave behind.
-        lock = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # A file only the store's owner may open: the directory itself anyone could flock.
+        where = os.path.join(self.dir, FITTING)
+        try:
+            lock = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise ShmstageError(f"cannot lock {where}: {e.strerror}") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             check(self._others())
@@ -119,7 +125,7 @@ def _outstanding(directory: str, skip: str | None = None) -> int:
         return 0
     for n in names:
         path = os.path.join(directory, n)
-        if path == skip:
+        if path == skip or n.startswith("."):  # .fitting: the lock, no claim
             continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
