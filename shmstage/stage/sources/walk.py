@@ -232,12 +232,14 @@ class Walker:
         self.check_links = check_links
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
-        self.real_root = os.path.realpath(root)
         # each symlink's target as the copy will store it, as the walk read it: whether one
         # climbs out is judged on these once the walk ended, never by a live lookup (which
         # the tree's owner could race: a link flipped after the check, before its listing)
         self._links: dict[str, str] = {}
         reader = top.reader if top is not None else None
+        self._reader = reader
+        with reading_as(reader):  # resolved as the reader: what root alone may see stays unseen
+            self.real_root = os.path.realpath(root)
         try:
             st = os.fstat(top.fd) if top is not None else os.lstat(root)
         except OSError as e:
@@ -365,7 +367,10 @@ class Walker:
                 path = os.path.join(self.root, rel)
                 target = link if isinstance(link, str) else ""
                 if self.check_links:
-                    stored = link_target(self.root, self.real_root, rel, target)
+                    # realpath as the reader: resolved as root, whether a link through a
+                    # directory only root may search is accepted tells what is behind it
+                    with reading_as(self._reader):
+                        stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
                         raise RefusedError(
                             f"source has a symlink that points outside it: {path} -> {target}; "

@@ -1,0 +1,69 @@
+"""POSIX ACLs and who reads a copy: named entries of the source (a deny, a share) mean in
+the copy what they meant at the source; an ancestor's ACL or "negative" bits close the
+copy's top; a source's symlinks are resolved as the reader.  Real tmpfs, real users."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from shmstage.identity import Caller
+from tests.test_stage_reader import ALICE, BOB, CAROL, can_read, own, stage_as
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
+]
+
+MALLORY = 4375
+INTERNS = 4381
+INTERN = 4376  # a member of INTERNS only
+ALICE_ALONE = Caller(ALICE, ALICE, ())
+
+
+def set_acl(path: Path | str, mode: int, users=(), groups=(), default: bool = False) -> None:
+    """An ACL on ``path``: ``mode``'s classes plus named ``users``/``groups`` ([(id, perm)]),
+    mask rwx; the default ACL of a directory with ``default``."""
+    ents = [(0x01, mode >> 6 & 7, 0xFFFFFFFF)]
+    ents += [(0x02, p, u) for u, p in sorted(users)]
+    ents += [(0x04, mode >> 3 & 7, 0xFFFFFFFF)]
+    ents += [(0x08, p, g) for g, p in sorted(groups)]
+    ents += [(0x10, 7, 0xFFFFFFFF), (0x20, mode & 7, 0xFFFFFFFF)]
+    raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in ents)
+    name = "system.posix_acl_default" if default else "system.posix_acl_access"
+    os.setxattr(path, name, raw, follow_symlinks=False)
+
+
+@pytest.fixture
+def base(open_tmpfs) -> Path:
+    top = open_tmpfs("32M")
+    top.chmod(0o755)
+    return top
+
+
+def test_a_link_through_a_directory_the_reader_cannot_search_tells_nothing(base):
+    """mallory's source holds an absolute link through alice's 0700 home: whether ``cur`` in
+    it is a symlink (it is) or not there at all, her stage gets the same answer."""
+    home = base / "alice"
+    (home / "a" / "b").mkdir(parents=True)
+    os.symlink(home / "a" / "b", home / "cur")
+    home.chmod(0o700)
+    own(home, ALICE)
+    src = base / "m" / "src"
+    src.mkdir(parents=True)
+    (src / "f").write_bytes(b"x")
+    own(base / "m", MALLORY)
+    outcomes = []
+    for i, guess in enumerate(("cur", "nothere")):
+        link = src / "probe"
+        if os.path.lexists(link):
+            link.unlink()
+        os.symlink(f"{home}/{guess}/../../../m/src/f", link)
+        os.lchown(link, MALLORY, MALLORY)
+        out = stage_as(Caller(MALLORY, MALLORY, ()), src, base / "dest", name=f"p{i}")
+        outcomes.append(out[:2] if out[0] == "error" else "staged")
+    assert outcomes[0] == outcomes[1] == ("error", "RefusedError"), outcomes
