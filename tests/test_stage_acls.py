@@ -67,3 +67,52 @@ def test_a_link_through_a_directory_the_reader_cannot_search_tells_nothing(base)
         out = stage_as(Caller(MALLORY, MALLORY, ()), src, base / "dest", name=f"p{i}")
         outcomes.append(out[:2] if out[0] == "error" else "staged")
     assert outcomes[0] == outcomes[1] == ("error", "RefusedError"), outcomes
+
+
+def test_an_ancestor_acl_that_shuts_a_user_out_closes_the_copy_top(base):
+    """proj/ (0755) carries ``user:mallory:---``: mallory cannot reach proj/data at the
+    source, so the copy's top is closed to group and other (owner only)."""
+    proj = base / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "data" / "f").write_bytes(b"SECRET")
+    (proj / "data" / "f").chmod(0o644)
+    set_acl(proj, 0o755, users=[(MALLORY, 0)])
+    own(proj, ALICE)
+    assert not can_read(MALLORY, proj / "data" / "f") and can_read(CAROL, proj / "data" / "f")
+    path, _ = stage_as(ALICE_ALONE, proj / "data", base / "dest")
+    assert os.stat(path).st_mode & 0o077 == 0
+    assert not can_read(MALLORY, Path(path) / "f")
+    assert can_read(ALICE, Path(path) / "f")
+
+
+def test_an_ancestor_with_negative_group_bits_closes_the_copy_top(base):
+    """proj/ is 0705, group INTERNS: an intern may not pass though others may; the copy's
+    "other" class would be the interns too, so the copy's top is owner-only."""
+    proj = base / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "data" / "f").write_bytes(b"SECRET")
+    (proj / "data" / "f").chmod(0o644)
+    own(proj, ALICE)
+    os.chown(proj, ALICE, INTERNS)
+    proj.chmod(0o705)
+    assert not can_read(INTERN, proj / "data" / "f", INTERNS)
+    assert can_read(CAROL, proj / "data" / "f")
+    path, _ = stage_as(ALICE_ALONE, proj / "data", base / "dest")
+    assert os.stat(path).st_mode & 0o077 == 0
+    assert not can_read(INTERN, Path(path) / "f", INTERNS)
+    assert can_read(ALICE, Path(path) / "f")
+
+
+def test_a_reader_an_ancestor_acl_lets_in_is_let_into_the_closed_top(base):
+    """proj/ is 0700 plus ``user:bob:r-x``: bob's own stage is handed the copy and reads
+    it (the grant); carol is refused at the source and cannot read the copy."""
+    proj = base / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "data" / "f").write_bytes(b"SHARED")
+    (proj / "data" / "f").chmod(0o644)
+    set_acl(proj, 0o700, users=[(BOB, 5)])
+    own(proj, ALICE)
+    path, _ = stage_as(ALICE_ALONE, proj / "data", base / "dest")
+    assert stage_as(Caller(BOB, BOB, ()), proj / "data", base / "dest") == (path, False)
+    assert can_read(BOB, Path(path) / "f")
+    assert not can_read(CAROL, Path(path) / "f")
