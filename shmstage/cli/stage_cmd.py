@@ -18,7 +18,6 @@ from shmstage.stage import (
     Plan,
     Progress,
     check_lease_for,
-    lease_until,
     summary,
 )
 from shmstage.stage.cache.tiers import refusal
@@ -232,7 +231,7 @@ def stage_cmd(
         if bar is not None:
             bar.close()
     if lease_for is not None:
-        lease_until(ds.path, ds.tier, lease_for)
+        api.lease_until(ds.name, ds.tier, lease_for, service=not no_service)
     if as_json:
         click.echo(dumps(ds))
         return

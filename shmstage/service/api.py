@@ -144,6 +144,17 @@ def find(
     return conn.call("find", {"key": key, "dest": _dest_arg(dest), "credentials": credentials()})
 
 
+def lease_until(name: str, dest: str | os.PathLike[str], pid: int, *, service: bool = True) -> None:
+    """Hold a lease on staged dataset ``name`` in tier ``dest`` until process ``pid`` exits:
+    the service's keeper (by pidfd, kept across its restarts) when it answers, else a
+    detached holder of this user's (:func:`shmstage.stage.engine.lease_until`)."""
+    conn = service_for(dest, service)
+    if conn is None:
+        engine.lease_until(os.path.join(os.fspath(dest), name), dest, pid)
+        return
+    conn.call("lease", {"key": name, "dest": _dest_arg(dest), "pid": pid})
+
+
 def list_staged(
     dest: str | os.PathLike[str] | None = None, *, unfinished: bool = False, service: bool = True
 ) -> Any:

@@ -6,6 +6,7 @@ engine publishes as root), and the few rules of who may remove what.
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -128,8 +129,17 @@ def _may_replace(dest: str, name: str | None, src: str, caller: Caller) -> None:
     owner = owner_of(dest, name)
     if owner is not None and owner != caller.uid:
         raise PermissionDenied(
-            f"--force would replace {name}, which uid {owner} staged: only they or root may"
+            f"--force would replace {name}, whose copy belongs to {user_name(owner)}: only "
+            "that user or root may replace it"
         )
+
+
+def user_name(uid: int) -> str:
+    """``alice (uid 1000)``, or ``uid 1000`` when the name is unknown."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 # --- the ops ------------------------------------------------------------------------------
@@ -235,7 +245,7 @@ def op_evict(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
         owner = owner_of(dest, name)
         if owner is not None and owner != caller.uid:
             raise PermissionDenied(
-                f"{name} was staged by uid {owner}: only they or root may evict it"
+                f"{name}'s copy belongs to {user_name(owner)}: only that user or root may evict it"
             )
     return engine.evict_report(
         name,

@@ -1,0 +1,109 @@
+"""Issue 22 through a real `shmstage serve`: the symlink-swap attack of the trust issue made
+against the service (it must never copy what the user cannot read), and `stage --lease-for $$`
+held by the service's keeper until the shell exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_service import ALICE, Service, as_user, make_ds, own
+
+pytestmark = pytest.mark.root
+
+SECRET = b"TOP-SECRET-" * 1000
+
+
+def _holds_secret(root: Path) -> list[str]:
+    found = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            try:
+                with open(p, "rb") as fh:
+                    if SECRET[:22] in fh.read():
+                        found.append(p)
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture
+def service(open_tmpfs, shmstage_bin, procs):
+    svc = Service(open_tmpfs("256M"), shmstage_bin, procs)
+    svc.start()
+    yield svc
+    if svc.proc is not None and svc.proc.poll() is None:
+        svc.proc.terminate()
+        svc.proc.wait(timeout=30)
+
+
+def test_a_symlink_swapped_in_during_a_stage_through_the_service_copies_nothing_secret(
+    service, procs
+):
+    """Alice owns src/d and keeps swapping it for a symlink to a 0700 root directory holding a
+    world-readable file of the same name while she stages src through the service, again and
+    again; whatever each stage does, no byte of the secret is ever in the store."""
+    vault = service.world / "vault"
+    vault.mkdir(mode=0o700)
+    (vault / "x.bin").write_bytes(SECRET)
+    (vault / "x.bin").chmod(0o644)
+    src = service.world / "src"
+    make_ds(src / "d", files=64, size=4096)
+    (src / "d" / "x.bin").write_bytes(b"alice's own bytes")
+    own(src, ALICE)
+    flip = (
+        "import os,sys\n"
+        "src, vault = sys.argv[1], sys.argv[2]\n"
+        "d, real = os.path.join(src, 'd'), os.path.join(src, 'd.real')\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.rename(d, real); os.symlink(vault, d)\n"
+        "        os.unlink(d); os.rename(real, d)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    flipper = procs.start([*as_user(ALICE), "--", sys.executable, "-c", flip, str(src), str(vault)])
+    outcomes = set()
+    try:
+        for i in range(12):
+            r = service.run("stage", str(src), "--name", f"s{i}", "-q", uid=ALICE)
+            outcomes.add(r.returncode)
+            assert "Traceback" not in r.stderr, r.stderr
+            assert not _holds_secret(service.store), (i, _holds_secret(service.store))
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert outcomes <= {0, 1, 2}, outcomes  # staged her own bytes, or refused in one line
+
+
+def test_lease_for_the_shell_is_held_by_the_service_until_the_shell_exits(service, procs):
+    """`D=$(shmstage stage SRC --lease-for $$ -q)` through the service: the keeper holds the
+    lease for the shell (evict is refused, naming it) and lets go when the shell exits."""
+    src = make_ds(service.world / "data")
+    script = 'D=$("$@" stage "$SRC" --lease-for $$ -q) || exit 9; echo "$D"; exec sleep 300'
+    shell = procs.start(
+        ["bash", "-c", script, "bash", *service.bin],
+        env={**service.env, "SRC": str(src)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    line = shell.stdout.readline().strip()
+    assert line == str(service.store / "data"), line
+    r = service.run("evict", "data")
+    assert r.returncode == 2 and f"pid {shell.pid}" in r.stderr, r.stderr
+    # held for the shell by the service itself (its keeper), not by a holder of the user's
+    assert f"held for it by shmstage (pid {service.proc.pid})" in r.stderr, r.stderr
+    assert (service.store / "data").is_dir()
+    shell.kill()
+    shell.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        r = service.run("evict", "data")
+        if r.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.returncode == 0 and not (service.store / "data").exists(), r.stderr
