@@ -137,6 +137,20 @@ def edit_fstab(
     return text + f"tmpfs {system.escape_mount_field(mountpoint)} tmpfs {opts} 0 0\n"
 
 
+def has_tmpfs_line(text: str, mountpoint: str) -> bool:
+    """Whether fstab ``text`` mounts a tmpfs at ``mountpoint`` (also through a symlink)."""
+    for line in text.split("\n"):
+        body = line.strip()
+        if not body or body.startswith("#"):
+            continue
+        fields = body.split()
+        if len(fields) < 3 or fields[2] != "tmpfs":
+            continue
+        if _same_mountpoint(system.unescape_mount_field(fields[1]), mountpoint):
+            return True
+    return False
+
+
 def fstab_diff(before: str, after: str, path: str) -> str:
     def lines(text: str) -> list[str]:
         return [ln if ln.endswith("\n") else ln + "\n" for ln in text.splitlines(keepends=True)]

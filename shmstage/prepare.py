@@ -235,7 +235,9 @@ def _store_tmpfs(config: NodeConfig, dry_run: bool, sys_root: str) -> tuple[str,
     from shmstage.store_tmpfs import apply_store_mount, mpol_for, plan_store_mount
 
     mpol = mpol_for(system.numa(sys_root))
-    plan = plan_store_mount(store.size, store.path, mode=store.mode, mpol=mpol, fstab=store.fstab)
+    plan = plan_store_mount(
+        store.size, store.path, mode=store.mode, mpol=mpol, fstab=store.fstab, shm=config.shm.path
+    )
     options = f"size={plan.size_option},mode={plan.mode}" + (f",mpol={mpol}" if mpol else "")
     if not plan.changed:
         return OK, f"tmpfs at {plan.path} ({options}), persisted in {store.fstab}"

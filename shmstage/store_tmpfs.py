@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from shmstage import system
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
-from shmstage.fstab import edit_fstab, fstab_diff, read_fstab, write_fstab
+from shmstage.fstab import edit_fstab, fstab_diff, has_tmpfs_line, read_fstab, write_fstab
+from shmstage.paths import is_within, system_mount
 from shmstage.shm import PAGE_SIZE, current_size, plan_remount
 from shmstage.sizes import format_size, is_percent, mount_size, parse_size
 
@@ -67,6 +68,7 @@ def plan_store_mount(
     mode: str = "0755",
     mpol: str | None = None,
     fstab: str = "/etc/fstab",
+    shm: str | None = None,
     memory: system.Memory | None = None,
     proc: str = "/proc",
 ) -> StoreMountPlan:
@@ -74,8 +76,19 @@ def plan_store_mount(
 
     A missing mount is mounted (the directory made); a tmpfs already there is resized with
     :func:`plan_remount`'s checks (no shrink, not beyond RAM), re-moded, given ``mpol``.
-    Refuses (exit 2) another file system mounted at ``path``, or a non-empty directory
-    that a new mount would hide."""
+    Refuses (exit 2), with ``path`` resolved first (a symlink counts where it leads): a
+    system mount or a path in one (/dev/shm, /run, /tmp; see paths.system_mount), the
+    ``shm`` tmpfs or a path in it, another file system mounted at ``path``, a tmpfs there
+    that ``fstab`` does not list (not ours: another's memory, mode and users), or a
+    non-empty directory that a new mount would hide."""
+    real = os.path.realpath(path)
+    shm_real = os.path.realpath(shm) if shm else None
+    if system_mount(real) or (shm_real is not None and is_within(real, shm_real)):
+        shown = path if real == path else f"{path} (that is {real})"
+        raise RefusedError(
+            f"{shown} cannot hold the store's own tmpfs: it is a system mount or the shm "
+            "tmpfs, or lies in one; pick another store_tmpfs.path, e.g. /var/cache/shmstage"
+        )
     mem = memory if memory is not None else system.memory()
     new = parse_size(size, percent_of=mem.ceiling)
     new = (new // _MIB) * _MIB if is_percent(str(size)) else -(-new // PAGE_SIZE) * PAGE_SIZE
@@ -85,7 +98,6 @@ def plan_store_mount(
             f"{format_size(mem.ceiling)} of RAM this node (or cgroup) can hold; lower store_tmpfs.size"
         )
     option = mount_size(new)
-    real = os.path.realpath(path)
     mount = system.mount_of(real, proc) if os.path.exists(real) else None
     mounted = mount is not None and mount.mountpoint == real
     commands: list[str] = []
@@ -95,6 +107,13 @@ def plan_store_mount(
             raise RefusedError(
                 f"{path} is a {mount.fstype} mount, not a tmpfs; point store_tmpfs.path at a "
                 "directory of its own or unmount it"
+            )
+        before = read_fstab(fstab)
+        if not has_tmpfs_line(before, real):
+            # Mounted by someone else (or by hand): its size, mode and users are not ours to change.
+            raise RefusedError(
+                f"{path} is already a tmpfs mount prepare did not make; pick another "
+                "store_tmpfs.path"
             )
         options = []
         if -(-current_size(mount, real) // PAGE_SIZE) * PAGE_SIZE != new:

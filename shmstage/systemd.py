@@ -24,25 +24,54 @@ SYSTEMD_DIR = "/etc/systemd/system"
 SYSTEMD_RUNNING = "/run/systemd/system"
 
 
-def shmstage_command() -> str:
+def shmstage_command() -> str | tuple[str, ...]:
     """The installed CLI: the ``shmstage`` beside this interpreter (a virtualenv's bin/), else
-    the one on PATH, else ``python -m shmstage``."""
+    the one on PATH (each one path), else ``python -m shmstage`` (three arguments)."""
     beside = os.path.join(os.path.dirname(sys.executable), "shmstage")
     if os.access(beside, os.X_OK):
         return beside
     from shutil import which
 
     found = which("shmstage")
-    return os.path.abspath(found) if found else f"{sys.executable} -m shmstage"
+    return os.path.abspath(found) if found else (sys.executable, "-m", "shmstage")
 
 
-def render(name: str, *, command: str, config: str) -> str:
-    """The shipped unit ``name`` with ``ExecStart=`` running ``command serve --config config``."""
+# Characters systemd reads literally in an unquoted ExecStart= word; anything else is quoted.
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:=@+,-")
+
+
+def exec_word(arg: str, *, executable: bool = False) -> str:
+    """``arg`` as one ExecStart= word (systemd.service(5), "Command lines"): ``%`` doubled (a
+    specifier otherwise), ``$`` doubled in an argument (a variable otherwise; systemd does not
+    expand the executable's path), and, unless plain, double-quoted with backslash escapes (a
+    space would split it)."""
+    text = arg.replace("%", "%%")
+    if not executable:
+        text = text.replace("$", "$$")
+    if text and all(c in _PLAIN for c in text):
+        return text
+    out = []
+    for c in text:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c == "\n":
+            out.append("\\n")
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
+def render(name: str, *, command: str | tuple[str, ...], config: str) -> str:
+    """The shipped unit ``name`` with ``ExecStart=`` running ``command serve --config config``;
+    ``command`` is one executable path, or the argv that runs shmstage."""
+    argv = (command,) if isinstance(command, str) else command
+    words = [exec_word(argv[0], executable=True)]
+    words += [exec_word(a) for a in (*argv[1:], "serve", "--config", config)]
+    exec_start = "ExecStart=" + " ".join(words)
     text = (UNITS_DIR / name).read_text(encoding="utf-8")
-    lines = [
-        f"ExecStart={command} serve --config {config}" if line.startswith("ExecStart=") else line
-        for line in text.splitlines()
-    ]
+    lines = [exec_start if line.startswith("ExecStart=") else line for line in text.splitlines()]
     return "\n".join(lines) + "\n"
 
 
@@ -82,7 +111,7 @@ def plan_units(
     *,
     directory: str = SYSTEMD_DIR,
     running: str = SYSTEMD_RUNNING,
-    command: str | None = None,
+    command: str | tuple[str, ...] | None = None,
 ) -> UnitsPlan:
     """Compare the rendered units with ``directory``'s and ask systemd (read-only) what else
     it takes: a daemon-reload when a file changes or systemd says it needs one, ``enable``

@@ -258,7 +258,7 @@ BAD += [
     ),
     (
         "store_tmpfs: {path: /dev/shm/store, size: 1G}\n",
-        "1: store_tmpfs.path: /dev/shm/store cannot hold the store's own tmpfs; use a directory of its own such as /var/cache/shmstage (not / nor /dev/shm, which Slurm and Kubernetes give each job privately)",
+        "1: store_tmpfs.path: /dev/shm/store cannot hold the store's own tmpfs; use a directory of its own such as /var/cache/shmstage (not / nor a system mount such as /dev/shm, which Slurm and Kubernetes give each job privately, /run or /tmp)",
     ),
     (
         "shm: {path: /mnt/ram}\nstore_tmpfs:\n  path: /mnt/ram\n  size: 1G\n",

@@ -97,10 +97,10 @@ def test_release_by_its_user_only(tmp_path, keeper, procs):
 
 @needs_setpriv
 @pytest.mark.root
-def test_hold_refuses_another_users_process_and_a_dead_one(tmp_path, keeper, procs):
+def test_hold_refuses_another_users_process_and_a_dead_one(tmp_path, open_tmp_path, keeper, procs):
     """A caller may lease for a process of their own only (root for any); a pid that is not
-    running is refused; nothing is held either way."""
-    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    running is refused; nothing is held either way.  (A store every user may read.)"""
+    src, dest = make_src(open_tmp_path / "ds"), open_tmp_path / "dest"
     stage(src, dest=dest)
     k = keeper()
     nobody_job = job(procs, *NOBODY)
@@ -140,9 +140,10 @@ SERVICE = textwrap.dedent(
 
 
 def test_a_restarted_keeper_takes_again_live_leases_and_drops_dead_ones(tmp_path, procs):
-    """A service killed by SIGKILL leaves its state; the next Keeper(state_dir) holds again the
-    lease of the job still running (evict names it, held by the new service) and forgets the
-    lease of the job that exited meanwhile; the old service's marks go."""
+    """A service killed by SIGKILL leaves its state and marks: while it is down, the job still
+    running keeps its lease through the mark; the next Keeper(state_dir) holds it again
+    (evict names it, held by the new service) and forgets the lease of the job that exited
+    meanwhile; the old service's marks go."""
     src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
     stage(src, dest=dest)
     state = tmp_path / "state"
@@ -156,7 +157,7 @@ def test_a_restarted_keeper_takes_again_live_leases_and_drops_dead_ones(tmp_path
     assert len(os.listdir(state)) == 2
     kill(service)  # SIGKILL: no close(), the flocks go with the process
     kill(dead)
-    assert holders("ds", dest) == ()
+    assert [(h.pid, h.via) for h in holders("ds", dest)] == [(live.pid, service.pid)]
     (state / "service.conf").write_text("not the keeper's\n")
     entries = [
         json.loads((state / e).read_text()) for e in os.listdir(state) if e.endswith(".json")
@@ -273,13 +274,13 @@ def test_a_state_directory_others_may_write_is_refused(tmp_path):
         Keeper(str(state))
 
 
-def test_one_user_holds_a_bounded_number_of_leases(tmp_path, keeper, procs, monkeypatch):
+def test_one_user_holds_a_bounded_number_of_leases(open_tmp_path, keeper, procs, monkeypatch):
     """A user may not use up the service's fds with leases: past MAX_PER_USER, refused in one
     line (root is not counted); a lease that ends makes room again."""
     from shmstage.service import keeper as keeper_module
 
     monkeypatch.setattr(keeper_module, "MAX_PER_USER", 2)
-    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    src, dest = make_src(open_tmp_path / "ds"), open_tmp_path / "dest"
     stage(src, dest=dest)
     k = keeper()
     j = job(procs)
@@ -293,3 +294,69 @@ def test_one_user_holds_a_bounded_number_of_leases(tmp_path, keeper, procs, monk
     k.release(tokens[0], user)
     k.hold("ds", str(dest), j.pid, user)
     assert len(k.held()) == 3
+
+
+@needs_setpriv
+@pytest.mark.root
+def test_a_copy_the_caller_may_not_read_is_not_theirs_to_lease(open_tmp_path, keeper, procs):
+    """A user may not pin a copy they cannot read (by its name, staged path or source): the
+    refusal is the same line as for a dataset that is not staged, so it says nothing of what
+    others staged, and nothing is held.  Readable through a supplementary group: leased."""
+    src, dest = make_src(open_tmp_path / "private"), open_tmp_path / "dest"
+    stage(src, dest=dest)
+    top = find("private", dest=dest).path
+    os.chown(top, 0, 4480)
+    os.chmod(top, 0o750)
+    k = keeper()
+    j = job(procs, *NOBODY)
+    wait_for(lambda: uid_of(j.pid) != 0, "setpriv to drop")
+    nobody = Caller(uid_of(j.pid), 65534, (65534,))
+    for key in ("private", top, str(src), "nope", str(open_tmp_path / "nope")):
+        with pytest.raises(RefusedError) as e:
+            k.hold(key, str(dest), j.pid, nobody)
+        assert (
+            str(e.value)
+            == f"cannot lease {key}: it is not staged in {dest}, or you may not read it"
+        )
+    assert holders("private", dest) == () and k.held() == []
+    assert os.listdir(k.state_dir) == [] and leases.marks(Store(dest)) == []
+    in_group = Caller(nobody.uid, 65534, (65534, 4480))
+    k.hold("private", str(dest), j.pid, in_group)
+    assert [h.pid for h in holders("private", dest)] == [j.pid]
+
+
+def test_a_killed_services_leases_hold_until_their_jobs_exit(tmp_path, procs):
+    """Between a SIGKILLed service and its restart, its marks are the leases: evict (no
+    --force) refuses naming the job, gc keeps the mark; when the job exits, gc removes the
+    mark and evict goes ahead.  A mark another user wrote for root's job pins nothing."""
+    from shmstage.stage import engine
+
+    src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
+    stage(src, dest=dest)
+    live = job(procs)
+    service = procs.start(
+        [sys.executable, "-c", SERVICE, str(tmp_path / "state"), str(dest), str(live.pid)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert service.stdout.readline() == "held\n"
+    kill(service)
+    with pytest.raises(leases.InUse, match=f"^ds is in use by pid {live.pid} \\(sleep 300\\)"):
+        engine.evict_report("ds", dest=dest)
+    engine.gc(dest)
+    assert [m.owner[0] for m in leases.marks(Store(dest))] == [live.pid]
+    assert find("ds", dest=dest) is not None
+    kill(live)
+    assert holders("ds", dest) == ()
+    engine.gc(dest)
+    assert leases.marks(Store(dest)) == []
+    engine.evict_report("ds", dest=dest)
+    assert find("ds", dest=dest) is None
+
+    stage(src, dest=dest)
+    roots = job(procs)
+    gone = procs.start(["true"])
+    gone.wait(timeout=30)
+    forged = leases.mark(Store(dest), "ds", (gone.pid, 1), (roots.pid, start_time(roots.pid)))
+    os.chown(forged, 65534, 65534)
+    assert holders("ds", dest) == ()
+    engine.evict_report("ds", dest=dest)

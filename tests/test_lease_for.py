@@ -186,21 +186,34 @@ def test_without_pidfd_the_holder_polls_pid_and_start_time(tmp_path, procs, monk
     job.wait(timeout=30)
 
 
-def test_gc_removes_marks_of_holders_that_are_gone(tmp_path, procs):
-    """A holder killed by SIGKILL leaves its "held for" mark: it names nobody (evict and list
-    show the lock's holders only) and gc removes it."""
+def test_a_killed_holders_mark_holds_until_its_job_exits(tmp_path, procs):
+    """A holder killed by SIGKILL leaves its "held for" mark: while the job runs, the mark is
+    the lease (evict refuses naming the job, gc keeps it); once the job is gone, it names
+    nobody and gc removes it."""
     src, dest = make_src(tmp_path / "ds"), tmp_path / "dest"
     ds = stage(src, dest=dest)
     job = sleeper(procs)
     lease_until(ds.path, dest, job.pid)
     holder = holders("ds", dest)[0].via
     os.kill(holder, signal.SIGKILL)
-    wait_for(lambda: holders("ds", dest) == (), "the killed holder's flock to go")
+    wait_for(lambda: not leases.holders_of(*_dev_ino(dest)), "the killed holder's flock to go")
     [mark] = leases.marks(Store(dest), "ds")
     assert mark.holder[0] == holder and mark.owner[0] == job.pid
+    assert [(h.pid, h.via) for h in holders("ds", dest)] == [(job.pid, holder)]
+    with pytest.raises(leases.InUse, match=f"^ds is in use by pid {job.pid} "):
+        engine.evict_report("ds", dest=dest)
+    assert not gc(dest).removed and leases.marks(Store(dest)) == [mark]
+    job.kill()
+    job.wait(timeout=30)
+    assert holders("ds", dest) == ()
     report = gc(dest)
     assert [(x.path, x.what) for x in report.removed] == [(mark.path, "lease mark")]
     assert leases.marks(Store(dest)) == []
+
+
+def _dev_ino(dest) -> tuple[int, int]:
+    st = os.lstat(leases.lease_path(Store(dest), "ds"))
+    return st.st_dev, st.st_ino
 
 
 def test_describe_names_the_process_a_lease_is_held_for():

@@ -28,7 +28,7 @@ from shmstage.config.model import (
     StoreTmpfsConfig,
     TierConfig,
 )
-from shmstage.paths import is_within
+from shmstage.paths import is_within, system_mount
 from shmstage.stage.store import name_for
 
 # The staging engine's dataset names (shmstage.stage.store): no leading dot or dash, at most 200.
@@ -95,7 +95,10 @@ class _Sections(Checker):
         )
         shm = top.get("shm", ShmConfig())
         store = top.get("store_tmpfs")
-        if store is not None and is_within(store.path, shm.path):
+        if store is not None and (
+            is_within(store.path, shm.path)
+            or is_within(os.path.realpath(store.path), os.path.realpath(shm.path))
+        ):
             self.fail(
                 "store_tmpfs.path",
                 self.store_path_node,
@@ -326,12 +329,15 @@ class _Sections(Checker):
         value = self.abspath(key, node)
         if value is MISSING:
             return value
-        if value == "/" or is_within(value, "/dev/shm"):
+        real = os.path.realpath(value)  # a symlink (Debian's /run/shm) names where it leads
+        if system_mount(value) or system_mount(real):
+            shown = value if real == value else f"{value} (that is {real})"
             return self.fail(
                 key,
                 node,
-                f"{value} cannot hold the store's own tmpfs; use a directory of its own such as "
-                "/var/cache/shmstage (not / nor /dev/shm, which Slurm and Kubernetes give each job privately)",
+                f"{shown} cannot hold the store's own tmpfs; use a directory of its own such as "
+                "/var/cache/shmstage (not / nor a system mount such as /dev/shm, which Slurm and "
+                "Kubernetes give each job privately, /run or /tmp)",
             )
         return value
 

@@ -14,7 +14,9 @@ import os
 import re
 import secrets
 import select
+import shutil
 import stat
+import subprocess
 import threading
 import weakref
 from contextlib import suppress
@@ -46,9 +48,11 @@ _STATE_FILE = re.compile(r"^([0-9a-f]{32})\.json(\.\d+\.tmp)?\Z")  # <token>.jso
 #                                                 drop: unflock (touches last_used), unmark,
 #                                                 close the pidfd, remove the state file
 #
-# close() stops the thread and lets go of every flock but keeps the state files: the next
-# Keeper(state_dir) takes again each lease whose process is still the same (pid and start
-# time) and forgets the others.  A child forked by the service (a request's process)
+# close() stops the thread and lets go of every flock but keeps the state files and the
+# marks: the next Keeper(state_dir) takes again each lease whose process is still the same
+# (pid and start time) and forgets the others.  Meanwhile (the service stopped, or killed:
+# its flocks are gone) a mark of a dead holder naming a live job is a lease by itself
+# (leases.orphaned), so evict, make-room, run --cleanup and prepare still spare the data.  A child forked by the service (a request's process)
 # closes its copies of the keeper's fds at once (os.register_at_fork): a flock lives as
 # long as any fd of its open file, so a long request must not keep a released lease held.
 
@@ -105,7 +109,8 @@ class Keeper:
     def hold(self, name: str, dest: str, pid: int, caller: Caller) -> str:
         """Lease ``name`` (a name, a staged path or a source, as ``engine.lease``) in ``dest``
         until process ``pid`` exits; a token for :meth:`release`.  Refused (RefusedError) when
-        ``pid`` is not running or is not the caller's (root may lease for any)."""
+        ``pid`` is not running or is not the caller's (root may lease for any), and, in one
+        line for both, when ``name`` is not staged or the caller may not read the copy."""
         _same_pid_namespace(pid, caller)
         self._check_count(caller)
         try:
@@ -114,7 +119,7 @@ class Keeper:
             raise RefusedError(f"cannot lease for pid {pid}: no such process") from None
         try:
             start = leasefor.target(pid, caller.uid, pidfd)
-            held = engine.lease_for(name, dest)  # as root: last_used moves for any caller
+            held = _lease_readable(name, dest, caller)
         except BaseException:
             if pidfd is not None:
                 os.close(pidfd)
@@ -229,13 +234,15 @@ class Keeper:
 
     def _let_go(self, h: _Held, *, forget: bool = True) -> None:
         h.lease.release()  # the end of a job is a use too: it touches last_used
-        leases.unmark(h.mark)
         if h.pidfd is not None:
             with suppress(OSError):
                 os.close(h.pidfd)
         if forget:
+            leases.unmark(h.mark)
             with suppress(FileNotFoundError):
                 os.unlink(self._path(h.token))
+        # else (close: the service stops): the mark stays with the state file, and keeps the
+        # lease once this process is gone until a restarted service holds it again.
 
     def _wake(self) -> None:
         with suppress(OSError):  # full (the thread will look anyway) or closed
@@ -308,11 +315,14 @@ class Keeper:
             return None  # held before a reboot: a pid and start time may name another now
         old = data.get("mark")
         mine = isinstance(old, str) and os.path.dirname(old) == Store(dest).lease_dir
-        if mine and os.path.basename(old).startswith(f".{name}@"):
-            leases.unmark(old)  # the previous service's: its pid is gone
+        if not (mine and os.path.basename(old).startswith(f".{name}@")):
+            old = None
+        # The previous service's mark kept the lease while no service ran (leases.orphaned);
+        # it goes once this keeper holds the flock and its own mark, or the job is gone.
         try:
             pidfd = leasefor.pidfd_of(pid)
         except OSError:
+            leases.unmark(old)
             return None  # exited
         same = start_time(pid) == start and (
             not leasefor.exited(pidfd) if pidfd is not None else running(pid, start)
@@ -324,12 +334,54 @@ class Keeper:
         except (ShmstageError, OSError):  # its process is gone, or the dataset is
             if pidfd is not None:
                 os.close(pidfd)
+            leases.unmark(old)
             return None
         h = _Held(token, pid, start, uid, pidfd, held)
         h.mark = leases.mark(held.store, held.name, self._me, (pid, start))
+        if old != h.mark:
+            leases.unmark(old)
         with suppress(OSError):
             self._save(h)
         return h
+
+
+def _lease_readable(name: str, dest: str, caller: Caller) -> leases.Lease:
+    """The lease on ``name`` (taken as root: last_used moves for any caller), when the caller
+    may read the copy.  A copy the caller may not read is not theirs to pin (evict and
+    make-room would have to skip it for them), and "not staged" must not differ from "not
+    yours", or the answer says what another user has staged: one line for both."""
+    refused = RefusedError(
+        f"cannot lease {name}: it is not staged in {dest}, or you may not read it"
+    )
+    try:
+        held = engine.lease_for(name, dest)
+    except ShmstageError:
+        raise refused from None
+    if not _may_read(held.store.path(held.name), caller):
+        held.close_copy()  # not a use: last_used stays as it was
+        raise refused
+    return held
+
+
+def _may_read(top: str, caller: Caller) -> bool:
+    """Whether ``caller`` may reach ``top`` and list it (root always).  Asked of the kernel by
+    a process with the caller's uid, gid and groups (access(2): every ancestor's search right,
+    ACLs): the service's own thread could take the caller's fsuid, not their groups."""
+    if caller.is_root:
+        return True
+    if caller.uid == os.geteuid():  # a service run by a user for themselves: no switch needed
+        return os.access(top, os.R_OK | os.X_OK)
+    test = shutil.which("test") or "/usr/bin/test"
+    try:
+        done = subprocess.run(
+            [test, "-r", top, "-a", "-x", top],
+            user=caller.uid, group=caller.gid, extra_groups=list(caller.groups), env={},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _after_fork(ref: weakref.ref[Keeper]) -> None:

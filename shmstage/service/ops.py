@@ -269,11 +269,8 @@ def op_lease(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
     """In the service itself, not a child: the keeper holds its pidfds for the service's life."""
     if service.keeper is None:
         raise ShmstageError("this shmstage service cannot hold leases yet")
-    dest = tiers_of(service, a.get("dest"))
-    found = engine.find(a["key"], dest)
-    if found is None:
-        raise ShmstageError(f"{a['key']} is not staged in {dest} (see `shmstage list`)")
-    return service.keeper.hold(found.name, os.path.dirname(found.path), a["pid"], caller)
+    # The keeper resolves the key: its refusal is one line for "not staged" and "not yours".
+    return service.keeper.hold(a["key"], tiers_of(service, a.get("dest")), a["pid"], caller)
 
 
 def op_unlease(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:

@@ -112,8 +112,8 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         removed.append(Leftover(path, "trash", size))
         if not dry_run:
             _remove(path)
-    for m in leases.marks(store):  # "held for pid N" marks of holders that are gone
-        if not running(*m.holder):  # a zombie holds no lock either
+    for m in leases.marks(store):  # "held for pid N" marks of processes that are gone
+        if not running(*m.owner):  # a zombie reads no more; its holder lets go soon
             removed.append(Leftover(m.path, "lease mark", 0))
             if not dry_run:
                 leases.unmark(m.path)

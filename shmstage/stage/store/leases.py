@@ -4,7 +4,8 @@ A lease is a shared ``flock`` on ``DEST/.shmstage/leases/<name>.lease``, held fo
 as the job (or the ``with`` block) lives; the kernel drops it when the process dies, so
 there are no pid files to go stale.  ``evict``, ``run --cleanup`` and ``prepare`` take the
 same lock exclusively (non-blocking) before removing a dataset and refuse when they cannot,
-naming the holders they find in /proc/locks, or the process a holder holds it for (marks).
+naming the holders they find in /proc/locks, or the process a holder holds it for (marks),
+also after that holder died (see ``orphaned``).
 No pid is trusted alone: a pid in /proc/locks is a live lock's, and a mark names both
 processes by pid and start time (a mark whose processes are not those is ignored).
 """
@@ -22,7 +23,7 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.stage.store.checks import check_owner, mkdir_checked
 from shmstage.stage.store.datasets import dataset_of
 from shmstage.stage.store.layout import Store
-from shmstage.stage.store.locks import running
+from shmstage.stage.store.locks import real_uid, running
 from shmstage.stage.store.names import BOOK, NAME_RE
 from shmstage.terminal import printable
 
@@ -222,7 +223,12 @@ def try_exclusive(store: Store, name: str) -> tuple[int | None, tuple[Holder, ..
         st = os.fstat(fd)
         os.close(fd)
         found = on_behalf(store, name, holders_of(st.st_dev, st.st_ino))
+        found = _joined(found, orphaned(store, name))
         return None, found or (Holder(0, ""),)
+    left = orphaned(store, name)
+    if left:  # held for a live process by a holder that died: still a lease
+        os.close(fd)
+        return None, left
     return fd, ()
 
 
@@ -233,7 +239,12 @@ def holders(name: str, dest: str | os.PathLike[str] | None = None) -> tuple[Hold
         st = os.lstat(lease_path(store, name))
     except OSError:
         return ()
-    return on_behalf(store, name, holders_of(st.st_dev, st.st_ino))
+    found = on_behalf(store, name, holders_of(st.st_dev, st.st_ino))
+    return _joined(found, orphaned(store, name))
+
+
+def _joined(a: tuple[Holder, ...], b: tuple[Holder, ...]) -> tuple[Holder, ...]:
+    return a + tuple(h for h in b if h.pid not in {x.pid for x in a})
 
 
 def holders_of(dev: int, ino: int) -> tuple[Holder, ...]:
@@ -310,8 +321,11 @@ def unlink_locked(store: Store, name: str) -> None:
 # leases in its own process: /proc/locks names the holder, not the job.  The holder leaves
 # a mark beside the lease file, leases/.<name>@<holder pid>-<start>@<pid>-<start> (an
 # empty file: a dataset name never starts with '.' or holds '@'), and evict, list and gc
-# name the process it holds for.  Only words: the flock alone decides what may be removed,
-# so a mark that cannot be written (a store the holder may not write) only names the holder.
+# name the process it holds for.  A mark that cannot be written (a store the holder may not
+# write) only names the holder.  A mark whose holder died (a SIGKILLed service, a killed
+# holder) while the process it names still runs is a lease by itself (``orphaned``): the job
+# still reads the copy, and a restarted service takes the flock again; gc removes a mark
+# once the process it names is gone.
 
 
 @dataclass(frozen=True)
@@ -356,6 +370,25 @@ def marks(store: Store, name: str | None = None) -> list[Mark]:
         if len(holder) == 2 and len(owner) == 2:
             out.append(Mark(os.path.join(store.lease_dir, entry), holder, owner))  # type: ignore[arg-type]
     return out
+
+
+def orphaned(store: Store, name: str) -> tuple[Holder, ...]:
+    """The processes ``name`` is held for by a mark whose holder is gone while they still
+    run.  A mark counts only when root (the service) or the process's own user wrote it: no
+    one pins a dataset with another user's process (a real lease needs one of theirs too)."""
+    out: list[Holder] = []
+    for m in marks(store, name):
+        if running(*m.holder) or not running(*m.owner):
+            continue  # a live holder's flock speaks for it; a mark of a gone job says nothing
+        try:
+            writer = os.lstat(m.path).st_uid
+        except OSError:
+            continue
+        if writer != 0 and writer != real_uid(m.owner[0]):
+            continue
+        if all(h.pid != m.owner[0] for h in out):
+            out.append(Holder(m.owner[0], command_of(m.owner[0]), via=m.holder[0]))
+    return tuple(out)
 
 
 def on_behalf(store: Store, name: str, found: tuple[Holder, ...]) -> tuple[Holder, ...]:
