@@ -20,6 +20,7 @@ from shmstage.stage import topaccess
 from shmstage.stage.build import copier, fromdir
 from shmstage.stage.build import partial as build
 from shmstage.stage.signals import signals_raise
+from shmstage.stage.sources import acls
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.store import leases
 from shmstage.stage.store.datasets import StagedDataset, dataset_of
@@ -179,6 +180,8 @@ def _hand_out(
     else:
         try:
             src = sources.open_source(kind, source, strip_components, None)
+            if src.kind == "dir":  # walked as the copy's stager walked it (root: with ACLs)
+                src.acls = owner == 0 and acls.supported(store.dest)  # type: ignore[attr-defined]
             stamp = src.stamp()
             if stamp is not None:
                 current = all(manifest.get(k) == v for k, v in stamp.items())
@@ -231,6 +234,8 @@ def _stage_locked(
         )
     same = record is not None and manifest is not None and record.source == source and not force
     src = sources.open_source(kind, source, strip_components, peers, reader, credentials, share)
+    if src.kind == "dir":  # root's copies keep owners, so they can keep the ACLs too (acls.py)
+        src.acls = src.own and acls.supported(store.dest)  # type: ignore[attr-defined]
     report("scanning")
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")

@@ -80,7 +80,8 @@ def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
     ``group`` only; the other class a user in neither and owning nothing on the way.
     A class keeps its bits only if the kernel would have let it through every directory
     above the source and into the source itself (under the source's ownership)."""
-    chain = _path_to(os.path.realpath(source), kind)
+    real = os.path.realpath(source)
+    chain = _path_to(real, kind)
     who = (
         (owner, _groups_of(owner, group)),
         (None, frozenset((group,))),
@@ -90,7 +91,45 @@ def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
     for (bits, _name), (uid, gids) in zip(_CLASSES, who):
         if not all(_may(st, uid, gids, want) for st, want in chain):
             clear |= bits
+    if _unmodelled(real, chain):
+        clear |= stat.S_IRWXG | stat.S_IRWXO
     return clear
+
+
+def _unmodelled(source: str, chain: list[tuple[os.stat_result, int]]) -> bool:
+    """Whether the path to ``source`` shuts out users the three classes above cannot stand
+    for, so that only the owner (and users ``grant`` lets in) may keep the copy's top:
+
+    * a directory above the source, or the source itself, with an extended ACL (a named
+      ``user:mallory:---`` or ``group:interns:---``: a user the copy's group or other class
+      would let in; the copy's top never keeps its source's ACL);
+    * a directory above with "negative" bits, a class granted what a class before it is
+      not (0705: the members of its group may not pass, though others may; 0075: its owner
+      may not): "other" in the copy is also those members, that owner."""
+    path = os.path.dirname(source)
+    paths = []
+    while True:
+        paths.append(path)
+        if path == os.path.dirname(path):
+            break
+        path = os.path.dirname(path)
+    for (st, want), path in zip(chain, [*paths, source]):
+        owner, group, other = st.st_mode >> 6 & want, st.st_mode >> 3 & want, st.st_mode & want
+        if path != source and (other & ~group or (group | other) & ~owner):
+            return True
+        if _extended(path):
+            return True
+    return False
+
+
+def _extended(path: str) -> bool:
+    """Whether ``path`` has an access ACL naming users or groups (or a mask): more than its
+    mode says.  Unreadable: assumed so (a restriction, never a widening)."""
+    try:
+        entries = _acl_entries(path)
+    except OSError:
+        return True
+    return any(tag in (_USER, _GROUP, _MASK) for tag, _, _ in entries)
 
 
 def restrict_root(
@@ -134,7 +173,7 @@ def restrict_root(
 _ACL = "system.posix_acl_access"
 _HEADER, _ENTRY = struct.Struct("<I"), struct.Struct("<HHI")
 _VERSION, _NO_ID = 2, 0xFFFFFFFF
-_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
 _SEARCH = 0o5  # r-x: list and pass through the copy's top directory
 
 
