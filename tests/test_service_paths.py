@@ -4,6 +4,7 @@ held by the service's keeper until the shell exits."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_service import ALICE, Service, as_user, make_ds, own
+from tests.test_service import ALICE, BOB, Service, as_user, make_ds, own
 
 pytestmark = pytest.mark.root
 
@@ -107,3 +108,45 @@ def test_lease_for_the_shell_is_held_by_the_service_until_the_shell_exits(servic
             break
         time.sleep(0.2)
     assert r.returncode == 0 and not (service.store / "data").exists(), r.stderr
+
+
+def test_a_dest_through_the_clients_symlink_is_only_compared_never_written_through(
+    service, procs
+):
+    """Bob names the service's tier through a symlink he owns and flips it to another
+    root-owned directory meanwhile: the service answers with, and writes into, only its own
+    tier (its configured path), never through his link; the other directory stays empty."""
+    other = service.world / "other" / "store"
+    other.mkdir(parents=True)
+    bob = service.world / "bob"
+    bob.mkdir()
+    src = make_ds(bob / "mine", files=2, size=1000)
+    own(bob, BOB)
+    (bob / "L").symlink_to(service.world)
+    os.lchown(bob / "L", BOB, BOB)
+    r = service.run("stage", str(src), "--dest", str(bob / "L" / "store"), "--json", uid=BOB)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["path"] == str(service.store / "mine")  # not .../bob/L/store
+    flip = (
+        "import os,sys\n"
+        "link, a, b = sys.argv[1:4]\n"
+        "while True:\n"
+        "    for t in (a, b):\n"
+        "        try:\n"
+        "            os.symlink(t, link + '.new'); os.rename(link + '.new', link)\n"
+        "        except OSError:\n"
+        "            pass\n"
+    )
+    argv = [sys.executable, "-c", flip, str(bob / "L"), str(service.world), str(other.parent)]
+    flipper = procs.start([*as_user(BOB), "--", *argv])
+    try:
+        for i in range(10):
+            r = service.run(
+                "stage", str(src), "--name", f"m{i}", "--dest", str(bob / "L" / "store"), "-q",
+                uid=BOB,
+            )  # fmt: skip
+            assert "Traceback" not in r.stderr, r.stderr
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert list(other.iterdir()) == []

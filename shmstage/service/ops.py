@@ -52,19 +52,23 @@ def make_keeper(service: Any) -> Any:
 
 
 def tiers_of(service: Any, dest: str | None) -> str:
-    """The tiers a request names: all the service's when ``dest`` is None, else ``dest``'s,
-    each of which must be one of the service's (a user's own DEST never comes here)."""
+    """The service's own tiers a request names: all of them when ``dest`` is None, else, for
+    each tier of ``dest``, the service's configured string for it. The client's path is only
+    compared, never used: through a symlink the client owns it could point elsewhere by the
+    time the engine (root) writes there."""
     if dest is None:
         return joined(service.tiers)
-    ours = {os.path.realpath(t) for t in service.tiers}
-    asked = split(dest)
-    for t in asked:
-        if os.path.realpath(t) not in ours:
+    ours = {os.path.realpath(t): t for t in service.tiers}
+    mapped = []
+    for t in split(dest):
+        own = ours.get(os.path.realpath(t))
+        if own is None:
             raise RefusedError(
                 f"{t} is not a tier of the shmstage service ({joined(service.tiers)}): "
                 "stage into your own directory with --dest and --no-service"
             )
-    return joined(asked)
+        mapped.append(own)
+    return joined(mapped)
 
 
 def _reader(caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
