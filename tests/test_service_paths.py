@@ -110,9 +110,7 @@ def test_lease_for_the_shell_is_held_by_the_service_until_the_shell_exits(servic
     assert r.returncode == 0 and not (service.store / "data").exists(), r.stderr
 
 
-def test_a_dest_through_the_clients_symlink_is_only_compared_never_written_through(
-    service, procs
-):
+def test_a_dest_through_a_users_symlink_is_never_written_through(service, procs):
     """Bob names the service's tier through a symlink he owns and flips it to another
     root-owned directory meanwhile: the service answers with, and writes into, only its own
     tier (its configured path), never through his link; the other directory stays empty."""
