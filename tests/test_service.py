@@ -625,3 +625,19 @@ def test_the_node_configs_socket_is_used_by_service_and_clients(world, shmstage_
     r = svc.run("stage", str(src), "-q", uid=ALICE)
     assert r.returncode == 0 and r.stdout == f"{svc.store}/ds\n", r.stderr
     assert os.stat(svc.store).st_uid == 0
+
+
+def test_list_through_the_service_shows_only_copies_the_caller_may_list(service, world):
+    """alice's private dataset (her 0700 home): `list` shows it to alice and root, not to bob,
+    who sees neither its name nor its source path."""
+    home = world / "home" / "alice"
+    make_ds(home / "secret-plans", uid=ALICE)
+    own(home, ALICE)
+    home.chmod(0o700)
+    (world / "home").chmod(0o755)
+    r = service.run("stage", str(home / "secret-plans"), uid=ALICE)
+    assert r.returncode == 0, r.stderr
+    for uid, shown in ((ALICE, True), (None, True), (BOB, False)):
+        r = service.run("list", "--json", uid=uid)
+        assert r.returncode == 0, r.stderr
+        assert ("secret-plans" in r.stdout) is shown, (uid, r.stdout)

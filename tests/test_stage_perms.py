@@ -212,6 +212,85 @@ def test_private_archive_is_not_readable_by_others(world, shmstage_bin):
     assert not can_read(NOBODY, dest / "data" / "sub" / "f")
 
 
+def hostile_modes_tar(path: Path, archive_mode: int, group: int) -> None:
+    """alice's archive whose members ask for a world-writable dir and file, a 0600 file, a
+    setuid file and a sticky dir (as archives made with umask 000 or on Windows do)."""
+    import io
+
+    with tarfile.open(path, "w") as tf:
+        for name, mode, body in (
+            (".", 0o755, None),
+            ("ds", 0o777, None),
+            ("ds/labels.txt", 0o666, b"cat\n"),
+            ("ds/mine.txt", 0o600, b"alice-private\n"),
+            ("ds/suid", 0o4755, b"#!/bin/sh\n"),
+            ("tmp", 0o1777, None),
+        ):
+            ti = tarfile.TarInfo(name)
+            ti.mode = mode
+            if body is None:
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+            else:
+                ti.size = len(body)
+                tf.addfile(ti, io.BytesIO(body))
+    os.chown(path, ALICE, group)
+    path.chmod(archive_mode)
+
+
+def test_tar_members_are_the_archive_owners_and_never_writable_by_others(world, shmstage_bin):
+    """Root stages alice's 0644 archive whose members are 0777/0666/0600/4755/1777: every member
+    is alice's (she reads her 0600 member), nothing is group/other-writable, setuid or sticky,
+    and nobody can rewrite or replace a file."""
+    (world / "alice").mkdir()
+    archive = world / "alice" / "data.tar"
+    hostile_modes_tar(archive, 0o644, ALICE)
+    dest = world / "dest"
+    done = subprocess.run(
+        [*shmstage_bin, "stage", str(archive), "--dest", str(dest)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    top = dest / "data"
+    want = {"": 0o755, "ds": 0o755, "ds/labels.txt": 0o644, "ds/mine.txt": 0o600,
+            "ds/suid": 0o755, "tmp": 0o755}  # fmt: skip
+    for rel, mode in want.items():
+        st = os.lstat(top / rel)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (ALICE, ALICE, mode), rel
+    assert can_read(ALICE, top / "ds" / "mine.txt")
+    assert can_read(NOBODY, top / "ds" / "labels.txt")
+    evil = subprocess.run(
+        [*as_user(NOBODY), "sh", "-c",
+         f"echo POISON > {top}/ds/labels.txt || rm -f {top}/ds/suid || touch {top}/tmp/x"],
+        capture_output=True,
+    )  # fmt: skip
+    assert evil.returncode != 0
+    assert (top / "ds" / "labels.txt").read_bytes() == b"cat\n"
+    assert (top / "ds" / "suid").exists() and not (top / "tmp" / "x").exists()
+
+
+def test_tar_members_get_no_bits_for_a_class_that_cannot_read_the_archive(world, shmstage_bin):
+    """alice's archive is 0640 (group 4243): members keep group read, other gets nothing on
+    any member nor on the copy's top; a 0600 archive leaves group nothing either."""
+    (world / "alice").mkdir()
+    for archive_mode, group_bits, other_bits in ((0o640, 0o050, 0), (0o600, 0, 0)):
+        archive = world / "alice" / f"d{archive_mode:o}.tar"
+        hostile_modes_tar(archive, archive_mode, 4243)
+        dest = world / f"dest{archive_mode:o}"
+        done = subprocess.run(
+            [*shmstage_bin, "stage", str(archive), "--dest", str(dest)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        top = dest / archive.stem
+        for rel in ("", "ds", "ds/labels.txt", "ds/suid", "tmp"):
+            st = os.lstat(top / rel)
+            assert (st.st_uid, st.st_gid) == (ALICE, 4243), rel
+            assert st.st_mode & 0o070 in (group_bits, group_bits & 0o040), (rel, oct(st.st_mode))
+            assert st.st_mode & 0o007 == other_bits, (rel, oct(st.st_mode))
+        assert not can_read(NOBODY, top / "ds" / "labels.txt")
+        assert can_read(ALICE, top / "ds" / "mine.txt")
+
+
 def test_world_readable_source_stays_world_readable(world, shmstage_bin):
     """A source every user can read is staged readable by every user (root and non-root stager)."""
     src = world / "pub"

@@ -385,3 +385,77 @@ def test_an_acl_that_shuts_the_reader_out_of_one_file_among_alike_ones_is_seen(w
         f"you cannot read {src}/a/shut at the source (Permission denied): nothing staged",
     )
     nothing_staged(dest, "src")
+
+
+def test_a_reader_cannot_replace_another_users_copy_by_name_or_force(world):
+    """alice stages her src as "shared"; bob (who can read his own, other source) staging it under
+    that name is refused, with --force too, naming alice's copy; the copy stays alice's data.
+    bob may not --force a restage of alice's copy of alice's source either; alice may."""
+    alice = Caller(ALICE, ALICE, ())
+    mine = world / "bobs"
+    mine.mkdir()
+    (mine / "f").write_bytes(b"bob-data")
+    own(mine, BOB)
+    dest = world / "dest"
+    assert stage_as(alice, world / "src", dest, name="shared")[1] is True
+    refused = (
+        "error",
+        "RefusedError",
+        f"shared is uid {ALICE}'s copy of {world}/src: only they or root may replace it; "
+        f"stage {mine} under another --name",
+    )
+    assert stage_as(BOB_ALONE, mine, dest, name="shared") == refused
+    assert stage_as(BOB_ALONE, mine, dest, name="shared", force=True) == refused
+    assert sorted(os.listdir(dest / "shared")) == ["a"]
+    out = stage_as(BOB_ALONE, world / "src", dest, name="shared", force=True)
+    assert out[:2] == ("error", "RefusedError") and "only they or root" in out[2], out
+    assert stage_as(BOB_ALONE, world / "src", dest, name="shared")[1] is False  # using it is fine
+    assert stage_as(alice, world / "src", dest, name="shared", force=True)[1] is True
+
+
+def bookkeeping(dest: Path, name: str) -> list[Path]:
+    book = dest / ".shmstage"
+    return [book / "manifests" / f"{name}.json", book / "meta" / f"{name}.json"]
+
+
+def test_a_private_copys_manifest_and_record_are_read_only_by_who_may_list_it(
+    team_home, shmstage_bin
+):
+    """The copy's top is alice's 0700: its manifest and record (they name the source and every
+    file) are 0600 root's, read by alice (ACL) and, once granted, bob; never carol.  alice's own
+    in-process `list` on the root store shows it; carol's does not."""
+    src, dest = team_home / "home" / "data", team_home / "dest"
+    stage_as(Caller(ALICE, ALICE, ()), src, dest)
+    for f in bookkeeping(dest, "data"):
+        st = os.stat(f)
+        assert (st.st_uid, st.st_mode & 0o707) == (0, 0o600), f
+        assert can_read(ALICE, f) and not can_read(CAROL, f) and not can_read(BOB, f, TEAM), f
+    engine.grant("data", str(dest), BOB)
+    for f in bookkeeping(dest, "data"):
+        assert can_read(BOB, f) and not can_read(CAROL, f), f
+    for uid, shown in ((ALICE, True), (CAROL, False)):
+        done = subprocess.run(
+            [*as_user(uid), *shmstage_bin, "list", "--json", "--no-service", "--dest", str(dest)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert (str(src) in done.stdout) is shown, (uid, done.stdout)
+
+
+def test_bookkeeping_follows_the_tops_group_and_other_access(team_home):
+    """A top open to its group (0750): manifest and record 0640 with the top's group; a top
+    open to all: 0644."""
+    src, dest = team_home / "home" / "data", team_home / "dest"
+    team_home.joinpath("home").chmod(0o755)
+    os.chown(src, ALICE, TEAM)
+    src.chmod(0o750)
+    stage_as(Caller(ALICE, ALICE, ()), src, dest)
+    assert os.stat(dest / "data").st_mode & 0o777 == 0o750
+    for f in bookkeeping(dest, "data"):
+        st = os.stat(f)
+        assert (st.st_gid, st.st_mode & 0o777) == (TEAM, 0o640), f
+        assert can_read(BOB, f, TEAM) and not can_read(CAROL, f), f
+    src.chmod(0o755)
+    engine.stage(str(src), dest=str(dest), force=True)
+    for f in bookkeeping(dest, "data"):
+        assert os.stat(f).st_mode & 0o777 == 0o644 and can_read(CAROL, f), f

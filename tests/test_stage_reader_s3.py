@@ -37,6 +37,7 @@ print(ds.path)
 
 BOB = 4392
 TEAM = 4393
+CAROL = 4394
 
 
 def test_the_service_environment_gives_way_to_the_callers():
@@ -79,10 +80,12 @@ def service_env(m, with_keys: bool) -> dict[str, str]:
     return env
 
 
-def stage(m, dest: Path, creds: dict | None, share: dict | None, with_keys: bool = False):
+def stage(
+    m, dest: Path, creds: dict | None, share: dict | None, with_keys: bool = False, uid: int = BOB
+):
     args = {
-        "uid": BOB, "gid": BOB, "groups": [TEAM], "src": "s3://data/rd", "dest": str(dest),
-        "creds": creds, "share": share,
+        "uid": uid, "gid": uid, "groups": [TEAM] if uid == BOB else [], "src": "s3://data/rd",
+        "dest": str(dest), "creds": creds, "share": share,
     }  # fmt: skip
     return subprocess.run(
         [sys.executable, "-c", STAGE, json.dumps(args)],
@@ -138,3 +141,42 @@ def test_a_reader_without_credentials_never_gets_the_services(moto, open_tmp_pat
     assert done.returncode == 14, (done.returncode, done.stderr)
     assert done.stderr.startswith("no credentials for s3://data/rd"), done.stderr
     assert not (dest / "rd").exists()
+
+
+@pytest.mark.root
+def test_a_second_user_of_an_unshared_copy_is_refused_naming_the_way_out(moto, open_tmp_path):
+    """bob's copy of s3://data/rd is his alone: carol, with valid keys of her own, is refused
+    in one line (exit 2) by stage and by staged_path, instead of getting a path she cannot
+    read; shared with her group, she gets it."""
+    moto.put("rd/a.bin", b"a" * 100)
+    dest = open_tmp_path / "dest"
+    assert stage(moto, dest, callers(moto), None).returncode == 0
+    line = (
+        f"rd is uid {BOB}'s copy of s3://data/rd; it is not shared with you: ask an admin to "
+        "add it to shares: in the node config, or stage it under another --name"
+    )
+    done = stage(moto, dest, callers(moto), None, uid=CAROL)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+    find = (
+        "import sys\nfrom shmstage.loader import staged_path\nfrom shmstage.errors import "
+        f"ShmstageError\ntry:\n    print(staged_path('s3://data/rd', dest={str(dest)!r}))\n"
+        "except ShmstageError as e:\n    sys.exit(str(e))\n"
+    )
+    env = {**service_env(moto, False), "SHMSTAGE_SOCKET": str(open_tmp_path / "no.sock")}
+    done = subprocess.run(
+        ["setpriv", f"--reuid={CAROL}", f"--regid={CAROL}", "--clear-groups",
+         sys.executable, "-c", find],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", line + "\n")
+    plan = STAGE.replace("ds = engine.stage(", "ds = engine.plan(").replace(", share=share)", ")")
+    plan = plan.replace("print(ds.path)", "print(ds.tier)")  # the service's find checks this way
+    args = {"uid": CAROL, "gid": CAROL, "groups": [], "src": "s3://data/rd", "dest": str(dest),
+            "creds": callers(moto), "share": None}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", plan, json.dumps(args)],
+        env=service_env(moto, False), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+    shared = stage(moto, dest, callers(moto), {"everyone": True}, uid=CAROL)
+    assert shared.returncode == 0, shared.stderr

@@ -19,6 +19,7 @@ from shmstage.stage import engine
 from shmstage.stage.cache.tiers import holding, joined, split
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name, name_for
+from shmstage.stage.topaccess import may_list
 
 try:  # the lease keeper (helper C)
     from shmstage.service.keeper import Keeper
@@ -217,9 +218,14 @@ def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
 
 
 def op_list(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
-    return engine.list_staged(
+    """Every row for root; for anyone else only the datasets whose copy they may list (its
+    source path and name are theirs to see), leftovers of one included."""
+    rows = engine.list_staged(
         tiers_of(service, a.get("dest")), unfinished=bool(a.get("unfinished"))
     )
+    if caller.is_root:
+        return rows
+    return [r for r in rows if may_list(os.path.join(r.tier, r.name), caller)]
 
 
 def op_verify(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:

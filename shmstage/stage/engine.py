@@ -19,7 +19,7 @@ from typing import Any
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.identity import Caller
 from shmstage.sizes import format_size
-from shmstage.stage import staging, verification
+from shmstage.stage import staging, topaccess, verification
 from shmstage.stage.build.estimate import Estimate
 from shmstage.stage.build.partial import Need
 from shmstage.stage.cache import makeroom
@@ -49,7 +49,7 @@ from shmstage.stage.store.eviction import EvictReport
 from shmstage.stage.store.gc import GcReport
 from shmstage.stage.store.gc import gc as gc_one
 from shmstage.stage.store.layout import Store
-from shmstage.stage.store.names import NAME_RE, check_name
+from shmstage.stage.store.names import NAME_RE, check_name, name_for
 from shmstage.stage.verification import VerifyReport
 
 
@@ -268,11 +268,19 @@ def plan(
 def find(
     name_or_source: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
 ) -> StagedDataset | None:
-    """:func:`shmstage.stage.store.catalog.find` in each tier, fastest first."""
+    """:func:`shmstage.stage.store.catalog.find` in each tier, fastest first.  As a user,
+    another user's object-store copy that is not shared with them is refused, not handed
+    out as a path they cannot read."""
+    me = Caller.of_self() if os.geteuid() != 0 else None
+    key = os.fspath(name_or_source)
     for tier in split(dest):
         found = catalog.find(name_or_source, tier, locate=sources.location_of)
         if found is not None:
+            topaccess.check_shared(found.path, found.name, found.source, me)
             return found
+        if me is not None and "://" in key:  # its record is as private as its copy
+            name = name_for(key)
+            topaccess.check_shared(Store(tier).path(name), name, key, me)
     return None
 
 
@@ -351,7 +359,8 @@ def grant(name: str, dest: str | os.PathLike[str] | None, uid: int) -> None:
     if store is None or store.published(name) is None:
         raise ShmstageError(f"{name} is not staged in {joined(tiers)} (see `shmstage list`)")
     with store.lock(name, shared=True):
-        access.grant(store.path(name), uid)
+        if access.grant(store.path(name), uid):
+            store.share_bookkeeping(name)  # its manifest and record too
 
 
 def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> GcReport:

@@ -20,6 +20,7 @@ from shmstage.stage import topaccess
 from shmstage.stage.build import copier, fromdir
 from shmstage.stage.build import partial as build
 from shmstage.stage.signals import signals_raise
+from shmstage.stage.sources import acls
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.store import leases
 from shmstage.stage.store.datasets import StagedDataset, dataset_of
@@ -179,6 +180,8 @@ def _hand_out(
     else:
         try:
             src = sources.open_source(kind, source, strip_components, None)
+            if src.kind == "dir":  # walked as the copy's stager walked it (root: with ACLs)
+                src.acls = owner == 0 and acls.supported(store.dest)  # type: ignore[attr-defined]
             stamp = src.stamp()
             if stamp is not None:
                 current = all(manifest.get(k) == v for k, v in stamp.items())
@@ -220,6 +223,10 @@ def _stage_locked(
     clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
+    if record is not None and record.source == source:
+        topaccess.check_shared(store.path(name), name, source, reader, share)
+    if record is not None:
+        topaccess.check_replace(store, record, source, force, reader)
     if record is not None and record.source != source and not force:
         raise RefusedError(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
@@ -227,6 +234,8 @@ def _stage_locked(
         )
     same = record is not None and manifest is not None and record.source == source and not force
     src = sources.open_source(kind, source, strip_components, peers, reader, credentials, share)
+    if src.kind == "dir":  # root's copies keep owners, so they can keep the ACLs too (acls.py)
+        src.acls = src.own and acls.supported(store.dest)  # type: ignore[attr-defined]
     report("scanning")
     part = store.partial(name)
     marker = os.path.join(store.partial_dir, f".{name}.source")
@@ -354,6 +363,7 @@ def restage_need(
     record = store.published(check_name(name))
     if record is None:
         return None
+    topaccess.check_shared(store.path(name), name, record.source, reader)
     if record.source != source and not force:  # stage's own refusal
         raise RefusedError(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
@@ -406,6 +416,7 @@ def _kill_at(step: str) -> None:
 def _publish(store: Store, name: str, new: Record, marker: str) -> None:
     """Publish partial/<name> as ``new`` (see NOTE [publish])."""
     leases.ensure_file(store, name)  # before readers can see it: a reader may not write DEST
+    store.share_bookkeeping(name, store.partial(name))  # the manifest: as the new copy's top
     store.write_next(new)
     _kill_at("record")
     old = store.publish(name)

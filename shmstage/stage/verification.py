@@ -68,7 +68,9 @@ def verify(
         raise ShmstageError(f"{name} is not staged in {store.dest} (see `shmstage list`)")
     path = store.path(name)
     expected = {e[0]: _norm(e) for e in manifest["entries"]}
-    actual = {e[0]: _norm(list(e)) for e in walk(path, check_links=False, hardlinks=False).entries}
+    # with the ACLs a copy may carry (acls.py): one that has lost or gained any is changed
+    copied = walk(path, check_links=False, hardlinks=False, acls=True)
+    actual = {e[0]: _norm(list(e)) for e in copied.entries}
     if "." in actual:  # users let in through a restricted top (access.grant) change no mode
         actual["."][4] = access.without_grants(path, actual["."][4])
     diffs: list[Difference] = []
@@ -176,5 +178,5 @@ def _what_changed(want: list[Any], have: list[Any]) -> str:
     if want[4] != have[4]:
         parts.append(f"mode {want[4]:o} -> {have[4]:o}")
     if want[5] != have[5]:
-        parts.append(f"target {want[5]} -> {have[5]}")
+        parts.append("ACL" if want[1] in ("f", "d") else f"target {want[5]} -> {have[5]}")
     return ", ".join(parts)

@@ -17,7 +17,13 @@ from shmstage.stage.build import copier
 from shmstage.stage.build.chown import give_owner
 from shmstage.stage.build.copypipe import Job
 from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
-from shmstage.stage.build.tree import Counter, finish_tree, make_symlink, prepare_manifest
+from shmstage.stage.build.tree import (
+    Counter,
+    apply_acls,
+    finish_tree,
+    make_symlink,
+    prepare_manifest,
+)
 from shmstage.stage.sources.base import Tick, Want
 from shmstage.stage.sources.beneath import SOURCE_TOP, ident, split_ident
 from shmstage.stage.sources.directory import DirSource, replaced
@@ -126,6 +132,7 @@ def build_first(
         idents=True,
         groups=source.groups,
         top=source.top(),
+        acls=source.acls,
     )
     found = iter(walker)
     idents = walker.idents
@@ -219,6 +226,7 @@ def build_first(
         found.close()  # an early exit: stop the scan threads now
     settle(source, jobs, chunked, verify == "checksum", nworkers)
     finish_tree(part, hard, dirs, source.owner, source.group)
+    apply_acls(part, entries)
     return tree
 
 

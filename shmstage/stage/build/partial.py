@@ -31,6 +31,8 @@ from shmstage.stage.build import fromdir, untar
 from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
 from shmstage.stage.build.tree import (
     Counter,
+    apply_acls,
+    drop_acls,
     finish_tree,
     link_unchanged,
     make_symlink,
@@ -177,6 +179,7 @@ def build(
 
     # 5: what needs every file in place.
     finish_tree(part, hard, dirs, src.owner, src.group)
+    apply_acls(part, entries)
     return Built(total, listing.bytes, listing.files)
 
 
@@ -315,6 +318,7 @@ def prepare_partial(part: str, entries: list, resumable: bool) -> set[str]:
         path = os.path.join(part, rel)
         if kind == "d" and want is not None and want[1] == "d":
             os.chmod(path, 0o700)
+            drop_acls(path)  # a killed run's: new files would inherit them; apply_acls rewrites
             continue
         if _keeps(e, want):
             keep.add(rel)

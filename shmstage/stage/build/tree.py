@@ -1,6 +1,6 @@
 """The pieces of a tree under partial/<name> that every way of filling it shares: symlinks,
-links to the published copy, hard links and directories' owners, modes and times last, the
-new manifest, and the copy's progress counter.
+links to the published copy, hard links and directories' owners, modes and times last, then
+the source's ACLs, the new manifest, and the copy's progress counter.
 """
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
+from shmstage.errors import ShmstageError
 from shmstage.stage.build.chown import copy_group, copy_owner
+from shmstage.stage.sources import acls
 from shmstage.stage.store import Store
 
 
@@ -76,6 +79,30 @@ def finish_tree(
         os.chmod(path, mode)
         if mtime:
             os.utime(path, ns=(atime if atime >= 0 else mtime, mtime), follow_symlinks=False)
+
+
+def apply_acls(part: str, entries: list[Any]) -> None:
+    """Each file's and directory's ACLs as the walk recorded them (acls.py), written
+    verbatim onto its copy in ``part`` once owners and modes are set (the top's never: its
+    access is topaccess.py's).  A DEST that refuses them (EOPNOTSUPP though it took them
+    when the stage began) refuses the stage: the modes were kept for the ACLs to narrow."""
+    for e in entries:
+        if e[5] is None or e[1] not in ("f", "d") or e[0] == ".":
+            continue
+        try:
+            acls.apply(os.path.join(part, e[0]), e[5])
+        except OSError as err:
+            raise ShmstageError(
+                f"cannot give the copy of {e[0]} its source's ACL: {err.strerror}; nothing "
+                "was published"
+            ) from None
+
+
+def drop_acls(path: str) -> None:
+    """Remove ``path``'s ACLs (none: nothing to do)."""
+    for name in ("system.posix_acl_access", "system.posix_acl_default"):
+        with suppress(OSError):
+            os.removexattr(path, name, follow_symlinks=False)
 
 
 def link_unchanged(old: str, new: str, e: list[Any], owner: os.stat_result | None) -> bool:

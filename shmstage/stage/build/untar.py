@@ -3,6 +3,10 @@ partial/<name>: members in archive order, data by ``sendfile`` from a plain arch
 through tarfile from a compressed one, directories' modes and times last.  The extracted tree
 is walked again afterwards, which catches links that only escape in combination, like
 ``a -> .`` and ``b -> a/..``.
+
+A member's mode is the archive's word only as far as the archive itself allows: every member
+(and the copy's top) is owned by the archive file's owner and group, never setuid, setgid,
+sticky, group- or other-writable, and a class that may not read the archive gets no bits.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from shmstage.stage.sources.tar import BUF, Archive, Member, TarSource, open_arc
 from shmstage.stage.sources.tarformat import DamagedArchive, reading
 from shmstage.stage.sources.walk import Tree, walk
 from shmstage.stage.store import rmtree
+from shmstage.stage.store.access import copy_owner
 
 if TYPE_CHECKING:
     import tarfile
@@ -60,6 +65,11 @@ def extract(
     written with ours)."""
     dirs: list[Member] = []
     fmt = archive.format
+    with reading_as(reader):
+        # the archive as the stager reads it (fill checks afterwards that it is still this one)
+        owner = os.stat(archive.path)
+    keep = member_mask(owner.st_mode)
+    put = _Placer(root, owner, keep)
     plain = all(m.offset >= 0 for m in archive.members if m.kind == "f")
     old_umask = os.umask(0)
     current: list[Member | None] = [None]
@@ -77,7 +87,7 @@ def extract(
                     _extract_one(
                         archive.path,
                         m,
-                        root,
+                        put,
                         dirs,
                         lambda out, m=m: _copy_range(fd, out, m),
                         progress,
@@ -108,7 +118,7 @@ def extract(
                             tf, info, out, lambda: reading(archive.path, fmt, where)
                         )
 
-                    _extract_one(archive.path, m, root, dirs, write, progress)
+                    _extract_one(archive.path, m, put, dirs, write, progress)
             if wanted:
                 raise DamagedArchive(
                     f"cannot read tar archive {archive.path}: it ends before member "
@@ -127,33 +137,63 @@ def extract(
         os.umask(old_umask)
     for m in reversed(dirs):  # children before parents: setting a child touches the parent's mtime
         path = os.path.join(root, m.name) if m.name != "." else root
-        os.chmod(path, m.mode)
+        os.chmod(path, m.mode & keep)
         os.utime(path, ns=(m.mtime_ns, m.mtime_ns), follow_symlinks=False)
+    if not any(m.name == "." for m in dirs):  # the top follows the same rule
+        os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) & keep)
+    copy_owner(root, owner)
+
+
+def member_mask(archive_mode: int) -> int:
+    """The bits a member (or the copy's top) may keep, given the archive file's mode: no
+    setuid/setgid/sticky, no group or other write, and nothing for a class (group, other)
+    that cannot read the archive itself."""
+    keep = 0o755
+    if not archive_mode & stat.S_IRGRP:
+        keep &= ~0o070
+    if not archive_mode & stat.S_IROTH:
+        keep &= ~0o007
+    return keep
+
+
+class _Placer:
+    """Where members go, and whose they are: the archive file's owner and group."""
+
+    def __init__(self, root: str, owner: os.stat_result, keep: int) -> None:
+        self.root, self.owner, self.keep = root, owner, keep
+
+    def own(self, path: str | int) -> None:
+        copy_owner(path, self.owner)
 
 
 def _extract_one(
     archive_path: str,
     m: Member,
-    root: str,
+    put: _Placer,
     dirs: list[Member],
     write: Callable[[int], int],
     progress: Callable[[int, int], None] | None,
 ) -> None:
+    root = put.root
     path = os.path.join(root, m.name) if m.name != "." else root
     if m.name != ".":
-        _make_parents(root, m.name)
+        _make_parents(put, m.name)
     if m.kind == "d":
         if not os.path.isdir(path) or os.path.islink(path):
             _remove(path)
             os.mkdir(path, 0o700)
+            put.own(path)
         dirs.append(m)
         return
     _remove(path)  # a later member of the same name wins, as with tar(1)
     if m.kind == "f":
         fo = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, m.mode
+            path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            m.mode & put.keep,
         )
         try:
+            put.own(fo)  # no setuid/setgid bit to lose: the mask took them
             got = write(fo)
             if got != m.size:
                 raise DamagedArchive(
@@ -168,6 +208,7 @@ def _extract_one(
             progress(m.size, 1)
     elif m.kind == "l":
         os.symlink(m.extra or "", path)
+        put.own(path)
         os.utime(path, ns=(m.mtime_ns, m.mtime_ns), follow_symlinks=False)
     elif m.kind == "h":
         os.link(os.path.join(root, m.extra or ""), path, follow_symlinks=False)
@@ -175,16 +216,17 @@ def _extract_one(
             progress(0, 1)
 
 
-def _make_parents(root: str, rel: str) -> None:
+def _make_parents(put: _Placer, rel: str) -> None:
     parent = posixpath.dirname(rel)
     if not parent:
         return
-    path = os.path.join(root, parent)
+    path = os.path.join(put.root, parent)
     if os.path.isdir(path) and not os.path.islink(path):
         return
-    _make_parents(root, parent)
+    _make_parents(put, parent)
     _remove(path)
-    os.mkdir(path, 0o755)
+    os.mkdir(path, 0o755 & put.keep)
+    put.own(path)
 
 
 def _remove(path: str) -> None:

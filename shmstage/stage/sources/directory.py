@@ -36,6 +36,9 @@ class DirSource(Source):
         # a user's copies keep the source's group where it is one of the user's, else they get
         # no group bits (the walk clears them)
         self.groups = None if self.own else stager_groups()
+        # entries record their ACLs and the copy gets them verbatim (acls.py): staging sets
+        # it where root stages onto a DEST that takes ACLs
+        self.acls = False
         self.tree: Tree | None = None
         # the top, opened once before the walk and kept till the end: owners, groups and the
         # cluster's reads come through the very directory the walk listed, never by path again
@@ -63,6 +66,7 @@ class DirSource(Source):
             idents=True,
             groups=self.groups,
             top=self.top(),
+            acls=self.acls,
         )
         self.tree = tree
         return Listing(

@@ -4,7 +4,8 @@ source lists its tree in (the capacity check is build/estimate.py's require_fit)
 An entry is a plain tuple ``(path, kind, size, mtime_ns, mode, extra)`` so that
 a 1M-file manifest stays cheap to build, store (JSON) and compare:
 kind ``d`` directory, ``f`` file, ``h`` hard link to an earlier file (``extra``
-is that file's path), ``l`` symlink (``extra`` is its target).  Paths are
+is that file's path), ``l`` symlink (``extra`` is its target); a file's or directory's
+``extra`` is the ACLs its copy gets (acls.encode), where the walk keeps them, else None.  Paths are
 relative with ``/``; the root directory is ``"."``.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, may_read, reading_as
 from shmstage.paths import is_within
-from shmstage.stage.sources.acls import acl_bits, acl_group
+from shmstage.stage.sources.acls import Found, acl_group, read
 from shmstage.stage.sources.beneath import SourceTree, ident
 
 Entry = tuple  # (path, kind, size, mtime_ns, mode, extra)
@@ -108,8 +109,8 @@ def climbs_out(
     return False
 
 
-# name, lstat, a symlink's target (else the group bits its access ACL allows: acl_group)
-Scanned = list[tuple[str, os.stat_result, str | int | None]]
+# name, lstat, a symlink's target (else its ACLs: acls.read)
+Scanned = list[tuple[str, os.stat_result, str | Found | None]]
 
 
 def _scan_dir(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
@@ -156,14 +157,14 @@ def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
             path = os.path.join(abs_dir, item.name)
             try:
                 st = item.stat(follow_symlinks=False)  # fstatat(fd, name): no path walk
-                target: str | int | None
+                target: str | Found | None
                 if stat.S_ISLNK(st.st_mode):
                     target = os.readlink(item.name, dir_fd=fd)
                 else:  # (by path: at worst the narrowing of another file, never a widening)
-                    target, acl = acl_bits(path, st.st_mode)
+                    target = read(path, st.st_mode, stat.S_ISDIR(st.st_mode))
                     if reader is not None and stat.S_ISREG(st.st_mode):
                         # (no group bits: Linux consults no ACL, acl_permission_check)
-                        plain = acl is False or not st.st_mode & 0o070
+                        plain = target.has is False or not st.st_mode & 0o070
                         key = (st.st_uid, st.st_gid, st.st_mode) if plain else None
                         ok = alike.get(key) if key is not None else None
                         if ok is None:
@@ -226,18 +227,24 @@ class Walker:
         idents: bool = False,
         groups: frozenset[int] | None = None,
         top: SourceTree | None = None,
+        acls: bool = False,
     ) -> None:
         self.root = root
+        # entries record their ACLs (acls.read) and keep their modes, for a copy that gets
+        # them verbatim; else a mode is narrowed to what its ACL let every user have
+        self.acls = acls
         self.top = top  # the caller's open top (it keeps reading through it), else our own
         self.check_links = check_links
         self.hardlinks = hardlinks
         self.threads = max(1, threads)
-        self.real_root = os.path.realpath(root)
         # each symlink's target as the copy will store it, as the walk read it: whether one
         # climbs out is judged on these once the walk ended, never by a live lookup (which
         # the tree's owner could race: a link flipped after the check, before its listing)
         self._links: dict[str, str] = {}
         reader = top.reader if top is not None else None
+        self._reader = reader
+        with reading_as(reader):  # resolved as the reader: what root alone may see stays unseen
+            self.real_root = os.path.realpath(root)
         try:
             st = os.fstat(top.fd) if top is not None else os.lstat(root)
         except OSError as e:
@@ -247,7 +254,7 @@ class Walker:
         # 0755 one stays 0755): else the user's primary group could read what it could not.
         self.groups = groups
         with reading_as(reader):
-            top_mode = self._mode(st) & (~0o070 | acl_group(root, st.st_mode))
+            top_mode = self._mode(st) & (~0o077 | acl_group(root, st.st_mode))
         self.entries: list[Entry] = [(".", "d", 0, st.st_mtime_ns, top_mode, None)]
         self.atimes = [st.st_atime_ns]
         self.bytes = self.files = 0
@@ -342,8 +349,15 @@ class Walker:
         for name, st, link in listing:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             mode = st.st_mode
+            acl = None  # the ACLs the copy gets verbatim (acls.encode)
+            keep = -1  # else the mode bits it may keep (acls.read)
+            if type(link) is Found:
+                if self.acls and link.recorded is not None:
+                    acl = link.recorded
+                else:
+                    keep = ~0o077 | link.keep
             if stat.S_ISREG(mode):
-                fmode = mode & FILE_MODE_MASK & (~0o070 | link if type(link) is int else -1)
+                fmode = mode & FILE_MODE_MASK & keep
                 if groups is not None and st.st_gid not in groups:  # inline: 1M calls
                     fmode &= ~stat.S_IRWXG | (fmode & 0o7) << 3
                 self.files += 1
@@ -356,16 +370,19 @@ class Walker:
                     self.bytes += st.st_size
                     if self.idents is not None:
                         self.idents[rel] = st.st_dev << 64 | st.st_ino
-                    entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, None))
+                    entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, acl))
             elif stat.S_ISDIR(mode):
-                dmode = self._mode(st) & (~0o070 | link if type(link) is int else -1)
-                entries.append((rel, "d", 0, st.st_mtime_ns, dmode, None))
+                dmode = self._mode(st) & keep
+                entries.append((rel, "d", 0, st.st_mtime_ns, dmode, acl))
                 subdirs.append((rel, ident(st)))
             elif stat.S_ISLNK(mode):
                 path = os.path.join(self.root, rel)
                 target = link if isinstance(link, str) else ""
                 if self.check_links:
-                    stored = link_target(self.root, self.real_root, rel, target)
+                    # realpath as the reader: resolved as root, whether a link through a
+                    # directory only root may search is accepted tells what is behind it
+                    with reading_as(self._reader):
+                        stored = link_target(self.root, self.real_root, rel, target)
                     if stored is None:
                         raise RefusedError(
                             f"source has a symlink that points outside it: {path} -> {target}; "
@@ -392,6 +409,7 @@ def walk(
     idents: bool = False,
     groups: frozenset[int] | None = None,
     top: SourceTree | None = None,
+    acls: bool = False,
 ) -> Tree:
     """lstat every entry under ``root`` (never following symlinks); ``threads`` > 1 for
     network file systems, where each lstat is a round trip."""
@@ -403,6 +421,7 @@ def walk(
         idents=idents,
         groups=groups,
         top=top,
+        acls=acls,
     )
     for _ in walker:
         pass

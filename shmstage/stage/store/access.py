@@ -7,6 +7,9 @@ have.  ``restrict_root`` clears, on the published root, the permission class
 ``grant`` lets one user who proved they can read the source (the node service's
 freshness check, run as them) through that root again: a POSIX ACL entry
 ``user:UID:r-x`` on it, which ``restrict_root`` keeps.
+
+A dataset's bookkeeping (its manifest and record name the source and every file) is readable
+by exactly who may pass its top: ``bookkeeping_access`` and ``share_like``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
     ``group`` only; the other class a user in neither and owning nothing on the way.
     A class keeps its bits only if the kernel would have let it through every directory
     above the source and into the source itself (under the source's ownership)."""
-    chain = _path_to(os.path.realpath(source), kind)
+    real = os.path.realpath(source)
+    chain = _path_to(real, kind)
     who = (
         (owner, _groups_of(owner, group)),
         (None, frozenset((group,))),
@@ -87,7 +91,45 @@ def denied_classes(source: str, kind: str, owner: int, group: int) -> int:
     for (bits, _name), (uid, gids) in zip(_CLASSES, who):
         if not all(_may(st, uid, gids, want) for st, want in chain):
             clear |= bits
+    if _unmodelled(real, chain):
+        clear |= stat.S_IRWXG | stat.S_IRWXO
     return clear
+
+
+def _unmodelled(source: str, chain: list[tuple[os.stat_result, int]]) -> bool:
+    """Whether the path to ``source`` shuts out users the three classes above cannot stand
+    for, so that only the owner (and users ``grant`` lets in) may keep the copy's top:
+
+    * a directory above the source, or the source itself, with an extended ACL (a named
+      ``user:mallory:---`` or ``group:interns:---``: a user the copy's group or other class
+      would let in; the copy's top never keeps its source's ACL);
+    * a directory above with "negative" bits, a class granted what a class before it is
+      not (0705: the members of its group may not pass, though others may; 0075: its owner
+      may not): "other" in the copy is also those members, that owner."""
+    path = os.path.dirname(source)
+    paths = []
+    while True:
+        paths.append(path)
+        if path == os.path.dirname(path):
+            break
+        path = os.path.dirname(path)
+    for (st, want), path in zip(chain, [*paths, source]):
+        owner, group, other = st.st_mode >> 6 & want, st.st_mode >> 3 & want, st.st_mode & want
+        if path != source and (other & ~group or (group | other) & ~owner):
+            return True
+        if _extended(path):
+            return True
+    return False
+
+
+def _extended(path: str) -> bool:
+    """Whether ``path`` has an access ACL naming users or groups (or a mask): more than its
+    mode says.  Unreadable: assumed so (a restriction, never a widening)."""
+    try:
+        entries = _acl_entries(path)
+    except OSError:
+        return True
+    return any(tag in (_USER, _GROUP, _MASK) for tag, _, _ in entries)
 
 
 def restrict_root(
@@ -131,7 +173,7 @@ def restrict_root(
 _ACL = "system.posix_acl_access"
 _HEADER, _ENTRY = struct.Struct("<I"), struct.Struct("<HHI")
 _VERSION, _NO_ID = 2, 0xFFFFFFFF
-_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
 _SEARCH = 0o5  # r-x: list and pass through the copy's top directory
 
 
@@ -159,7 +201,7 @@ def granted(path: str) -> dict[int, int]:
     return {uid: perm for tag, perm, uid in _acl_entries(path) if tag == _USER}
 
 
-def _write_acl(path: str, mode: int, named: dict[int, int]) -> None:
+def _write_acl(path: str | int, mode: int, named: dict[int, int]) -> None:
     """The ACL of ``mode`` (owner, group, other) plus the ``named`` users; its mask lets the
     named users have their permissions (the owning group keeps only its own)."""
     group = mode >> 3 & 7
@@ -170,7 +212,10 @@ def _write_acl(path: str, mode: int, named: dict[int, int]) -> None:
     entries += [(_USER, named[uid], uid) for uid in sorted(named)]
     entries += [(_GROUP_OBJ, group, _NO_ID), (_MASK, mask, _NO_ID), (_OTHER, mode & 7, _NO_ID)]
     raw = _HEADER.pack(_VERSION) + b"".join(_ENTRY.pack(*e) for e in entries)
-    os.setxattr(path, _ACL, raw, follow_symlinks=False)
+    if isinstance(path, int):
+        os.setxattr(path, _ACL, raw)
+    else:
+        os.setxattr(path, _ACL, raw, follow_symlinks=False)
 
 
 def grant(root: str, uid: int) -> bool:
@@ -194,3 +239,47 @@ def is_restriction(want: int, have: int) -> bool:
     """Whether ``have`` is the mode ``want`` with only read/write/search bits cleared
     (what :func:`restrict_root` does): ``verify`` does not count it as a difference."""
     return have & ~want == 0 and (want ^ have) & ~0o777 == 0
+
+
+Access = tuple[int, int, dict[int, int]]  # mode, group (-1: the writer's), users let read
+
+
+def bookkeeping_access(top: str) -> Access:
+    """Who may read a file naming what the copy at ``top`` holds (its manifest, its record):
+    who may list the top.  0644 where other may; else 0640 with the top's group where the
+    group may; else 0600.  The top's owner and the users :func:`grant` let in read it through
+    an ACL entry.  No top: 0600."""
+    try:
+        st = os.lstat(top)
+    except OSError:
+        return 0o600, -1, {}
+    named = granted(top)
+    mode = without_grants(top, stat.S_IMODE(st.st_mode), named)
+    if mode & _SEARCH == _SEARCH:
+        return 0o644, -1, {}
+    readers = {uid: 4 for uid, perm in named.items() if perm & _SEARCH == _SEARCH}
+    readers[st.st_uid] = 4  # the copy's owner (root staged alice's private data for her)
+    if mode >> 3 & _SEARCH == _SEARCH:
+        return 0o640, st.st_gid, readers
+    return 0o600, -1, readers
+
+
+def share_like(fd: int, want: Access) -> None:
+    """Give the open bookkeeping file ``fd`` the access ``want`` (bookkeeping_access)."""
+    mode, gid, readers = want
+    st = os.fstat(fd)
+    readers = {uid: perm for uid, perm in readers.items() if uid != st.st_uid}
+    if gid != -1 and gid != st.st_gid:
+        try:
+            os.fchown(fd, -1, gid)
+        except OSError:
+            mode &= ~0o070  # not root, not in that group: the group class gets nothing
+    os.fchmod(fd, mode)  # drops an old ACL's named entries from effect (its mask is the mode's)
+    try:
+        if readers:
+            _write_acl(fd, mode, readers)
+        else:
+            os.removexattr(fd, _ACL)
+    except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.EOPNOTSUPP):
+            raise

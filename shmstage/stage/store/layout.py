@@ -23,6 +23,7 @@ from typing import Any
 from shmstage import system
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.libc import load_libc
+from shmstage.stage.store import access
 from shmstage.stage.store.checks import (
     check_dir,
     check_owner,
@@ -253,7 +254,7 @@ class Store:
 
     def write_record(self, record: Record) -> None:
         data = {"format": FORMAT, **record.__dict__}
-        _write_json(self.meta_path(record.name), data)
+        _write_json(self.meta_path(record.name), data, self.path(record.name))
         self.ensure_stamp(record.name)  # before any job can use it (see touch)
 
     def read_manifest(self, name: str) -> dict[str, Any] | None:
@@ -263,13 +264,31 @@ class Store:
         return data
 
     def write_manifest(self, name: str, data: dict[str, Any]) -> None:
-        _write_json(self.manifest_path(name), {"format": FORMAT, **data})
+        _write_json(self.manifest_path(name), {"format": FORMAT, **data}, self.path(name))
 
     def prepare_manifest(self, name: str, data: dict[str, Any]) -> str:
-        """Write the next version's manifest beside the current one; :meth:`commit_manifest` swaps it in."""
+        """Write the next version's manifest beside the current one; :meth:`commit_manifest` swaps it in.
+        Private (0600) until the publish gives it the new copy's access (:meth:`share_bookkeeping`)."""
         path = self.new_manifest_path(name)
         _write_json(path, {"format": FORMAT, **data})
         return path
+
+    def share_bookkeeping(self, name: str, top: str | None = None) -> None:
+        """Give ``name``'s manifests and record the access of its copy's top (``top``: the
+        one about to be published), after that top's mode or ACL changed."""
+        want = access.bookkeeping_access(self.path(name) if top is None else top)
+        paths = [self.new_manifest_path(name)]
+        if top is None:
+            paths += [self.manifest_path(name), self.meta_path(name)]
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                access.share_like(fd, want)
+            finally:
+                os.close(fd)
 
     def new_manifest_path(self, name: str) -> str:
         return os.path.join(self.manifest_dir, f".{name}.json.new")
@@ -309,7 +328,9 @@ class Store:
         return os.path.join(self.meta_dir, f".{name}.next.json")
 
     def write_next(self, record: Record) -> None:
-        _write_json(self.next_path(record.name), {"format": FORMAT, **record.__dict__})
+        """Before the exchange: readable as the copy in partial/ about to be published."""
+        data = {"format": FORMAT, **record.__dict__}
+        _write_json(self.next_path(record.name), data, self.partial(record.name))
 
     def read_next(self, name: str) -> Record | None:
         data = _read_json(self.next_path(name))
@@ -556,13 +577,22 @@ def _read_json(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    """Write-then-rename so a reader never sees half a record."""
+def _write_json(path: str, data: dict[str, Any], top: str | None = None) -> None:
+    """Write-then-rename so a reader never sees half a record.  It names the source and the
+    files of the copy at ``top``: readable by who may list that top (None: nobody yet)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)  # a killed writer's, with whatever access it had
         fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
         )
+        if top is not None:
+            try:
+                access.share_like(fd, access.bookkeeping_access(top))
+            except OSError:
+                os.close(fd)
+                raise
         with os.fdopen(fd, "w") as f:
             f.write(
                 json.dumps(data, separators=(",", ":"))
