@@ -148,3 +148,53 @@ def test_a_dest_through_a_users_symlink_is_never_written_through(service, procs)
         flipper.kill()
         flipper.wait()
     assert list(other.iterdir()) == []
+
+
+MAL = 4553
+
+
+def test_a_leased_dataset_is_never_replaced_by_another_source_even_by_root(service, procs):
+    """Alice's job leases ds (a copy of Mal's source); Mal, then root, stage another source
+    --name ds --force: both refused, naming the job, its files unchanged; a forced recopy of
+    the same source stays allowed; once the job is gone, root may replace it."""
+    src = make_ds(service.world / "mal" / "ds", files=3, size=1000)
+    evil = make_ds(service.world / "mal" / "evil", files=3, size=7)
+    own(service.world / "mal", MAL)
+    job = procs.start([*as_user(ALICE), "--", "sleep", "300"])
+    r = service.run("stage", str(src), "--lease-for", str(job.pid), "-q", uid=ALICE)
+    assert r.returncode == 0, r.stderr
+    before = (service.store / "ds" / "f1").read_bytes()
+    for uid in (MAL, None):
+        r = service.run("stage", str(evil), "--name", "ds", "--force", "-q", uid=uid)
+        assert r.returncode != 0, (uid, r.stdout)
+        assert "Traceback" not in r.stderr, r.stderr
+        assert (service.store / "ds" / "f1").read_bytes() == before
+    assert f"ds is in use by pid {job.pid}" in r.stderr, r.stderr
+    assert f"replacing it with {evil} would change the files under that job" in r.stderr
+    r = service.run("stage", str(src), "--force", "-q", uid=MAL)
+    assert r.returncode == 0, r.stderr  # the same source, recopied
+    job.kill()
+    job.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        r = service.run("stage", str(evil), "--name", "ds", "--force", "-q")
+        if r.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.returncode == 0, r.stderr
+    assert (service.store / "ds" / "f1").read_bytes() == (evil / "f1").read_bytes()
+
+
+def test_only_root_replaces_a_dataset_by_another_source_through_the_service(service):
+    """Mal owns the source of ds (so its copy's top): he still may not put another source
+    under that name through the service, and is told to use another --name."""
+    src = make_ds(service.world / "mal" / "ds", files=2, size=1000)
+    other = make_ds(service.world / "mal" / "other", files=2, size=7)
+    own(service.world / "mal", MAL)
+    assert service.run("stage", str(src), "-q", uid=ALICE).returncode == 0
+    r = service.run("stage", str(other), "--name", "ds", "--force", "-q", uid=MAL)
+    assert r.returncode != 0 and "only root may replace" in r.stderr, r.stderr
+    assert "under another --name" in r.stderr
+    assert (service.store / "ds" / "f1").read_bytes() == (src / "f1").read_bytes()
+    r = service.run("stage", str(other), "--name", "ds", "--force", "-q")
+    assert r.returncode == 0, r.stderr

@@ -17,6 +17,7 @@ from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, Share
 from shmstage.stage import engine
 from shmstage.stage.cache.tiers import holding, joined, split
+from shmstage.stage.sources import kinds
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name, name_for
 from shmstage.stage.topaccess import may_list
@@ -33,8 +34,6 @@ Progress = Callable[[Any], None]
 def warm_up() -> None:
     """Import, in the service before it forks, what the ops import lazily (a child forked
     while another thread imports would wait forever on the import lock)."""
-    from shmstage.stage.sources import kinds
-
     for src in ("s3://x/y", "gs://x/y", "az://x/y", "/x.tar", "/x.tar.gz", "/x"):
         try:
             kinds.location_of(src)
@@ -123,19 +122,25 @@ def owner_of(dest: str, name: str) -> int | None:
 
 
 def _may_replace(dest: str, name: str | None, src: str, caller: Caller) -> None:
-    """``--force`` replaces a dataset of the same name from another source: the owner's or
-    root's call, never another user's."""
+    """``--force`` replacing a dataset by a copy of another source is root's call alone: the
+    copy's top keeps its source's owner, who is not the owner of the name (a user stages
+    under another --name).  A forced recopy of the same source is the engine's to judge."""
     if caller.is_root:
         return
     if name is None:
         name = name_for(src)
     if name is None:
         return
-    owner = owner_of(dest, name)
-    if owner is not None and owner != caller.uid:
+    tier = holding(name, dest)
+    record = Store(tier).published(name) if tier else None
+    if record is None:
+        return
+    _, source = kinds.resolve(src, caller)  # the engine's own spelling of the source
+    if source != record.source:
         raise PermissionDenied(
-            f"--force would replace {name}, whose copy belongs to {user_name(owner)}: only "
-            "that user or root may replace it"
+            f"--force would replace {name} (a copy of {record.source}) with {source}: only "
+            f"root may replace a dataset by another source through the shmstage service; "
+            f"stage {source} under another --name"
         )
 
 
