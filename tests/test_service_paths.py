@@ -198,3 +198,43 @@ def test_only_root_replaces_a_dataset_by_another_source_through_the_service(serv
     assert (service.store / "ds" / "f1").read_bytes() == (src / "f1").read_bytes()
     r = service.run("stage", str(other), "--name", "ds", "--force", "-q")
     assert r.returncode == 0, r.stderr
+
+
+def test_a_user_who_cannot_reach_a_copy_learns_nothing_of_it(service):
+    """Alice stages a dataset from her 0700 home: Bob's verify (with and without --checksum)
+    is refused as find refuses him, never "OK" nor "gone"; list and metrics do not show it to
+    him; root's metrics do."""
+    home = service.world / "alicehome"
+    src = make_ds(home / "secretds", files=3, size=1000)
+    own(home, ALICE)
+    home.chmod(0o700)
+    assert service.run("stage", str(src), "-q", uid=ALICE).returncode == 0
+    for extra in ([], ["--checksum"]):
+        r = service.run("verify", "secretds", *extra, uid=BOB)
+        assert r.returncode != 0, (extra, r.stdout)
+        assert f"you cannot read {src} at the source (Permission denied)" in r.stderr, r.stderr
+        assert "OK" not in r.stdout and "gone" not in r.stderr
+    r = service.run("list", uid=BOB)
+    assert r.returncode == 0 and "secretds" not in r.stdout, r.stdout
+    r = service.run("metrics", uid=BOB)
+    assert r.returncode == 0 and "secretds" not in r.stdout, r.stdout
+    r = service.run("metrics")
+    assert r.returncode == 0 and 'name="secretds"' in r.stdout, r.stdout
+    r = service.run("verify", "secretds", "--checksum", uid=ALICE)
+    assert r.returncode == 0, r.stderr
+
+
+def test_verify_checksum_tells_a_source_one_cannot_read_from_one_that_is_gone(service):
+    """Bob got Alice's copy while her home was open; she closes it: his verify --checksum
+    says he cannot read the source, not that it is gone."""
+    home = service.world / "alicehome"
+    src = make_ds(home / "ds", files=3, size=1000)
+    own(home, ALICE)
+    home.chmod(0o755)
+    assert service.run("stage", str(src), "-q", uid=ALICE).returncode == 0
+    assert service.run("stage", str(src), "-q", uid=BOB).returncode == 0
+    home.chmod(0o700)
+    r = service.run("verify", "ds", "--checksum", uid=BOB)
+    assert r.returncode != 0, r.stdout
+    assert f"you cannot read {src} at the source (Permission denied)" in r.stderr, r.stderr
+    assert "gone" not in r.stderr

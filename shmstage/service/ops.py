@@ -9,6 +9,7 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from shmstage import metrics
@@ -207,10 +208,16 @@ def op_plan(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
 def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
     """The copy, when the caller may have it: readable to them as it is, or, after the
     freshness check reads its source as the caller, granted to them."""
-    dest = tiers_of(service, a.get("dest"))
-    found = engine.find(a["key"], dest)
+    found = engine.find(a["key"], tiers_of(service, a.get("dest")))
+    _let_in(service, caller, a, found)
+    return found
+
+
+def _let_in(service: Any, caller: Caller, a: Mapping[str, Any], found: Any) -> None:
+    """Let ``caller`` reach ``found``'s copy, as find does: already readable to them, or
+    granted once the freshness check read its source as them; else find's refusal."""
     if found is None or may_read(found.path, caller):
-        return found
+        return
     engine.plan(
         found.source,
         name=found.name,
@@ -219,7 +226,6 @@ def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
         **_reader(caller, a),
     )  # raises when the caller cannot read the source
     _grant(found, caller)
-    return found
 
 
 def op_list(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
@@ -234,9 +240,15 @@ def op_list(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
 
 
 def op_verify(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    """As the caller: one who may not reach the copy (nor read its source) gets find's
+    refusal, never an answer about it."""
+    dest = tiers_of(service, a.get("dest"))
+    if not caller.is_root:
+        check_name(a["name"])
+        _let_in(service, caller, a, engine.find(a["name"], dest))
     return engine.verify(
         a["name"],
-        tiers_of(service, a.get("dest")),
+        dest,
         checksum=bool(a.get("checksum")),
         **_reader(caller, a),
     )
@@ -277,7 +289,13 @@ def op_gc(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -
 
 
 def op_metrics(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
-    return metrics.collect(tiers_of(service, a.get("dest")), service.policies)
+    """Every dataset for root (Prometheus scrapes as root); for anyone else, as ``list``,
+    only the datasets whose copy they may list (the tiers' totals are the node's)."""
+    found = metrics.collect(tiers_of(service, a.get("dest")), service.policies)
+    if caller.is_root:
+        return found
+    mine = tuple(d for d in found.datasets if may_list(os.path.join(d.tier, d.name), caller))
+    return replace(found, datasets=mine)
 
 
 def op_lease(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
