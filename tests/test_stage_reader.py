@@ -352,7 +352,7 @@ def test_verify_checksum_as_a_reader_who_cannot_read_a_file_is_refused(world):
     assert in_child(lambda: check(BOB_ALONE)) == (
         "error",
         "RefusedError",
-        f"you cannot read {src}/secret at the source (Permission denied): nothing staged",
+        f"you cannot read {src}/secret at the source (Permission denied)",  # verify stages nothing
     )
 
 
