@@ -641,3 +641,96 @@ def test_list_through_the_service_shows_only_copies_the_caller_may_list(service,
         r = service.run("list", "--json", uid=uid)
         assert r.returncode == 0, r.stderr
         assert ("secret-plans" in r.stdout) is shown, (uid, r.stdout)
+
+
+# --- grants taken back ------------------------------------------------------------------------
+
+TEAM = 4560  # alice's home's group; bob is in it (in /etc/group, as the kernel would not say)
+
+
+@pytest.fixture
+def team_users(world):
+    """alice and bob in /etc/passwd, bob a member of TEAM in /etc/group: copies bind-mounted
+    over the real ones in this private mount namespace (the service's too), for as long as
+    the test runs."""
+    etc = world / "etc"
+    etc.mkdir()
+    passwd = Path("/etc/passwd").read_text()
+    group = Path("/etc/group").read_text()
+    (etc / "passwd").write_text(
+        passwd + f"sst-alice:x:{ALICE}:{ALICE}::/:/bin/sh\nsst-bob:x:{BOB}:{BOB}::/:/bin/sh\n"
+    )
+    (etc / "group").write_text(
+        group + f"sst-alice:x:{ALICE}:\nsst-bob:x:{BOB}:\nsst-team:x:{TEAM}:sst-alice,sst-bob\n"
+    )
+    mounted = []
+    try:
+        for name in ("passwd", "group"):
+            (etc / name).chmod(0o644)
+            subprocess.run(["mount", "--bind", str(etc / name), f"/etc/{name}"], check=True)
+            mounted.append(f"/etc/{name}")
+        yield
+    finally:
+        for path in reversed(mounted):
+            subprocess.run(["umount", path], check=False)
+
+
+def as_member(uid: int, *cmd: str) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={TEAM}", *cmd]
+
+
+def test_a_grant_is_taken_back_once_its_user_no_longer_reaches_the_source(
+    service, world, team_users
+):
+    """Alice's home (alice:TEAM, 0750) holds her dataset; bob (in TEAM) is handed the copy
+    through the service (a grant).  A find or a stage by anyone re-checks him as himself and
+    keeps him while he reaches the source; once alice closes her home (0700) the next find
+    (alice's) takes his grant back, off the copy's top and its manifest and record; let in
+    again, the next stage (alice's restage) takes it back too."""
+    home = world / "home"
+    src = make_ds(home / "ds", uid=ALICE)
+    os.chown(home, ALICE, TEAM)
+    home.chmod(0o750)
+    assert service.run("stage", str(src), "-q", uid=ALICE).returncode == 0
+    top = service.store / "ds"
+    python = os.path.join(os.path.dirname(service.bin[0]), "python")
+    find = f"from shmstage.loader import staged_path; print(staged_path({str(src)!r}))"
+
+    def bob_reads() -> bool:
+        r = subprocess.run(as_member(BOB, "cat", str(top / "f1")), capture_output=True)
+        return r.returncode == 0
+
+    def find_as(uid: int) -> None:
+        cmd = as_member(uid, python, "-c", find)
+        r = subprocess.run(cmd, env=service.env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout == f"{top}\n", r.stderr
+
+    def named(path: Path) -> set[int]:
+        try:
+            raw = os.getxattr(path, "system.posix_acl_access")
+        except OSError:
+            return set()
+        entries = [struct.unpack_from("<HHI", raw, o) for o in range(4, len(raw), 8)]
+        return {uid for tag, _, uid in entries if tag == 0x02}
+
+    meta = service.store / ".shmstage" / "meta" / "ds.json"
+    assert not bob_reads()
+    find_as(BOB)  # the service checks him at the source and lets him in
+    assert bob_reads() and BOB in named(top) and BOB in named(meta)
+    find_as(ALICE)  # re-checked as bob: he still reaches it
+    assert service.run("stage", str(src), "-q", uid=ALICE).returncode == 0
+    assert bob_reads() and BOB in named(top)
+
+    home.chmod(0o700)  # alice shuts him out
+    find_as(ALICE)
+    assert not bob_reads()
+    assert BOB not in named(top) and BOB not in named(meta)
+    assert (top / "f1").read_bytes() == (src / "f1").read_bytes()  # the copy itself untouched
+
+    home.chmod(0o750)
+    find_as(BOB)
+    assert bob_reads()
+    home.chmod(0o700)
+    r = service.run("stage", str(src), "-q", uid=ALICE)  # unchanged: the recheck
+    assert r.returncode == 0, r.stderr
+    assert not bob_reads() and BOB not in named(top)

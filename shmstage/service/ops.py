@@ -9,6 +9,7 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from shmstage import metrics
@@ -17,6 +18,7 @@ from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, Share
 from shmstage.stage import engine
 from shmstage.stage.cache.tiers import holding, joined, split
+from shmstage.stage.sources import kinds
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.names import check_name, name_for
 from shmstage.stage.topaccess import may_list
@@ -33,8 +35,6 @@ Progress = Callable[[Any], None]
 def warm_up() -> None:
     """Import, in the service before it forks, what the ops import lazily (a child forked
     while another thread imports would wait forever on the import lock)."""
-    from shmstage.stage.sources import kinds
-
     for src in ("s3://x/y", "gs://x/y", "az://x/y", "/x.tar", "/x.tar.gz", "/x"):
         try:
             kinds.location_of(src)
@@ -53,19 +53,23 @@ def make_keeper(service: Any) -> Any:
 
 
 def tiers_of(service: Any, dest: str | None) -> str:
-    """The tiers a request names: all the service's when ``dest`` is None, else ``dest``'s,
-    each of which must be one of the service's (a user's own DEST never comes here)."""
+    """The service's own tiers a request names: all of them when ``dest`` is None, else, for
+    each tier of ``dest``, the service's configured string for it. The client's path is only
+    compared, never used: through a symlink the client owns it could point elsewhere by the
+    time the engine (root) writes there."""
     if dest is None:
         return joined(service.tiers)
-    ours = {os.path.realpath(t) for t in service.tiers}
-    asked = split(dest)
-    for t in asked:
-        if os.path.realpath(t) not in ours:
+    ours = {os.path.realpath(t): t for t in service.tiers}
+    mapped = []
+    for t in split(dest):
+        own = ours.get(os.path.realpath(t))
+        if own is None:
             raise RefusedError(
                 f"{t} is not a tier of the shmstage service ({joined(service.tiers)}): "
                 "stage into your own directory with --dest and --no-service"
             )
-    return joined(asked)
+        mapped.append(own)
+    return joined(mapped)
 
 
 def _reader(caller: Caller, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,19 +123,25 @@ def owner_of(dest: str, name: str) -> int | None:
 
 
 def _may_replace(dest: str, name: str | None, src: str, caller: Caller) -> None:
-    """``--force`` replaces a dataset of the same name from another source: the owner's or
-    root's call, never another user's."""
+    """``--force`` replacing a dataset by a copy of another source is root's call alone: the
+    copy's top keeps its source's owner, who is not the owner of the name (a user stages
+    under another --name).  A forced recopy of the same source is the engine's to judge."""
     if caller.is_root:
         return
     if name is None:
         name = name_for(src)
     if name is None:
         return
-    owner = owner_of(dest, name)
-    if owner is not None and owner != caller.uid:
+    tier = holding(name, dest)
+    record = Store(tier).published(name) if tier else None
+    if record is None:
+        return
+    _, source = kinds.resolve(src, caller)  # the engine's own spelling of the source
+    if source != record.source:
         raise PermissionDenied(
-            f"--force would replace {name}, whose copy belongs to {user_name(owner)}: only "
-            "that user or root may replace it"
+            f"--force would replace {name} (a copy of {record.source}) with {source}: only "
+            f"root may replace a dataset by another source through the shmstage service; "
+            f"stage {source} under another --name"
         )
 
 
@@ -198,10 +208,16 @@ def op_plan(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
 def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
     """The copy, when the caller may have it: readable to them as it is, or, after the
     freshness check reads its source as the caller, granted to them."""
-    dest = tiers_of(service, a.get("dest"))
-    found = engine.find(a["key"], dest)
+    found = engine.find(a["key"], tiers_of(service, a.get("dest")))
+    _let_in(service, caller, a, found)
+    return found
+
+
+def _let_in(service: Any, caller: Caller, a: Mapping[str, Any], found: Any) -> None:
+    """Let ``caller`` reach ``found``'s copy, as find does: already readable to them, or
+    granted once the freshness check read its source as them; else find's refusal."""
     if found is None or may_read(found.path, caller):
-        return found
+        return
     engine.plan(
         found.source,
         name=found.name,
@@ -210,7 +226,6 @@ def op_find(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
         **_reader(caller, a),
     )  # raises when the caller cannot read the source
     _grant(found, caller)
-    return found
 
 
 def op_list(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
@@ -225,9 +240,15 @@ def op_list(service: Any, caller: Caller, a: dict[str, Any], progress: Progress)
 
 
 def op_verify(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
+    """As the caller: one who may not reach the copy (nor read its source) gets find's
+    refusal, never an answer about it."""
+    dest = tiers_of(service, a.get("dest"))
+    if not caller.is_root:
+        check_name(a["name"])
+        _let_in(service, caller, a, engine.find(a["name"], dest))
     return engine.verify(
         a["name"],
-        tiers_of(service, a.get("dest")),
+        dest,
         checksum=bool(a.get("checksum")),
         **_reader(caller, a),
     )
@@ -268,7 +289,13 @@ def op_gc(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -
 
 
 def op_metrics(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:
-    return metrics.collect(tiers_of(service, a.get("dest")), service.policies)
+    """Every dataset for root (Prometheus scrapes as root); for anyone else, as ``list``,
+    only the datasets whose copy they may list (the tiers' totals are the node's)."""
+    found = metrics.collect(tiers_of(service, a.get("dest")), service.policies)
+    if caller.is_root:
+        return found
+    mine = tuple(d for d in found.datasets if may_list(os.path.join(d.tier, d.name), caller))
+    return replace(found, datasets=mine)
 
 
 def op_lease(service: Any, caller: Caller, a: dict[str, Any], progress: Progress) -> Any:

@@ -277,6 +277,7 @@ def find(
         found = catalog.find(name_or_source, tier, locate=sources.location_of)
         if found is not None:
             topaccess.check_shared(found.path, found.name, found.source, me)
+            topaccess.forget_lapsed(Store(tier), found.name)  # who no longer reaches its source
             return found
         if me is not None and "://" in key:  # its record is as private as its copy
             name = name_for(key)
@@ -350,8 +351,9 @@ def grant(name: str, dest: str | os.PathLike[str] | None, uid: int) -> None:
     """Let ``uid`` through the top directory of ``name``'s copy where its source path shut
     them out (store/access.py ``grant``: an ACL entry ``user:uid:r-x``).  Only for a user who
     passed the freshness check as themselves (a ``stage`` with ``reader``, which lets its
-    reader in by itself); the files below keep their source's modes.  Kept while the copy is
-    current; a restage (a changed source) makes everyone prove it again."""
+    reader in by itself); the files below keep their source's modes.  Taken back at
+    the next stage or find of it, by anyone, once ``uid`` no longer passes the source path
+    (topaccess.revoke_lapsed); a restage (a changed source) makes everyone prove it again."""
     check_name(name)
     tiers = split(dest)
     tier = holding(name, joined(tiers))

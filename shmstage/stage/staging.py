@@ -232,6 +232,9 @@ def _stage_locked(
             f"{store.path(name)} already holds {record.source}; stage {source} under another --name, "
             "or pass --force to replace it"
         )
+    if record is not None and record.source != source:  # refused before a byte is copied
+        with leases.unleased(store, name, source):  # and again at publish
+            pass
     same = record is not None and manifest is not None and record.source == source and not force
     src = sources.open_source(kind, source, strip_components, peers, reader, credentials, share)
     if src.kind == "dir":  # root's copies keep owners, so they can keep the ACLs too (acls.py)
@@ -300,7 +303,11 @@ def _stage_locked(
             # Kept or linked files stay charged to whoever wrote them (a killed run, the old
             # version's stager): make-room must not count them as ours (None: counts 0).
             new = replace(new, memcg=None)
-        _publish(store, name, new, marker)
+        if record is not None and record.source != source:
+            with leases.unleased(store, name, source):  # a new lease waits for the exchange
+                _publish(store, name, new, marker)
+        else:
+            _publish(store, name, new, marker)
         return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.

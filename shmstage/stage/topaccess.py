@@ -4,7 +4,9 @@ and a reader who proved they can read the source (the node service's caller) let
 
 staging.py calls it when it publishes a directory or an archive, and again each time it
 finds the copy current: a path may have opened or closed since; and, before a stage would
-replace a copy, asks it whether this reader may (``check_replace``).
+replace a copy, asks it whether this reader may (``check_replace``).  Each of those, and each
+``find`` of the copy, takes the grant back from every user who no longer passes the source
+path (``revoke_lapsed``): checked as that user, by a forked child that becomes them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from contextlib import suppress
 from typing import Any
 
 from shmstage.errors import RefusedError
-from shmstage.identity import Caller, Share, reading_as
+from shmstage.identity import Caller, Share, become, reading_as
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.beneath import SOURCE_TOP, ident, join_ident, split_ident
+from shmstage.stage.sources.kinds import LISTED_KINDS
 from shmstage.stage.store import access
 from shmstage.stage.store.layout import Record, Store
 
@@ -34,6 +37,7 @@ def restrict_new(part: str, source: str, kind: str, src: Source, reader: Caller 
         getattr(src, "fingerprint", None),
         reader,
     )
+    revoke_lapsed(part, source, kind, reader)
     access.restrict_root(part, source, kind, owner=top)
     let_in(part, reader)
 
@@ -49,7 +53,9 @@ def recheck(
     """An unchanged source: its path may have opened or closed since the copy was made.
     The root's owner is put back only from the very top the stage walked (not a link, and
     for a directory the [dev, ino] its manifest recorded).  The reader, who has just read
-    the whole source as themselves, is let in."""
+    the whole source as themselves, is let in; every other user let in before who no
+    longer passes the source path is shut out."""
+    revoke_lapsed(store.path(name), source, kind, reader)
     with suppress(OSError, KeyError, IndexError, TypeError):  # best effort: not our copy, ...
         access.restrict_root(
             store.path(name),
@@ -68,6 +74,67 @@ def let_in(root: str, reader: Caller | None) -> None:
     ever called once the reader read the source as themselves."""
     if reader is not None and not reader.is_root:
         access.grant(root, reader.uid)
+
+
+def revoke_lapsed(root: str, source: str, kind: str, reader: Caller | None = None) -> bool:
+    """Take back the grant (access.grant) of each user named on ``root`` who may no longer
+    search every directory to ``source`` and read (and, a directory, search) ``source``
+    itself, as the kernel judges it for them now (``reaches``); ``reader`` has just read it.
+    Their manifests and record follow (the caller's ``share_bookkeeping``).  Only root can
+    check as another user or change the copy: as anyone else, nothing.  True: someone lost it."""
+    if os.geteuid() != 0 or kind in LISTED_KINDS or "://" in source:
+        return False
+    try:
+        st = os.lstat(root)
+        named = access.granted(root)
+    except OSError:
+        return False
+    skip = {st.st_uid, 0} | ({reader.uid} if reader is not None else set())
+    gone = [uid for uid in sorted(named) if uid not in skip and not reaches(source, kind, uid)]
+    return bool(gone) and access.revoke(root, gone)
+
+
+def forget_lapsed(store: Store, name: str) -> None:
+    """``revoke_lapsed`` for the published copy ``name`` (a ``find`` of it), its manifests
+    and record following.  Nothing granted (the usual case): one getxattr."""
+    if os.geteuid() != 0:
+        return
+    with suppress(OSError):
+        if not access.granted(store.path(name)):
+            return
+    record = store.published(name)
+    if record is not None and revoke_lapsed(store.path(name), record.source, record.kind):
+        with suppress(OSError):
+            store.share_bookkeeping(name)
+
+
+def reaches(source: str, kind: str, uid: int) -> bool:
+    """Whether ``uid``, with its passwd entry's gid and groups (os.getgrouplist: the groups
+    of a process it may not have running), may pass the path to ``source`` and read it.  A
+    forked child becomes the user (identity.become) and opens it: the kernel's own check,
+    ACLs included.  A uid with no passwd entry: no (its groups are unknown; it proves itself
+    again at its next stage or find)."""
+    try:
+        pw = pwd.getpwuid(uid)
+        who = Caller(uid, pw.pw_gid, tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)))
+    except (KeyError, OSError):
+        return False
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's exit status is the answer
+        code = 1
+        try:
+            become(who)
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+            os.close(os.open(source, flags | (os.O_DIRECTORY if kind == "dir" else 0)))
+            if kind == "dir":
+                os.stat(os.path.join(source, "."))  # search (x) on the top itself
+            code = 0
+        except BaseException:  # noqa: BLE001 - any failure: not reached
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def checked_top(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmstage.errors import ShmstageError
+from shmstage.errors import RefusedError, ShmstageError
 from shmstage.identity import Caller, is_denied, reading_as
 from shmstage.stage.build import copier
 from shmstage.stage.sources import kinds as sources
@@ -89,22 +90,19 @@ def verify(
     if checksum:
         damaged = {d.path for d in diffs}
         if record.kind == "tar":
-            with reading_as(reader):
-                gone = not os.path.isfile(record.source)
-            if gone:
-                raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            _source_there(record.source, stat.S_ISREG, reader)
             bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0), reader)
         elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
             bad = s3.compare(manifest, path)
         else:
-            with reading_as(reader):
-                gone = not os.path.isdir(record.source)
-            if gone:
-                raise ShmstageError(f"cannot compare checksums: the source {record.source} is gone")
+            _source_there(record.source, stat.S_ISDIR, reader)
             top = _verified_top(record.source, manifest, reader)
             if reader is not None:  # every file readable by the reader, or one refusal line
                 with top:
-                    walk(record.source, top=top)
+                    try:
+                        walk(record.source, top=top)
+                    except RefusedError as e:  # the walk's words are stage's: not "staged"
+                        raise RefusedError(str(e).removesuffix(": nothing staged")) from None
                 top = _verified_top(record.source, manifest, reader)
             jobs = [
                 (
@@ -129,6 +127,22 @@ def verify(
         )
     diffs.sort(key=lambda d: d.path)
     return VerifyReport(name, path, record.source, checksum, files, not diffs, diffs)
+
+
+def _source_there(source: str, kind: Callable[[int], bool], reader: Caller | None) -> None:
+    """The recorded source is still there, as ``reader`` sees it: a path they may not reach
+    is their refusal ("you cannot read ..."), never "gone" (which it may not be)."""
+    with reading_as(reader):
+        try:
+            mode: int | None = os.stat(source).st_mode
+        except OSError as e:
+            if is_denied(e):
+                raise RefusedError(
+                    f"you cannot read {source} at the source ({e.strerror or 'Permission denied'})"
+                ) from None
+            mode = None
+    if mode is None or not kind(mode):
+        raise ShmstageError(f"cannot compare checksums: the source {source} is gone")
 
 
 def _verified_top(source: str, manifest: dict[str, Any], reader: Caller | None) -> SourceTree:

@@ -6,7 +6,8 @@ have.  ``restrict_root`` clears, on the published root, the permission class
 (owner, group, other) that some directory on the way to the source denies;
 ``grant`` lets one user who proved they can read the source (the node service's
 freshness check, run as them) through that root again: a POSIX ACL entry
-``user:UID:r-x`` on it, which ``restrict_root`` keeps.
+``user:UID:r-x`` on it, which ``restrict_root`` keeps while ``revoke`` (stage/topaccess.py
+re-checks every granted user at each use of the dataset) has not taken it back.
 
 A dataset's bookkeeping (its manifest and record name the source and every file) is readable
 by exactly who may pass its top: ``bookkeeping_access`` and ``share_like``.
@@ -15,10 +16,13 @@ by exactly who may pass its top: ``bookkeeping_access`` and ``share_like``.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pwd
 import stat
 import struct
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 
 _CLASSES = ((stat.S_IRWXU, "owner"), (stat.S_IRWXG, "group"), (stat.S_IRWXO, "other"))
 
@@ -149,6 +153,13 @@ def restrict_root(
     the walk.  ``mode``: the unrestricted mode to start from (the manifest's, when
     re-checking a published copy whose source path may have opened or closed since);
     default: root's own.  Returns the new mode."""
+    with acl_guard(root):
+        return _restrict_root(root, source, kind, mode, owner)
+
+
+def _restrict_root(
+    root: str, source: str, kind: str, mode: int | None, owner: os.stat_result | None
+) -> int:
     named = granted(root)
     st = os.lstat(root)
     if (
@@ -218,11 +229,33 @@ def _write_acl(path: str | int, mode: int, named: dict[int, int]) -> None:
         os.setxattr(path, _ACL, raw, follow_symlinks=False)
 
 
+@contextmanager
+def acl_guard(root: str) -> Iterator[None]:
+    """Hold an exclusive flock on the directory ``root`` while its ACL is read, changed and
+    written back: a grant and a revoke (both under the dataset's shared lock) must not undo
+    each other's write.  Not a directory (an archive's copy is one file): no lock needed."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def grant(root: str, uid: int) -> bool:
     """Let ``uid`` list and pass through ``root`` (a copy's top that ``restrict_root``
     closed): an ACL entry ``user:uid:r-x``, the rest of the ACL as the mode says.  What is
     below the top keeps the source's modes.  False: nothing to do (``uid`` owns it, or
     everyone may pass already)."""
+    with acl_guard(root):
+        return _grant(root, uid)
+
+
+def _grant(root: str, uid: int) -> bool:
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid == uid or st.st_mode & 0o001:
         return False
@@ -233,6 +266,24 @@ def grant(root: str, uid: int) -> bool:
     named[uid] = named.get(uid, 0) | _SEARCH
     _write_acl(root, mode, named)
     return True
+
+
+def revoke(root: str, uids: Collection[int]) -> bool:
+    """Take the ACL entries of ``uids`` (users who no longer pass the source path) off
+    ``root``; the rest of its ACL stays.  No named user left: the ACL goes, the mode keeps
+    the owning group's own bits.  False: none of them was named."""
+    with acl_guard(root):
+        named = granted(root)
+        keep = {uid: perm for uid, perm in named.items() if uid not in uids}
+        if keep == named:
+            return False
+        mode = without_grants(root, stat.S_IMODE(os.lstat(root).st_mode), named)
+        if keep:
+            _write_acl(root, mode, keep)
+        else:
+            os.removexattr(root, _ACL, follow_symlinks=False)  # leaves the mask as group bits
+            os.chmod(root, mode, follow_symlinks=False)
+        return True
 
 
 def is_restriction(want: int, have: int) -> bool:

@@ -16,7 +16,8 @@ import errno
 import fcntl
 import os
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +45,23 @@ class Holder:
 
 
 class InUse(RefusedError):
-    """A leased dataset cannot be removed (without ``force``)."""
+    """A leased dataset cannot be removed (without ``force``), nor replaced by a copy of
+    another source (``replacing``: that source; no ``force`` overrides it)."""
 
-    def __init__(self, name: str, holders: tuple[Holder, ...]) -> None:
-        super().__init__(
-            f"{name} is in use by {describe(holders)}; wait for the job to finish or pass "
-            "--force (the job will fail reading files that are gone)"
-        )
+    def __init__(
+        self, name: str, holders: tuple[Holder, ...], replacing: str | None = None
+    ) -> None:
+        if replacing is None:
+            line = (
+                f"{name} is in use by {describe(holders)}; wait for the job to finish or pass "
+                "--force (the job will fail reading files that are gone)"
+            )
+        else:
+            line = (
+                f"{name} is in use by {describe(holders)}: replacing it with {replacing} would "
+                "change the files under that job; wait for it to finish"
+            )
+        super().__init__(line)
         self.name = name
         self.holders = holders
 
@@ -268,6 +279,22 @@ def try_exclusive(store: Store, name: str) -> tuple[int | None, tuple[Holder, ..
         os.close(fd)
         return None, left
     return fd, ()
+
+
+@contextmanager
+def unleased(store: Store, name: str, replacing: str) -> Iterator[None]:
+    """Hold ``name``'s lease file exclusively for the block (a new lease waits for it), or
+    raise InUse when a job holds a lease: a leased dataset is never replaced by a copy of
+    another source (``replacing``), whoever asks, --force or not (the job would read other
+    files; a forced recopy of the same source, or evict --force, is not this)."""
+    fd, found = try_exclusive(store, name)
+    if found:
+        raise InUse(name, found, replacing=replacing)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def holders(name: str, dest: str | os.PathLike[str] | None = None) -> tuple[Holder, ...]:
