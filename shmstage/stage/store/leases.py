@@ -8,6 +8,9 @@ naming the holders they find in /proc/locks, or the process a holder holds it fo
 also after that holder died (see ``orphaned``).
 No pid is trusted alone: a pid in /proc/locks is a live lock's, and a mark names both
 processes by pid and start time (a mark whose processes are not those is ignored).
+
+Long because taking a lease, finding its holders and the marks of holders for others read
+the same files under the same rules; apart, each would re-derive them.
 """
 
 from __future__ import annotations
