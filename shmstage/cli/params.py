@@ -87,14 +87,16 @@ def config_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any
 def cluster_options(f: Any) -> Any:
     """``--nodes/--node-rank/--rendezvous/--timeout/--inflight``: stage one source with
     several nodes, each reading a share (``stage``, ``run`` and ``prepare`` take them)."""
-    from shmstage.cluster import DEFAULT_PORT
+    from shmstage.cluster import DEFAULT_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN
 
     options = [
         click.option(
             "--nodes",
             type=click.IntRange(min=1),
             help="Stage together with this many nodes (one shmstage per node): each reads 1/N "
-            "of SRC and they exchange the rest over torch.distributed (gloo). Default: 1, alone.",
+            "of SRC and they exchange the rest over torch.distributed (gloo). Default: 1, alone; "
+            "in a Slurm step with one task per node on several nodes (srun -N 4 "
+            "--ntasks-per-node=1), $SLURM_STEP_NUM_NODES. --nodes 1 stages alone.",
         ),
         click.option(
             "--node-rank",
@@ -104,8 +106,10 @@ def cluster_options(f: Any) -> Any:
         click.option(
             "--rendezvous",
             metavar="HOST[:PORT]",
-            help=f"Node 0's address for the rendezvous (port default {DEFAULT_PORT}). "
-            "Default: the first host of $SLURM_JOB_NODELIST.",
+            help=f"Node 0's address for the rendezvous. Default: the first host of "
+            "$SLURM_STEP_NODELIST in a Slurm step, else of $SLURM_JOB_NODELIST. Port default "
+            f"{DEFAULT_PORT}; under Slurm {SLURM_PORT_BASE} + ($SLURM_JOB_ID * 16 + "
+            f"$SLURM_STEP_ID) mod {SLURM_PORT_SPAN}, so that jobs sharing node 0 do not meet.",
         ),
         click.option(
             "--timeout",
