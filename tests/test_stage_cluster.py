@@ -133,6 +133,26 @@ def test_slurm_defaults_yield_to_the_flags() -> None:
     assert (spec.host, spec.port) == ("gpu05", 30000 + 7 * 16)
 
 
+def test_a_slurm_node_count_yields_to_the_nodes_service(monkeypatch) -> None:
+    """stage/run: a node count only the step gave stages through a service that answers
+    (each node alone, as the job's user could not write root's store in-process); a
+    --nodes given, or --no-service, still stages together."""
+    from shmstage.cli.params import cluster_spec
+    from shmstage.service import api
+
+    for k, v in _STEP.items():
+        monkeypatch.setenv(k, v)
+    answers = {"yes": True}
+    monkeypatch.setattr(
+        api, "service_for", lambda dest, service: "conn" if answers["yes"] and service else None
+    )
+    assert cluster_spec(None, None, None, 60.0, 1 << 20, None, True) is None
+    assert cluster_spec(4, None, None, 60.0, 1 << 20, None, True).nodes == 4
+    assert cluster_spec(None, None, None, 60.0, 1 << 20, None, False).nodes == 4
+    answers["yes"] = False
+    assert cluster_spec(None, None, None, 60.0, 1 << 20, "/d", True).nodes == 4
+
+
 def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
     """Two processes started as node 1 of one job (real sockets, node 0's store): the
     second is refused, and node 0 stops with the same line instead of mixing them in."""

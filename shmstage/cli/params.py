@@ -1,4 +1,5 @@
-"""Click parameter types shared by commands (modelled on Flask's CertParamType)."""
+"""Click parameter types and option groups shared by commands (modelled on Flask's
+CertParamType), and what the cluster options resolve to."""
 
 from __future__ import annotations
 
@@ -129,6 +130,29 @@ def cluster_options(f: Any) -> Any:
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def cluster_spec(
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
+    dest: str | None,
+    service: bool,
+) -> Any:
+    """The cluster options resolved (``shmstage.cluster.resolve``) for a command that stages
+    through the node's service when one answers (``stage``, ``run``).  A node count that
+    only Slurm's step gave (no ``--nodes``) yields to that service: cluster staging runs in
+    this process, as the job's user, and would refuse a store that root's service manages,
+    where staging through the service alone works as it did before Slurm was asked."""
+    from shmstage.cluster import resolve
+    from shmstage.service import api
+
+    spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
+    if spec is not None and nodes is None and api.service_for(dest, service) is not None:
+        return None
+    return spec
 
 
 def no_service_option(f: Any) -> Any:

@@ -8,7 +8,13 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
-from shmstage.cli.params import RESERVE, cluster_options, config_option, no_service_option
+from shmstage.cli.params import (
+    RESERVE,
+    cluster_options,
+    cluster_spec,
+    config_option,
+    no_service_option,
+)
 
 
 def _log(message: str) -> None:
@@ -167,9 +173,13 @@ def run_cmd(
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
       shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
-    from shmstage.cluster import resolve
     from shmstage.launch import JobKilled, run
 
+    cluster = None
+    if stages:  # nothing to stage meets no other node, also in a Slurm step
+        cluster = cluster_spec(
+            nodes, node_rank, rendezvous, timeout, inflight, dest, not no_service
+        )
     result = run(
         command,
         stage=_requests(ctx, stages, names),
@@ -182,7 +192,7 @@ def run_cmd(
         make_room=make_room,
         config_path=config_path,
         log=_log,
-        cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
+        cluster=cluster,
         service=not no_service,
     )
     if result.signal is not None:
