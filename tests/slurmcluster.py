@@ -69,7 +69,9 @@ class SlurmCluster:
     ``data``: a directory whose copy every node sees, read-only, at ``self.nfs`` (an ext4
     image, one loop device per node).  ``self.store``: a tmpfs of each node's own (like
     /dev/shm, also a tmpfs of each node's own).  ``conf_extra``: lines added to slurm.conf;
-    ``files``: {name: text} written next to it (e.g. job_container.conf)."""
+    ``files``: {name: text} written next to it; ``node_setup``: shell run as root in each node
+    before its slurmd starts ({name}: the node's name); ``job_container``: Slurm's
+    job_container/tmpfs (a /tmp and /dev/shm of each job's own)."""
 
     def __init__(
         self,
@@ -78,12 +80,19 @@ class SlurmCluster:
         conf_extra: str = "",
         files: dict[str, str] | None = None,
         node_setup: str = "",
+        job_container: bool = False,
     ) -> None:
-        # under /tmp, 0755: the user reaches the config, the munge socket, its home, the source
-        self.base = base = Path(tempfile.mkdtemp(prefix="shmstage-slurm-"))
+        # 0755: the user reaches the config, the munge socket, its home, the source.  Not
+        # under /tmp: job_container/tmpfs gives each job a /tmp of its own.
+        self.base = base = Path(tempfile.mkdtemp(prefix="shmstage-slurm-", dir="/var/tmp"))
         base.chmod(0o755)
         self.data, self.n = data, nodes
-        self.conf_extra, self.files, self.node_setup = conf_extra, files or {}, node_setup
+        self.conf_extra, self.files, self.node_setup = conf_extra, dict(files or {}), node_setup
+        if job_container:  # each job gets a private /tmp and /dev/shm (made under BasePath)
+            self.conf_extra += "\nJobContainerType=job_container/tmpfs\nPrologFlags=Contain\n"
+            self.files["job_container.conf"] = f"AutoBasePath=true\nBasePath={base}/jc\n"
+            # BasePath on a tmpfs of the node's own: nodes must not share it
+            self.node_setup += f"\nmkdir -p {base}/jc && mount -t tmpfs jc-{{name}} {base}/jc\n"
         self.conf = base / "etc" / "slurm.conf"
         self.nfs = base / "nfs"  # each node's loop device is mounted here
         self.store = base / "store"  # each node's own tmpfs
