@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -106,13 +107,15 @@ def test_an_sbatch_job_reads_the_shared_source_through_each_nodes_own_device(slu
 
 
 def _edge_data(root: Path) -> dict[str, int]:
-    """``ds`` (small files) and ``big`` (8 MiB: seconds to read through _slow_source)."""
+    """``ds`` (small files), ``big`` and ``big2`` (8 MiB: seconds through _slow_source)."""
     sizes = {"ds": _dataset(root / "ds")}
     rng = random.Random(5)
     (root / "big").mkdir()
     for i in range(32):
         (root / "big" / f"{i:02}.bin").write_bytes(rng.randbytes(256 << 10))
     sizes["big"] = 32 * (256 << 10)
+    shutil.copytree(root / "big", root / "big2")  # another source of the same size
+    sizes["big2"] = sizes["big"]
     return sizes
 
 
@@ -181,6 +184,16 @@ def _stagers(c: SlurmCluster, i: int) -> list[psutil.Process]:
             if "stage" in p.cmdline() and any("shmstage" in a for a in p.cmdline()):
                 out.append(p)
     return out
+
+
+def _sources_staged(c: SlurmCluster, i: int) -> set[str]:
+    """The sources (base names) that stagers on node i read now (srun itself left out)."""
+    names = set()
+    for p in _stagers(c, i):
+        with contextlib.suppress(psutil.Error):
+            if p.name() != "srun":
+                names |= {os.path.basename(a) for a in p.cmdline() if a.startswith(str(c.nfs))}
+    return names
 
 
 def _tree(c: SlurmCluster, i: int, path: str) -> str:
@@ -297,3 +310,50 @@ def test_a_node_that_hangs_mid_stage_fails_the_step_on_every_node(slurm_edges):
     assert "Error:" in by_task[3][0], by_task
     for i in range(4):
         assert "big" not in c.on_node(i, ["ls", "-A", dest]).stdout.split(), i
+
+
+def _read_by_node(c: SlurmCluster) -> list[int]:
+    """Bytes read so far from each node's loop device (its source traffic)."""
+    return [512 * int(Path(f"/sys/block/{os.path.basename(d)}/stat").read_text().split()[2])
+            for d in c.devs]  # fmt: skip
+
+
+def test_only_a_step_of_one_task_per_node_stages_together(slurm_edges):
+    """--nodes comes from Slurm only in a step with one task per node: the batch script's
+    own `shmstage stage` stages alone on its node (it waits for no other), and a step of 2
+    tasks per node stages alone on each node (node2 reads the whole source, not half)."""
+    c = slurm_edges
+    src, size = f"{c.nfs}/ds", c.sizes["ds"]
+    script = (
+        f"shmstage stage {src} --dest {c.store}/alone-batch --no-service -q\n"
+        f"srun shmstage stage {src} --dest {c.store}/alone-tasks --no-service -q\n"
+    )
+    before = _read_by_node(c)
+    job = c.sbatch(script, "--nodes=2", "--ntasks-per-node=2", "-w", "node[1-2]")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    read = [now - then for now, then in zip(_read_by_node(c), before)]
+    assert read[0] >= size and read[1] >= size, read  # node1 by the batch shell, node2 alone
+    assert (
+        c.output(job).split() == [f"{c.store}/alone-batch/ds"] + [f"{c.store}/alone-tasks/ds"] * 4
+    )
+    for i in range(2):
+        assert "ds" in c.on_node(i, ["ls", "-A", f"{c.store}/alone-tasks"]).stdout.split()
+
+
+def test_two_jobs_staging_on_the_same_nodes_at_once_meet_on_ports_of_their_own(slurm_edges):
+    """Two 2-node jobs on node1-2 at the same time, each `srun shmstage stage SRC` taking
+    --nodes, rank, node 0 and the port from its step: both publish (the port comes from the
+    job id; on one fixed port the second job's node 0 would find it in use and fail)."""
+    c = slurm_edges
+    with _slow_source(c, range(2), 1 << 20):
+        jobs = [
+            c.sbatch(f"srun shmstage stage {c.nfs}/{name} --dest {c.store}/jobs --no-service -q\n",
+                     "--nodes=2", "--ntasks-per-node=1", "-w", "node[1-2]")
+            for name in ("big", "big2")
+        ]  # fmt: skip
+        _wait(lambda: _sources_staged(c, 0) == {"big", "big2"}, 120, "both jobs to stage at once")
+        states = [c.wait_job(job) for job in jobs]
+    assert states == ["COMPLETED", "COMPLETED"], [c.output(job) for job in jobs]
+    for i in range(2):
+        listing = c.on_node(i, ["ls", "-A", f"{c.store}/jobs"]).stdout.split()
+        assert {"big", "big2"} <= set(listing), (i, listing)
