@@ -79,6 +79,7 @@ class Store:
         self.trash_dir = os.path.join(self.book, "trash")
         self.lease_dir = os.path.join(self.book, "leases")
         self.reservation_dir = os.path.join(self.book, "reservations")
+        self.views_dir = os.path.join(self.book, "views")  # views.py: datasets not (all) in RAM
 
     # --- paths ----------------------------------------------------------------
 
@@ -93,6 +94,9 @@ class Store:
 
     def manifest_path(self, name: str) -> str:
         return os.path.join(self.manifest_dir, name + ".json")
+
+    def view_path(self, name: str) -> str:
+        return os.path.join(self.views_dir, name)
 
     # --- safety ---------------------------------------------------------------
 
