@@ -119,12 +119,14 @@ class Store:
             (self.meta_dir, 0o755),
             (self.manifest_dir, 0o755),
             (self.lock_dir, locks),
-            (self.partial_dir, 0o700),
+            # 0711: a live view's in-flight tree (views.py) is entered by its readers; its
+            # siblings' tops and markers stay 0700/0600, and nobody else may list it
+            (self.partial_dir, 0o711),
             (self.trash_dir, 0o700),
             (self.lease_dir, 0o755),
             (self.reservation_dir, locks),
         ):
-            if create and mode == 0o700:
+            if create and mode in (0o700, 0o711):
                 lock_dir_checked(path, mode)
             elif create:
                 mkdir_checked(path, mode)
