@@ -318,6 +318,7 @@ def start(
     if got is not None:
         held.append(got)
         return ds, None, None
+    stager.name = ds.name
     if log is not None:
         log(f"--no-wait: the job starts now; {source} is copied to {ds.path} while it runs")
     return ds, stager, None

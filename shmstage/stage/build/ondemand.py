@@ -33,7 +33,7 @@ from shmstage.stage.store.views import LIVE, LandedLog, View, remove_view, write
 
 BATCH_FILES = 16  # files handed to the copier at once: a demand waits behind few of them
 BATCH_BYTES = 8 << 20
-AHEAD = 2  # tasks queued per worker: enough to keep each busy, few for a demand to pass
+QUEUED = 2  # tasks queued beyond one per worker: none idles, a demand passes all the rest
 _SUN_PATH = 107  # sockaddr_un.sun_path, less its NUL
 _FAILED_FILE = {"changed", "vanished", "replaced", "not regular"}
 
@@ -280,9 +280,9 @@ class _Copy:
             os.umask(old_umask)
 
     def _feed(self) -> None:
-        """Keep AHEAD tasks per worker queued, in listing order, skipping what was demanded."""
+        """Keep a task per worker and QUEUED more, in listing order, skipping what was demanded."""
         stream = self.stream
-        while self.todo and stream.sent - stream.results.done < self.workers * AHEAD:
+        while self.todo and stream.sent - stream.results.done < self.workers + QUEUED:
             batch: list[int] = []
             nbytes = 0
             while self.todo and len(batch) < BATCH_FILES and nbytes < BATCH_BYTES:
