@@ -114,6 +114,7 @@ def test_a_killed_stager_publishes_nothing_and_its_view_reads_dead(
     assert not (dest / "ds").exists()
     dead = read_view(dest, "ds")
     assert dead is not None and not dead.alive()
+    assert os.path.exists(dead.socket)  # a killed stager's socket stays, until the view goes
     p = subprocess.run(
         [*shmstage_bin, "stage", "--no-service", "--dest", str(dest), str(src)],
         capture_output=True,
@@ -121,7 +122,7 @@ def test_a_killed_stager_publishes_nothing_and_its_view_reads_dead(
         timeout=120,
     )
     assert p.returncode == 0, p.stderr
-    assert read_view(dest, "ds") is None
+    assert read_view(dest, "ds") is None and not os.path.exists(dead.socket)
     for rel, digest in sums.items():
         assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
 
