@@ -183,3 +183,75 @@ def test_another_user_reads_the_live_copy_only_where_they_may_read_it(
         else:
             assert p.returncode != 0 and not out.exists(), p.stderr
             assert "PermissionError" in p.stderr or "no view" in p.stderr
+
+
+def test_no_wait_on_a_current_copy_just_runs_and_on_a_tar_stages_first(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """Nothing to copy: the job runs on the published copy (no view). A tar archive cannot
+    be read while it is copied: staged first, said in one line, then the job runs."""
+    import tarfile
+
+    src = tmp_path / "ds"
+    _tree(src, 10)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    first = subprocess.run(
+        [*base, "--stage", str(src), "--", "true"], capture_output=True, text=True, timeout=60
+    )
+    assert first.returncode == 0, first.stderr
+    probe = "import os,sys; sys.exit(os.path.exists(sys.argv[1] + '/.shmstage/views/ds'))"
+    again = subprocess.run(
+        [*base, "--stage", str(src), "--", sys.executable, "-c", probe, str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0 and "the job starts now" not in again.stderr, again.stderr
+    archive = tmp_path / "t.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(src, arcname=".")
+    p = subprocess.run(
+        [*base, "--stage", str(archive), "--", "test", "-d", "{staged}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    said = [line for line in p.stderr.splitlines() if "--no-wait" in line]
+    assert said == [
+        f"shmstage: --no-wait: staging {archive} before the job starts: it is a tar archive, "
+        "and only a directory is read while it is copied"
+    ]
+
+
+def test_a_second_no_wait_run_starts_at_once_on_the_live_copy(tmpfs, tmp_path, shmstage_bin, procs):
+    """While one run's stager copies, another ``run --no-wait`` of the same source does not
+    wait for the lock: its job reads the same live copy right away."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [
+        *shmstage_bin,
+        "run",
+        "--no-wait",
+        "--no-service",
+        "--dest",
+        str(dest),
+        "--stage",
+        str(src),
+    ]
+    first = procs.start([*base, "--", "sleep", "30"], env=_env(0.1), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    out = tmp_path / "out.json"
+    p = subprocess.run(
+        [*base, "--", sys.executable, JOB, str(dest), "ds", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "being copied by another shmstage" in p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums and got["how"]["demanded"] > 0 and got["how"]["source"] == 0
+    first.kill()
