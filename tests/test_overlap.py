@@ -255,3 +255,58 @@ def test_a_second_no_wait_run_starts_at_once_on_the_live_copy(tmpfs, tmp_path, s
     got = json.loads(out.read_text())
     assert got["sums"] == sums and got["how"]["demanded"] > 0 and got["how"]["source"] == 0
     first.kill()
+
+
+def _cold(root: Path) -> None:
+    """Drop the source's pages from the page cache (its own files only), so every read of
+    it reaches the disk and is counted by the blkio group."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@pytest.mark.root
+def test_a_throttled_source_is_read_once_while_the_job_reads_everything(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """Behind a blkio throttle, a job reading every file during the copy: the disk under the
+    source reads at most 1.02x the dataset's blocks (no file read twice), all of it counted."""
+    from shmstage.bench.throttle import RefusedError, blkio_throttle
+
+    src = tmp_path / "ds"
+    sums = _tree(src, 160, 100_000)
+    # what the disk reads: whole blocks (a file of 100,001 bytes costs 25 blocks of 4 KiB)
+    total = sum(-(-(src / rel).stat().st_size // 4096) * 4096 for rel in sums)
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    _cold(src)
+    try:
+        throttle = blkio_throttle(src, 40 << 20, name="shmstage-test-overlap")
+        t = throttle.__enter__()
+    except RefusedError as e:
+        pytest.skip(str(e))
+    try:
+        argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+        argv += ["--stage", str(src), "--", sys.executable, JOB, str(dest), "ds", str(out)]
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=t.enter)
+        stats = (t.cgroup / "blkio.throttle.io_service_bytes").read_text() if t.version == 1 else ""
+        if t.version == 2:
+            stats = (t.cgroup / "io.stat").read_text()
+    finally:
+        throttle.__exit__(None, None, None)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums and got["how"]["source"] == 0 and got["how"]["demanded"] > 0
+    read = 0
+    for line in stats.splitlines():
+        fields = line.split()
+        if t.version == 1 and len(fields) == 3 and fields[0] == t.device and fields[1] == "Read":
+            read = int(fields[2])
+        if t.version == 2 and fields and fields[0] == t.device:
+            read = int(dict(f.split("=") for f in fields[1:])["rbytes"])
+    assert 0.95 * total <= read <= 1.02 * total, (read, total)
