@@ -89,6 +89,7 @@ class Stager:
         self.failure: ShmstageError | None = None
         self.done: dict[str, Any] | None = None
         self.thread: threading.Thread | None = None
+        self.stopping = False  # run stops the copy: its end is no news to the user
 
     @classmethod
     def fork(cls, source: str, name: str | None, dest: str | None, room: dict[str, Any]) -> Stager:
@@ -162,7 +163,7 @@ class Stager:
                         log(str(event["summary"]))
                 elif kind in ("failed", "gone"):
                     self.failure = _failure(event)
-                    if log is not None:
+                    if log is not None and not self.stopping:
                         log(
                             f"{self.failure} (the job goes on reading what is not copied from the source)"
                         )
@@ -183,6 +184,7 @@ class Stager:
                     stop = True
                     break
         if stop and self.status is None:
+            self.stopping = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
         self.reap()
@@ -313,8 +315,11 @@ def start(
                 f"--no-wait: {joined.name} is being copied by another shmstage: the job starts on its copy now"
             )
         return joined, None, joined
+    from shmstage.stage.signals import signals_raise
+
     stager = Stager.fork(source, name, dest, room)
-    ds, got = stager.first(lease)
+    with signals_raise():  # SIGTERM while it lists: run's cleanup stops it, then we die of it
+        ds, got = stager.first(lease)
     if got is not None:
         held.append(got)
         return ds, None, None

@@ -310,3 +310,24 @@ def test_a_throttled_source_is_read_once_while_the_job_reads_everything(
         if t.version == 2 and fields and fields[0] == t.device:
             read = int(dict(f.split("=") for f in fields[1:])["rbytes"])
     assert 0.95 * total <= read <= 1.02 * total, (read, total)
+
+
+def test_sigterm_to_run_reaches_the_job_and_stops_the_copy(tmpfs, tmp_path, shmstage_bin, procs):
+    """SIGTERM to ``run`` mid-copy: the job gets it, the copy stops, nothing is published,
+    no stager or copy worker is left, and run dies of SIGTERM."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    started = tmp_path / "started"
+    argv += ["--stage", str(src), "--", "sh", "-c", f"touch {started}; exec sleep 60"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    stager = read_view(dest, "ds").pid
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGTERM, err
+    assert "Traceback" not in err and "goes on reading" not in err
+    assert not (dest / "ds").exists()
+    assert not os.path.exists(f"/proc/{stager}")
+    assert read_view(dest, "ds") is None or not read_view(dest, "ds").alive()
