@@ -171,8 +171,7 @@ class Stager:
                 if kind == "done":
                     return
 
-        self.thread = threading.Thread(target=follow, name="shmstage-nowait", daemon=True)
-        self.thread.start()
+        self.thread = _quiet_thread(follow, "shmstage-nowait")
 
     def finish(self, stop: bool, poll: Callable[[], int | None]) -> None:
         """After the job: stop the copy (``stop``), or wait for it while ``poll()`` sees no
@@ -283,8 +282,19 @@ def wait_published(
         with contextlib.suppress(ShmstageError):
             held.append(lease(live.name, dest))
 
-    thread = threading.Thread(target=follow, name="shmstage-nowait-join", daemon=True)
-    thread.start()
+    return _quiet_thread(follow, "shmstage-nowait-join")
+
+
+def _quiet_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread that never takes a signal: it inherits a mask blocking them all, so
+    a SIGTERM to run reaches the main thread (the supervisor forwards it to the job) and
+    never the default action in this thread (run dying with its stager left running)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return thread
 
 
