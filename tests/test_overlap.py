@@ -331,3 +331,23 @@ def test_sigterm_to_run_reaches_the_job_and_stops_the_copy(tmpfs, tmp_path, shms
     assert not (dest / "ds").exists()
     assert not os.path.exists(f"/proc/{stager}")
     assert read_view(dest, "ds") is None or not read_view(dest, "ds").alive()
+
+
+def test_hard_links_and_odd_names_are_read_during_the_copy(tmpfs, tmp_path, shmstage_bin):
+    """A hard link inside the tree is served once its file lands (both names, same inode in
+    the copy), and names with a tab, a newline or a percent sign go through the view."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 80, 500)
+    os.link(src / "d1/f0001.bin", src / "d2/link.bin")
+    sums["d2/link.bin"] = sums["d1/f0001.bin"]
+    for odd in ("tab\there", "new\nline", "100%"):
+        (src / odd).write_bytes(odd.encode())
+        sums[odd] = hashlib.sha256(odd.encode()).hexdigest()
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    p = _run(shmstage_bin, dest, src, [str(out), "--first", "d2/link.bin"], 0.05)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums and got["how"]["source"] == 0
+    a, b = (dest / "ds/d1/f0001.bin").stat(), (dest / "ds/d2/link.bin").stat()
+    assert (a.st_ino, a.st_nlink) == (b.st_ino, 2)
