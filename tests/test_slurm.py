@@ -6,8 +6,10 @@ drift), and each test checks what the recipe promises."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,8 @@ pytestmark = pytest.mark.root
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _dataset(root: Path, classes: int = 4, per_class: int = 24) -> int:
-    """An ImageFolder-shaped tree of small files; its size in bytes."""
+def _dataset(root: Path, classes: int = 4, per_class: int = 24, big: int = 0) -> int:
+    """An ImageFolder-shaped tree of small files (and one of ``big`` bytes); its size."""
     rng = random.Random(24)
     total = 0
     for c in range(classes):
@@ -30,31 +32,122 @@ def _dataset(root: Path, classes: int = 4, per_class: int = 24) -> int:
             data = rng.randbytes(rng.randint(1_000, 40_000))
             (d / f"img{i:03}.jpg").write_bytes(data)
             total += len(data)
-    return total
+    if big:
+        (root / "class0" / "big.jpg").write_bytes(rng.randbytes(big))
+    return total + big
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """One cluster for the module (it starts in about a second, but jobs are what cost)."""
+def block(doc: str, line: str) -> str:
+    """The fenced code block of docs/``doc`` holding ``line``, exactly as printed."""
+    text = (ROOT / "docs" / doc).read_text()
+    for body in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
+        if line in body.splitlines() or any(line in b for b in body.splitlines()):
+            return body
+    raise AssertionError(f"docs/{doc} has no code block with {line!r}")
+
+
+def inline(doc: str, start: str) -> str:
+    """The `inline code` of docs/``doc`` that starts with ``start`` (lines joined)."""
+    text = " ".join((ROOT / "docs" / doc).read_text().split())
+    found = re.findall(r"`(" + re.escape(start) + r"[^`]*)`", text)
+    assert found, f"docs/{doc} has no `{start}...`"
+    return found[0]
+
+
+# The docs' site paths: the shared file system is the cluster's (each node's loop device)
+NFS = "/nfs/"
+
+# What a training script of the docs' recipes does here: reads every file of --data and says
+# what it saw, with the loader's defaults as the job sees them (run from the user's home).
+TRAIN = """\
+import argparse, json, os, subprocess
+from pathlib import Path
+from shmstage.loader import default_num_workers, local_ranks
+p = argparse.ArgumentParser()
+p.add_argument("--data")
+args, _ = p.parse_known_args()
+files = sorted(f for f in Path(args.data).rglob("*") if f.is_file())
+# the leases on --data's copy, as `shmstage list` shows them while the job runs
+listed = subprocess.run(["shmstage", "list", "--json"], capture_output=True, text=True).stdout
+leases = [d["leased_by"] for d in json.loads(listed or "[]") if d["path"] == args.data]
+print("TRAIN " + json.dumps({
+    "host": os.uname().nodename, "uid": os.getuid(), "data": args.data,
+    "procid": os.environ.get("SLURM_PROCID"), "localid": os.environ.get("SLURM_LOCALID"),
+    "files": len(files), "bytes": sum(len(f.read_bytes()) for f in files),
+    "workers": default_num_workers(), "ranks": local_ranks(),
+    "cpus": len(os.sched_getaffinity(0)), "leases": leases,
+}), flush=True)
+"""
+
+
+def trained(out: str) -> list[dict]:
+    """What each training process printed, sorted by host then Slurm rank."""
+    rows = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("TRAIN ")]
+    return sorted(rows, key=lambda r: (r["host"], r["procid"] or ""))
+
+
+def make_cluster(tmp_path_factory, **kw) -> SlurmCluster:
     why = missing()
     if why:
         pytest.skip(why)
     data = tmp_path_factory.mktemp("nfs")
     # the docs' two source paths, under the cluster's "NFS" mount
-    sizes = {
-        "datasets/imagenet/train": _dataset(data / "datasets" / "imagenet" / "train"),
-        "imagenet": _dataset(data / "imagenet"),
+    sizes = {  # big enough that reading it once or 4 times differs by far more than metadata
+        "datasets/imagenet/train": _dataset(data / "datasets/imagenet/train", big=8 << 20),
+        "imagenet": _dataset(data / "imagenet" / "train"),
     }
-    c = SlurmCluster(data)
+    c = SlurmCluster(data, **kw)
     c.sizes = sizes
+    c.dest = f"{c.store}/shmstage"
+    # the node config and the install the docs name, on every node (as a site's would be)
+    c.node_files["/etc/shmstage.yaml"] = (
+        f"version: 1\nshm: {{path: /dev/shm, size: 300M}}\ndest: {c.dest}\nreserve: 0\n"
+        f"datasets:\n  - {c.nfs}/datasets/imagenet/train\n"
+    )
+    c.node_files["/opt/shmstage/venv/bin/shmstage"] = f'#!/bin/sh\nexec {c.bin}/shmstage "$@"\n'
     c.start()
+    train = c.user_home / "train.py"
+    train.write_text(TRAIN)
+    os.chown(train, c.uid, c.gid)
+    return c
+
+
+def stop_cluster(c: SlurmCluster) -> None:
+    pids = c.pids()
+    c.stop()
+    left = c.leftovers(pids)
+    assert not left, f"the Slurm cluster left {left} behind"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """One cluster for the module (it starts in seconds; jobs are what cost)."""
+    c = make_cluster(tmp_path_factory)
     try:
         yield c
     finally:
-        pids = c.pids()
-        c.stop()
-        left = c.leftovers(pids)
-        assert not left, f"the Slurm cluster left {left} behind"
+        stop_cluster(c)
+
+
+def recipe(c: SlurmCluster, text: str) -> str:
+    """A docs recipe as this cluster runs it: only the shared file system's path differs."""
+    return text.replace(NFS, f"{c.nfs}/")
+
+
+def on_nodes(c: SlurmCluster, cmd: str) -> list[str]:
+    """``cmd`` (shell) as root on every node: its stdout, node by node."""
+    outs = []
+    for i in range(c.n):
+        r = c.on_node(
+            i, ["sh", "-c", cmd], env=c.env(PATH=f"{c.bin}:/usr/sbin:/usr/bin:/sbin:/bin")
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    return outs
+
+
+def wipe_stores(c: SlurmCluster) -> None:
+    on_nodes(c, f"rm -rf {c.store}/* {c.store}/.[!.]* /dev/shm/*")
 
 
 def _user_file(c: SlurmCluster, name: str, text: str) -> Path:
@@ -95,3 +188,36 @@ def test_an_sbatch_job_reads_the_shared_source_through_each_nodes_own_device(slu
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     assert c.output(job).split() == [str(c.sizes["imagenet"])] * 4
     assert c.read() - before >= 4 * c.sizes["imagenet"]
+
+
+# --- docs/cluster.md: the Slurm prolog ------------------------------------------------------
+
+# The docs' job scripts ask for more than this cluster has (8 nodes, 8 tasks per node, 64
+# CPUs per task); sbatch's command line overrides #SBATCH lines, so the scripts run as printed
+# with the sizes scaled down.  `--gpus-per-node=8` stays: each node has 8 (stand-in) GPUs.
+
+
+def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(slurm):
+    """docs/cluster.md's job script, submitted by the user, on nodes root has prepared:
+    the in-job `prepare` (as the user) finds every node converged and changes nothing, and
+    every task trains on the node's copy, leased while it runs and released after."""
+    c = slurm
+    wipe_stores(c)
+    for out in on_nodes(c, "shmstage prepare --config /etc/shmstage.yaml --json"):
+        assert json.loads(out)["failed"] is False
+    script = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    assert "shmstage prepare --config /etc/shmstage.yaml" in script
+    job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    assert "Error" not in out and out.count("nothing changed") == 2, out
+    rows = trained(out)
+    copy = f"{c.dest}/train"
+    assert [(r["host"], r["data"], r["files"], r["bytes"], r["uid"]) for r in rows] == [
+        (host, copy, 97, c.sizes["datasets/imagenet/train"], c.uid)
+        for host in ("node1", "node1", "node2", "node2")
+    ]
+    assert all(r["leases"] and r["leases"][0] for r in rows), rows  # leased while it ran
+    for out in on_nodes(c, f"shmstage list --json --dest {c.dest}")[:2]:
+        (listed,) = json.loads(out)
+        assert listed["path"] == copy and listed["leased_by"] == [], listed  # and released
