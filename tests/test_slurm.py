@@ -183,7 +183,7 @@ def test_an_sbatch_job_reads_the_shared_source_through_each_nodes_own_device(slu
     device is read (the bytes add up to about 4x the data)."""
     c = slurm
     before = c.read()
-    src = f"{c.nfs}/imagenet"
+    src = f"{c.nfs}/imagenet/train"
     job = c.sbatch(f"srun --ntasks-per-node=1 sh -c 'cat {src}/*/* | wc -c'\n", "--nodes=4")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     assert c.output(job).split() == [str(c.sizes["imagenet"])] * 4
