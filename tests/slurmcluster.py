@@ -14,6 +14,7 @@ import contextlib
 import os
 import pwd
 import random
+import re
 import shutil
 import signal
 import socket
@@ -378,6 +379,10 @@ wait
             raise RuntimeError(f"{self.names[i]} is not running")
         return pid
 
+    def until(self, cond, timeout: float = 60, what: str = "a condition"):
+        """``cond()``'s first true value, polled; fails after ``timeout`` s with the logs."""
+        return self._until(cond, timeout, what)
+
     def _until(self, cond, timeout: float, what: str):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -429,20 +434,20 @@ wait
                             *args, str(path)], env=env)  # fmt: skip
         return out.stdout.strip().split(";")[0]
 
+    def show(self, kind: str, name: str) -> dict[str, str]:
+        """``scontrol show KIND NAME`` as {field: value} (a value may hold spaces: Reason)."""
+        out = subprocess.run(
+            ["scontrol", "-o", "show", kind, name], capture_output=True, text=True,
+            env=self.env(), timeout=30,
+        ).stdout  # fmt: skip
+        return dict(re.findall(r"(\w+)=(.*?)(?= \w+=|$)", out.strip()))
+
     def wait_job(self, job: str, timeout: float = 180) -> str:
         """Until job ``job`` has ended: its final state (COMPLETED, FAILED, CANCELLED...)."""
 
         def ended():
-            out = subprocess.run(
-                ["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
-                env=self.env(), timeout=30,
-            ).stdout  # fmt: skip
-            for field in out.split():
-                if field.startswith("JobState="):
-                    state = field.split("=", 1)[1]
-                    if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-                        return state
-            return None
+            state = self.show("job", job).get("JobState")
+            return state not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and state
 
         return self._until(ended, timeout, f"job {job} to end")
 

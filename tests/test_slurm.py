@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,83 @@ def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(
     for out in on_nodes(c, f"shmstage list --json --dest {c.dest}")[:2]:
         (listed,) = json.loads(out)
         assert listed["path"] == copy and listed["leased_by"] == [], listed  # and released
+
+
+def test_cluster_md_job_script_on_unprepared_nodes_fails_naming_the_root_step(slurm):
+    """The same script on nodes nobody prepared, with a config that resizes /dev/shm: the
+    user's `prepare` cannot, says so in one line per node, and the job fails before
+    training (the script's `set -e`)."""
+    c = slurm
+    wipe_stores(c)
+    on_nodes(c, "mount -o remount,size=256M /dev/shm")  # as the cluster started: not converged
+    script = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
+    assert c.wait_job(job) == "FAILED"
+    out = c.output(job)
+    errors = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 2 and all("cannot resize /dev/shm" in e for e in errors), out
+    assert "Traceback" not in out and not trained(out)
+
+
+@pytest.fixture(scope="module")
+def prolog_slurm(tmp_path_factory):
+    """A cluster whose slurm.conf runs docs/cluster.md's prolog, installed where it says."""
+    prolog = block("cluster.md", "# /etc/slurm/prolog.d/50-shmstage.sh")
+    c = make_cluster(
+        tmp_path_factory,
+        conf_extra=inline("cluster.md", "Prolog="),
+        node_files={"/etc/slurm/prolog.d/50-shmstage.sh": prolog},
+    )
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_cluster_md_prolog_prepares_each_allocated_node_as_root_before_the_job(prolog_slurm):
+    """The prolog of docs/cluster.md (Prolog=/etc/slurm/prolog.d/* in slurm.conf) stages the
+    config's dataset as root on each allocated node before the job; the job's `run` finds it
+    there, copies nothing, leases it while the job runs; the lease is gone after."""
+    c = prolog_slurm
+    line = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    run = next(x for x in line.splitlines() if x.startswith("srun shmstage run"))
+    job = c.sbatch(recipe(c, run + "\n"), "--nodes=2", "--ntasks-per-node=1")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    assert out.count("train is up to date") == 2 and "copied" not in out, out
+    rows = trained(out)
+    assert [(r["host"], r["files"], r["bytes"]) for r in rows] == [
+        (h, 97, c.sizes["datasets/imagenet/train"]) for h in ("node1", "node2")
+    ]
+    assert all(r["leases"] and r["leases"][0] for r in rows), rows
+    outs = on_nodes(c, f"cat /var/log/shmstage-prolog.log 2>/dev/null; echo @; stat -c %u "
+                    f"{c.dest}/train 2>/dev/null; echo @; shmstage list --json --dest {c.dest}")  # fmt: skip
+    for i, out in enumerate(outs):
+        log, owner, listed = out.split("@\n")
+        if i < 2:  # allocated: root prepared it before the job (root's copy); no lease left
+            assert re.search(r"^stage train +changed +copied", log, re.M), log
+            assert owner == "0\n" and json.loads(listed)[0]["leased_by"] == [], out
+        else:  # not allocated: the prolog never ran there
+            assert (log, json.loads(listed)) == ("", []), out
+
+
+def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
+    """ "A prolog that exits non-zero drains the node": a node whose dataset source is missing
+    is drained by Slurm with the prolog named, and the job does not run there."""
+    c = prolog_slurm
+    bad = f"version: 1\ndest: {c.dest}\ndatasets:\n  - {c.nfs}/no/such/dataset\n"
+    r = c.on_node(2, ["sh", "-c", f"printf '{bad}' > /etc/shmstage.yaml"])
+    assert r.returncode == 0, r.stderr
+    job = c.sbatch("srun hostname\n", "--nodes=1", "-w", "node3")
+    try:
+        node = c.until(lambda: (n := c.show("node", "node3")) and "DRAIN" in n["State"] and n)
+        assert node["Reason"].startswith("Prolog error"), node
+        info = c.show("job", job)  # Slurm requeues it, held: it never ran on node3
+        assert (info["JobState"], info["Reason"]) == ("PENDING", "launch_failed_requeued_held")
+        assert c.output(job) == "Error running slurm prolog: 1\n"  # Slurm's line, no step ran
+        log = c.on_node(2, ["cat", "/var/log/shmstage-prolog.log"]).stdout
+        assert re.search(r"^Error: .*no/such/dataset", log, re.M) and "Traceback" not in log, log
+    finally:
+        subprocess.run(["scancel", job], env=c.env(), check=False)
+        c.on_node(2, ["cp", str(c.base / "nodefiles/etc/shmstage.yaml"), "/etc/shmstage.yaml"])
+        subprocess.run(["scontrol", "update", "nodename=node3", "state=resume"], env=c.env())
