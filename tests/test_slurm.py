@@ -302,3 +302,70 @@ def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
         subprocess.run(["scancel", job], env=c.env(), check=False)
         c.on_node(2, ["cp", str(c.base / "nodefiles/etc/shmstage.yaml"), "/etc/shmstage.yaml"])
         subprocess.run(["scontrol", "update", "nodename=node3", "state=resume"], env=c.env())
+
+
+# --- docs/cluster-staging.md and docs/bench.md: one read of the source for N nodes -------------
+
+
+def digests(c: SlurmCluster, path: str, nodes: int) -> list[str]:
+    """Every node's sha1 of every file under ``path`` (one string per node)."""
+    cmd = f"cd {path} && find . -type f -print0 | sort -z | xargs -0 sha1sum"
+    return on_nodes(c, cmd)[:nodes]
+
+
+def test_cluster_staging_md_recipe_reads_the_source_once_across_four_nodes(slurm):
+    """docs/cluster-staging.md's Slurm recipe on 4 nodes: `stage --nodes` with the rank and
+    node 0 from Slurm's variables reads the source about once in all (the 4 loop devices
+    together), every node publishes the same copy, and the job's `run` copies nothing."""
+    c = slurm
+    wipe_stores(c)
+    script = block(
+        "cluster-staging.md", "srun --ntasks-per-node=1 --ntasks=$SLURM_JOB_NUM_NODES \\"
+    )
+    size = c.sizes["datasets/imagenet/train"]
+    before = c.read()
+    job = c.sbatch(recipe(c, script), "--nodes=4", "--ntasks-per-node=1")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    read = c.read() - before
+    out = c.output(job)
+    # once, plus what each node reads of the image's metadata; 4 separate copies read >= 4x
+    assert size <= read < 1.5 * size, (read, size, out)
+    assert out.count("train is up to date") == 4 and "Error" not in out, out
+    assert len(trained(out)) == 4
+    sums = digests(c, f"{c.dest}/train", 4)
+    assert len(set(sums)) == 1 and sums[0].count("\n") == 97
+
+
+def test_cluster_staging_md_prepare_nodes_reads_the_source_once(slurm):
+    """`srun --ntasks-per-node=1 shmstage prepare --nodes $SLURM_JOB_NUM_NODES` (same page),
+    as the user on nodes whose /dev/shm root sized already: the config's dataset is read about
+    once across the 4 nodes and published on each."""
+    c = slurm
+    wipe_stores(c)
+    on_nodes(c, "mount -o remount,size=300M /dev/shm")  # root's part of the config, done
+    line = inline("cluster-staging.md", "srun --ntasks-per-node=1 shmstage prepare --nodes")
+    size = c.sizes["datasets/imagenet/train"]
+    before = c.read()
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=4")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    read = c.read() - before
+    assert size <= read < 1.5 * size, (read, size, c.output(job))
+    sums = digests(c, f"{c.dest}/train", 4)
+    assert len(set(sums)) == 1 and sums[0].count("\n") == 97
+
+
+def test_bench_md_cluster_bench_runs_on_every_node(slurm):
+    """docs/bench.md's `srun ... shmstage bench stage ... --nodes $SLURM_JOB_NUM_NODES`: it
+    runs to the end on 2 nodes as the user and reports each mode's source bytes."""
+    c = slurm
+    script = block(
+        "bench.md", "# Slurm: rank and node 0's host from SLURM_NODEID / SLURM_JOB_NODELIST"
+    )
+    line = next(x for x in script.splitlines() if x.startswith("srun "))
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    naive = re.search(r"^naive \(each node alone\) .* ([\d.]+)x ", out, re.M)
+    once = re.search(r"^read-once \(--nodes\) .* ([\d.]+)x", out, re.M)
+    assert naive and once and "on 2 nodes" in out, out
+    assert float(naive[1]) > 1.5 > float(once[1]), out  # 2 nodes: 2x the source, or ~1x
