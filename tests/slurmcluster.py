@@ -86,6 +86,7 @@ class SlurmCluster:
         node_setup: str = "",
         job_container: bool = False,
         node_files: dict[str, str] | None = None,
+        cpus: int | None = None,
     ) -> None:
         # 0755: the user reaches the config, the munge socket, its home, the source.  Not
         # under /tmp: job_container/tmpfs gives each job a /tmp of its own.
@@ -94,6 +95,7 @@ class SlurmCluster:
         self.data, self.n = data, nodes
         self.conf_extra, self.files, self.node_setup = conf_extra, dict(files or {}), node_setup
         self.node_files = dict(node_files or {})
+        self.cpus = cpus or os.cpu_count() or 1
         if job_container:  # each job gets a private /tmp and /dev/shm (made under BasePath)
             self.conf_extra += "\nJobContainerType=job_container/tmpfs\nPrologFlags=Contain\n"
             self.files["job_container.conf"] = f"AutoBasePath=true\nBasePath={base}/jc\n"
@@ -227,7 +229,7 @@ class SlurmCluster:
         self.ctld_port = _free_port()
         b = self.base
         nodes = "\n".join(
-            f"NodeName={name} NodeAddr={addr} CPUs={os.cpu_count() or 1} Gres=gpu:8 State=UNKNOWN"
+            f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} Gres=gpu:8 State=UNKNOWN"
             for name, addr in zip(self.names, self.addrs)
         )
         self.conf.write_text(

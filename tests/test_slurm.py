@@ -63,7 +63,8 @@ NFS = "/nfs/"
 TRAIN = """\
 import argparse, json, os, subprocess
 from pathlib import Path
-from shmstage.loader import default_num_workers, local_ranks
+from shmstage import system
+from shmstage.loader import default_num_workers, loader_kwargs, local_ranks
 p = argparse.ArgumentParser()
 p.add_argument("--data")
 args, _ = p.parse_known_args()
@@ -76,7 +77,9 @@ print("TRAIN " + json.dumps({
     "procid": os.environ.get("SLURM_PROCID"), "localid": os.environ.get("SLURM_LOCALID"),
     "files": len(files), "bytes": sum(len(f.read_bytes()) for f in files),
     "workers": default_num_workers(), "ranks": local_ranks(),
-    "cpus": len(os.sched_getaffinity(0)), "leases": leases,
+    "loader_workers": loader_kwargs()["num_workers"], "cpus": len(os.sched_getaffinity(0)),
+    "container_cpus": system.cpu_set().container, "leases": leases,
+    "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"),
 }), flush=True)
 """
 
@@ -369,3 +372,35 @@ def test_bench_md_cluster_bench_runs_on_every_node(slurm):
     once = re.search(r"^read-once \(--nodes\) .* ([\d.]+)x", out, re.M)
     assert naive and once and "on 2 nodes" in out, out
     assert float(naive[1]) > 1.5 > float(once[1]), out  # 2 nodes: 2x the source, or ~1x
+
+
+# --- issue 24 item 3: the loader's workers per task, from inside the job ----------------------
+
+
+def expected_workers(row: dict, tasks: int) -> int:
+    """The documented rule, from what Slurm gave the task: its own CPUs when srun bound it
+    (affinity narrower than the node's), else the node's CPUs shared by the step's tasks on
+    the node; one CPU stays with the rank's main process."""
+    cpus = row["cpus"] if row["cpus"] < row["container_cpus"] else row["cpus"] // tasks
+    return max(1, cpus - 1)
+
+
+@pytest.mark.parametrize("bind", ["", "--cpu-bind=none "])
+def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm, bind):
+    """`srun --ntasks-per-node=2 shmstage run ...` (the run.md form, 2 tasks per node here):
+    each task's loader counts the step's 2 tasks on its node (no torchrun variables) and its
+    own CPUs: bound to one each by default, sharing the node's with --cpu-bind=none."""
+    c = slurm
+    wipe_stores(c)
+    k = 2
+    cmd = f"srun {bind}--ntasks-per-node={k} shmstage run --stage {c.nfs}/imagenet -- "
+    job = c.sbatch(cmd + "python train.py --data {staged}\n", "--nodes=2", f"--ntasks-per-node={k}")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    rows = trained(c.output(job))
+    assert [(r["host"], r["localid"]) for r in rows] == [
+        (h, str(i)) for h in ("node1", "node2") for i in range(k)
+    ]
+    for r in rows:
+        assert (r["ranks"], r["tasks_per_node"]) == (k, f"{k}(x2)"), r
+        assert r["cpus"] == (c.cpus // k if not bind else c.cpus), r  # what Slurm gave it
+        assert r["workers"] == r["loader_workers"] == expected_workers(r, k), r
