@@ -72,7 +72,10 @@ files = sorted(f for f in Path(args.data).rglob("*") if f.is_file())
 # the leases on --data's copy, as `shmstage list` shows them while the job runs
 listed = subprocess.run(["shmstage", "list", "--json"], capture_output=True, text=True).stdout
 leases = [d["leased_by"] for d in json.loads(listed or "[]") if d["path"] == args.data]
-print("TRAIN " + json.dumps({
+# one file per process: many ranks' lines on one stdout may interleave
+out = Path(os.environ["HOME"], "trained", os.environ["SLURM_JOB_ID"])
+out.mkdir(parents=True, exist_ok=True)
+(out / f"{os.uname().nodename}-{os.getpid()}.json").write_text(json.dumps({
     "host": os.uname().nodename, "uid": os.getuid(), "data": args.data,
     "procid": os.environ.get("SLURM_PROCID"), "localid": os.environ.get("SLURM_LOCALID"),
     "files": len(files), "bytes": sum(len(f.read_bytes()) for f in files),
@@ -80,14 +83,15 @@ print("TRAIN " + json.dumps({
     "loader_workers": loader_kwargs()["num_workers"], "cpus": len(os.sched_getaffinity(0)),
     "container_cpus": system.cpu_set().container, "leases": leases,
     "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"),
-}), flush=True)
+}))
 """
 
 
-def trained(out: str) -> list[dict]:
-    """What each training process printed, sorted by host then Slurm rank."""
-    rows = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("TRAIN ")]
-    return sorted(rows, key=lambda r: (r["host"], r["procid"] or ""))
+def trained(c: SlurmCluster, job: str) -> list[dict]:
+    """What each training process of ``job`` saw, sorted by host then Slurm rank."""
+    files = (c.user_home / "trained" / job).glob("*.json")
+    rows = [json.loads(f.read_text()) for f in files]
+    return sorted(rows, key=lambda r: (r["host"], r["procid"] or "", r["localid"] or ""))
 
 
 def make_cluster(tmp_path_factory, **kw) -> SlurmCluster:
@@ -215,7 +219,7 @@ def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     out = c.output(job)
     assert "Error" not in out and out.count("nothing changed") == 2, out
-    rows = trained(out)
+    rows = trained(c, job)
     copy = f"{c.dest}/train"
     assert [(r["host"], r["data"], r["files"], r["bytes"], r["uid"]) for r in rows] == [
         (host, copy, 97, c.sizes["datasets/imagenet/train"], c.uid)
@@ -240,7 +244,7 @@ def test_cluster_md_job_script_on_unprepared_nodes_fails_naming_the_root_step(sl
     out = c.output(job)
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
     assert len(errors) == 2 and all("cannot resize /dev/shm" in e for e in errors), out
-    assert "Traceback" not in out and not trained(out)
+    assert "Traceback" not in out and not trained(c, job)
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +273,7 @@ def test_cluster_md_prolog_prepares_each_allocated_node_as_root_before_the_job(p
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     out = c.output(job)
     assert out.count("train is up to date") == 2 and "copied" not in out, out
-    rows = trained(out)
+    rows = trained(c, job)
     assert [(r["host"], r["files"], r["bytes"]) for r in rows] == [
         (h, 97, c.sizes["datasets/imagenet/train"]) for h in ("node1", "node2")
     ]
@@ -334,7 +338,7 @@ def test_cluster_staging_md_recipe_reads_the_source_once_across_four_nodes(slurm
     # once, plus what each node reads of the image's metadata; 4 separate copies read >= 4x
     assert size <= read < 1.5 * size, (read, size, out)
     assert out.count("train is up to date") == 4 and "Error" not in out, out
-    assert len(trained(out)) == 4
+    assert len(trained(c, job)) == 4
     sums = digests(c, f"{c.dest}/train", 4)
     assert len(set(sums)) == 1 and sums[0].count("\n") == 97
 
@@ -396,7 +400,7 @@ def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm,
     cmd = f"srun {bind}--ntasks-per-node={k} shmstage run --stage {c.nfs}/imagenet -- "
     job = c.sbatch(cmd + "python train.py --data {staged}\n", "--nodes=2", f"--ntasks-per-node={k}")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
-    rows = trained(c.output(job))
+    rows = trained(c, job)
     assert [(r["host"], r["localid"]) for r in rows] == [
         (h, str(i)) for h in ("node1", "node2") for i in range(k)
     ]
@@ -404,3 +408,26 @@ def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm,
         assert (r["ranks"], r["tasks_per_node"]) == (k, f"{k}(x2)"), r
         assert r["cpus"] == (c.cpus // k if not bind else c.cpus), r  # what Slurm gave it
         assert r["workers"] == r["loader_workers"] == expected_workers(r, k), r
+
+
+# --- docs/run.md and docs/quickstart.md: one `shmstage run` and one torchrun per node ----------
+
+
+@pytest.mark.parametrize("doc", ["run.md", "quickstart.md"])
+def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ranks(slurm, doc):
+    """The torchrun recipe (#SBATCH ... --cpus-per-task=64, `head` from scontrol, srun
+    shmstage run -- torchrun --nproc-per-node 8 ...), on 2 nodes with 2 CPUs per task: every
+    node stages its copy, torchrun's 8 ranks per node read it, and each counts 8 local ranks
+    (torchrun's LOCAL_WORLD_SIZE) sharing the task's CPUs."""
+    c = slurm
+    wipe_stores(c)
+    script = block(doc, 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)')
+    assert "#SBATCH --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=64" in script
+    job = c.sbatch(recipe(c, script), "--nodes=2", f"--cpus-per-task={c.cpus}")
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    rows = trained(c, job)
+    assert sorted(r["host"] for r in rows) == ["node1"] * 8 + ["node2"] * 8, rows
+    for r in rows:
+        assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
+        assert r["ranks"] == 8 and r["cpus"] == c.cpus, r
+        assert r["workers"] == r["loader_workers"] == max(1, c.cpus // 8 - 1), r
