@@ -75,7 +75,10 @@ class SlurmCluster:
     job_container/tmpfs (a /tmp and /dev/shm of each job's own); ``node_files``: {absolute
     path: text} present on every node only (under /etc, /opt, /var/log: a writable overlay of
     the node's own covers those, so the docs' paths are used as printed and the machine's
-    own /etc is never written; a text starting with #! is made executable)."""
+    own /etc is never written; a text starting with #! is made executable); ``cpus``: CPUs
+    each node declares (default: this machine's; more is allowed, SlurmdParameters=
+    config_overrides, then best with ``task_plugin="task/none"``: task/affinity would bind
+    tasks to CPUs that do not exist)."""
 
     def __init__(
         self,
@@ -87,6 +90,7 @@ class SlurmCluster:
         job_container: bool = False,
         node_files: dict[str, str] | None = None,
         cpus: int | None = None,
+        task_plugin: str = "task/affinity",
     ) -> None:
         # 0755: the user reaches the config, the munge socket, its home, the source.  Not
         # under /tmp: job_container/tmpfs gives each job a /tmp of its own.
@@ -96,6 +100,7 @@ class SlurmCluster:
         self.conf_extra, self.files, self.node_setup = conf_extra, dict(files or {}), node_setup
         self.node_files = dict(node_files or {})
         self.cpus = cpus or os.cpu_count() or 1
+        self.task_plugin = task_plugin
         if job_container:  # each job gets a private /tmp and /dev/shm (made under BasePath)
             self.conf_extra += "\nJobContainerType=job_container/tmpfs\nPrologFlags=Contain\n"
             self.files["job_container.conf"] = f"AutoBasePath=true\nBasePath={base}/jc\n"
@@ -252,7 +257,7 @@ SlurmdLogFile={b}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/affinity
+TaskPlugin={self.task_plugin}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none

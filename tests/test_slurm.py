@@ -289,6 +289,27 @@ def test_cluster_md_prolog_prepares_each_allocated_node_as_root_before_the_job(p
             assert (log, json.loads(listed)) == ("", []), out
 
 
+def test_on_a_prolog_prepared_node_a_dataset_root_did_not_stage_is_refused_in_one_line(
+    prolog_slurm,
+):
+    """After the prolog, the store is root's: a job's `run --stage` of a dataset the node
+    config does not list cannot publish there without the node service, and says so in one
+    line per task, naming the way out (docs/cluster.md says it too)."""
+    c = prolog_slurm
+    job = c.sbatch(f"srun shmstage run --stage {c.nfs}/imagenet -- true\n", "--nodes=1")
+    assert c.wait_job(job) == "FAILED"
+    errors = [x for x in c.output(job).splitlines() if not x.startswith("srun: ")]
+    assert len(errors) == 1 and "Traceback" not in c.output(job), c.output(job)
+    assert re.fullmatch(
+        rf"Error: imagenet is not staged in {c.dest}; {c.dest} is managed by root and no "
+        r"shmstage service answers on .*: ask an admin to start it .* or stage into a "
+        r"directory of your own with --dest, .*",
+        errors[0],
+    )
+    doc = " ".join((ROOT / "docs" / "cluster.md").read_text().split())
+    assert "a job staging a dataset the config does not list needs the node service" in doc
+
+
 def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
     """ "A prolog that exits non-zero drains the node": a node whose dataset source is missing
     is drained by Slurm with the prolog named, and the job does not run there."""
@@ -431,3 +452,41 @@ def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ran
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
         assert r["ranks"] == 8 and r["cpus"] == c.cpus, r
         assert r["workers"] == r["loader_workers"] == max(1, c.cpus // 8 - 1), r
+
+
+@pytest.fixture(scope="module")
+def wide_slurm(tmp_path_factory):
+    """Nodes that declare 8 CPUs (tasks unbound, sharing the machine's), so the docs' 8 tasks
+    per node fit."""
+    c = make_cluster(tmp_path_factory, cpus=8, task_plugin="task/none")
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_slurm):
+    """`srun --ntasks-per-node=8 shmstage run --stage /nfs/imagenet -- python train.py --data
+    {staged}` (quickstart.md; run.md prints it with the source elided): on each node one task
+    copies, the other 7 reuse that copy, and each task's loader counts 8 ranks sharing the
+    node's CPUs (no torchrun, so from SLURM_STEP_TASKS_PER_NODE)."""
+    c = wide_slurm
+    line = inline("quickstart.md", "srun --ntasks-per-node=8 shmstage run")
+    assert (
+        line
+        == "srun --ntasks-per-node=8 shmstage run --stage /nfs/imagenet -- python train.py --data {staged}"
+    )
+    short = inline("run.md", "srun --ntasks-per-node=8 shmstage run")
+    assert short == line.replace("/nfs/imagenet", "...")
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2", "--ntasks-per-node=8")
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    assert out.count("staged imagenet:") == 2 and "Error" not in out, out  # one copy per node
+    assert len(re.findall(r"imagenet is up to date", out)) == 14, out
+    rows = trained(c, job)
+    assert [r["host"] for r in rows] == ["node1"] * 8 + ["node2"] * 8
+    machine = len(os.sched_getaffinity(0))
+    for r in rows:
+        assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
+        assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8(x2)", machine), r
+        assert r["workers"] == r["loader_workers"] == max(1, machine // 8 - 1), r
