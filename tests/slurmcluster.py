@@ -14,6 +14,7 @@ import contextlib
 import os
 import pwd
 import random
+import re
 import shutil
 import signal
 import socket
@@ -71,7 +72,13 @@ class SlurmCluster:
     /dev/shm, also a tmpfs of each node's own).  ``conf_extra``: lines added to slurm.conf;
     ``files``: {name: text} written next to it; ``node_setup``: shell run as root in each node
     before its slurmd starts ({name}: the node's name); ``job_container``: Slurm's
-    job_container/tmpfs (a /tmp and /dev/shm of each job's own)."""
+    job_container/tmpfs (a /tmp and /dev/shm of each job's own); ``node_files``: {absolute
+    path: text} present on every node only (under /etc, /opt, /var/log: a writable overlay of
+    the node's own covers those, so the docs' paths are used as printed and the machine's
+    own /etc is never written; a text starting with #! is made executable); ``cpus``: CPUs
+    each node declares (default: this machine's; more is allowed, SlurmdParameters=
+    config_overrides, then best with ``task_plugin="task/none"``: task/affinity would bind
+    tasks to CPUs that do not exist)."""
 
     def __init__(
         self,
@@ -81,6 +88,9 @@ class SlurmCluster:
         files: dict[str, str] | None = None,
         node_setup: str = "",
         job_container: bool = False,
+        node_files: dict[str, str] | None = None,
+        cpus: int | None = None,
+        task_plugin: str = "task/affinity",
     ) -> None:
         # 0755: the user reaches the config, the munge socket, its home, the source.  Not
         # under /tmp: job_container/tmpfs gives each job a /tmp of its own.
@@ -88,6 +98,9 @@ class SlurmCluster:
         base.chmod(0o755)
         self.data, self.n = data, nodes
         self.conf_extra, self.files, self.node_setup = conf_extra, dict(files or {}), node_setup
+        self.node_files = dict(node_files or {})
+        self.cpus = cpus or os.cpu_count() or 1
+        self.task_plugin = task_plugin
         if job_container:  # each job gets a private /tmp and /dev/shm (made under BasePath)
             self.conf_extra += "\nJobContainerType=job_container/tmpfs\nPrologFlags=Contain\n"
             self.files["job_container.conf"] = f"AutoBasePath=true\nBasePath={base}/jc\n"
@@ -97,6 +110,7 @@ class SlurmCluster:
         self.nfs = base / "nfs"  # each node's loop device is mounted here
         self.store = base / "store"  # each node's own tmpfs
         self.home = base / "home"
+        self.bin = base / "venv" / "bin"  # shmstage as the job's user can start it
         self.munge_socket = base / "munge" / "munge.socket.2"
         tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
         self.tag = tag
@@ -121,8 +135,15 @@ class SlurmCluster:
         return self
 
     def _start(self, timeout: float) -> None:
-        for d in ("etc", "munge", "ctld", "spool", "log", "nfs", "store", "home"):
+        for d in ("etc", "munge", "ctld", "spool", "log", "nfs", "store", "home", "ovl",
+                  "nodefiles"):  # fmt: skip
             (self.base / d).mkdir(exist_ok=True)
+        for path, text in self.node_files.items():  # copied into each node's overlays
+            assert path.startswith(("/etc/", "/opt/", "/var/log/")), path
+            f = self.base / "nodefiles" / path.lstrip("/")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text)
+            f.chmod(0o755 if text.startswith("#!") else 0o644)
         (self.base / "munge").chmod(0o755)
         for name in self.names:
             (self.base / "spool" / name).mkdir(exist_ok=True)
@@ -191,7 +212,6 @@ class SlurmCluster:
                 text = script.read_text().split("\n", 1)[1]
                 (venv / "bin" / name).write_text(f"#!{venv}/bin/python\n{text}")
                 (venv / "bin" / name).chmod(0o755)
-        self.bin = venv / "bin"
 
     def _image(self) -> None:
         size = sum(p.stat().st_size for p in self.data.rglob("*") if p.is_file())
@@ -214,7 +234,7 @@ class SlurmCluster:
         self.ctld_port = _free_port()
         b = self.base
         nodes = "\n".join(
-            f"NodeName={name} NodeAddr={addr} CPUs={os.cpu_count() or 1} State=UNKNOWN"
+            f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} Gres=gpu:8 State=UNKNOWN"
             for name, addr in zip(self.names, self.addrs)
         )
         self.conf.write_text(
@@ -237,7 +257,7 @@ SlurmdLogFile={b}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/affinity
+TaskPlugin={self.task_plugin}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -245,6 +265,8 @@ SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
+# 8 "GPUs" per node, no devices behind them: the docs' `--gpus-per-node=8` is schedulable
+GresTypes=gpu
 MpiDefault=none
 ReturnToService=2
 SlurmctldTimeout=30
@@ -258,6 +280,10 @@ MinJobAge=300
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
         )
+        # gres/gpu needs a device file per GPU (Count alone registers none): 8 harmless
+        # character devices stand in; without cgroups Slurm only stats them
+        devs = "/dev/null,/dev/zero,/dev/full,/dev/random,/dev/urandom,/dev/tty,/dev/ptmx,/dev/kmsg"
+        self.files.setdefault("gres.conf", f"Name=gpu File={devs}\n")
         for name, text in self.files.items():
             (self.conf.parent / name).write_text(text)
         (b / "etc" / "hosts").write_text(
@@ -271,9 +297,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
         path = f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"
         env = {"PATH": path, "SLURM_CONF": str(self.conf), "HOME": str(self.user_home),
                "USER": self.user, "LOGNAME": self.user, "LANG": "C.UTF-8"}  # fmt: skip
-        for var in ("PYTHONPATH", "SHMSTAGE_PREPARE_LOCK"):
-            if os.environ.get(var):
-                env[var] = os.environ[var]
+        if os.environ.get("PYTHONPATH"):  # the tree under test (each node has its own /run/lock)
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         env.update(extra)
         return env
 
@@ -311,7 +336,15 @@ hostname {name}
 mount -t tmpfs -o size=256M,mode=1777 shm-{name} /dev/shm
 mount -t tmpfs -o size=256M,mode=1777 store-{name} {self.store}
 mount -o ro,noload {self.devs[i]} {self.nfs}
+mount -t tmpfs -o size=1M,mode=1777 lock-{name} /run/lock
+mount -t tmpfs -o size=16M,mode=755 ovl-{name} {b}/ovl
+for d in /etc /opt /var/log; do
+  u={b}/ovl/$(echo $d | tr / _)
+  mkdir -p $u.up $u.work $d
+  mount -t overlay -o lowerdir=$d,upperdir=$u.up,workdir=$u.work overlay-{name} $d
+done
 mount --bind {b}/etc/hosts /etc/hosts
+cp -r {b}/nodefiles/. /
 {self.node_setup.replace("{name}", name)}
 slurmd -D -N {name} -f {self.conf} &
 wait
@@ -352,6 +385,10 @@ wait
         if pid is None:
             raise RuntimeError(f"{self.names[i]} is not running")
         return pid
+
+    def until(self, cond, timeout: float = 60, what: str = "a condition"):
+        """``cond()``'s first true value, polled; fails after ``timeout`` s with the logs."""
+        return self._until(cond, timeout, what)
 
     def _until(self, cond, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -404,20 +441,20 @@ wait
                             *args, str(path)], env=env)  # fmt: skip
         return out.stdout.strip().split(";")[0]
 
+    def show(self, kind: str, name: str) -> dict[str, str]:
+        """``scontrol show KIND NAME`` as {field: value} (a value may hold spaces: Reason)."""
+        out = subprocess.run(
+            ["scontrol", "-o", "show", kind, name], capture_output=True, text=True,
+            env=self.env(), timeout=30,
+        ).stdout  # fmt: skip
+        return dict(re.findall(r"(\w+)=(.*?)(?= \w+=|$)", out.strip()))
+
     def wait_job(self, job: str, timeout: float = 180) -> str:
         """Until job ``job`` has ended: its final state (COMPLETED, FAILED, CANCELLED...)."""
 
         def ended():
-            out = subprocess.run(
-                ["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
-                env=self.env(), timeout=30,
-            ).stdout  # fmt: skip
-            for field in out.split():
-                if field.startswith("JobState="):
-                    state = field.split("=", 1)[1]
-                    if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-                        return state
-            return None
+            state = self.show("job", job).get("JobState")
+            return state not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and state
 
         return self._until(ended, timeout, f"job {job} to end")
 
