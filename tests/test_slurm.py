@@ -375,7 +375,7 @@ def test_cluster_staging_md_prepare_nodes_reads_the_source_once(slurm):
     c = slurm
     wipe_stores(c)
     on_nodes(c, "mount -o remount,size=300M /dev/shm")  # root's part of the config, done
-    line = inline("cluster-staging.md", "srun --ntasks-per-node=1 shmstage prepare")
+    line = inline("cluster-staging.md", "srun --ntasks-per-node=1 shmstage prepare --nodes")
     size = c.sizes["datasets/imagenet/train"]
     before = c.read()
     job = c.sbatch(recipe(c, line + "\n"), "--nodes=4")

@@ -85,19 +85,27 @@ def config_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     )
 
 
-def cluster_options(f: Any) -> Any:
+def cluster_options(f: Any = None, *, slurm_nodes: bool = True) -> Any:
     """``--nodes/--node-rank/--rendezvous/--timeout/--inflight``: stage one source with
-    several nodes, each reading a share (``stage``, ``run`` and ``prepare`` take them)."""
+    several nodes, each reading a share (``stage``, ``run`` and ``prepare`` take them).
+    ``slurm_nodes``: the help says --nodes defaults to a Slurm step's node count (``prepare``
+    takes it only when given: see prepare_cmd)."""
+    if f is None:
+        return lambda g: cluster_options(g, slurm_nodes=slurm_nodes)
     from shmstage.cluster import DEFAULT_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN
 
+    default = (
+        "Default: 1, alone; in a Slurm step with one task per node on several nodes (srun -N 4 "
+        "--ntasks-per-node=1), $SLURM_STEP_NUM_NODES. --nodes 1 stages alone."
+        if slurm_nodes
+        else "Default: 1, alone (also under Slurm)."
+    )
     options = [
         click.option(
             "--nodes",
             type=click.IntRange(min=1),
             help="Stage together with this many nodes (one shmstage per node): each reads 1/N "
-            "of SRC and they exchange the rest over torch.distributed (gloo). Default: 1, alone; "
-            "in a Slurm step with one task per node on several nodes (srun -N 4 "
-            "--ntasks-per-node=1), $SLURM_STEP_NUM_NODES. --nodes 1 stages alone.",
+            f"of SRC and they exchange the rest over torch.distributed (gloo). {default}",
         ),
         click.option(
             "--node-rank",
