@@ -524,10 +524,7 @@ def _cluster(data: Path, sizes: dict[str, int], **kw):
     try:
         yield c
     finally:
-        pids = c.pids()
-        c.stop()
-        left = c.leftovers(pids)
-        assert not left, f"the Slurm cluster left {left} behind"
+        stop_cluster(c)
 
 
 @pytest.fixture(scope="module")

@@ -153,6 +153,33 @@ def test_a_slurm_node_count_yields_to_the_nodes_service(monkeypatch) -> None:
     assert cluster_spec(None, None, None, 60.0, 1 << 20, "/d", True).nodes == 4
 
 
+def test_run_takes_a_slurm_node_count_only_to_stage_and_not_for_no_wait(
+    monkeypatch, runner, cli
+) -> None:
+    """`run --stage` in a step of one task per node stages together; `run` with nothing to
+    stage, and `run --no-wait` (its job reads the copy as it is made), only with --nodes."""
+    from types import SimpleNamespace
+
+    from shmstage import launch
+    from shmstage.service import api
+
+    for k, v in _STEP.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(api, "service_for", lambda dest, service: None)
+    seen = []
+
+    def run(command, **kw):
+        seen.append(kw["cluster"].nodes if kw["cluster"] is not None else None)
+        return SimpleNamespace(signal=None, returncode=0)
+
+    monkeypatch.setattr(launch, "run", run)
+    for args in (["--stage", "/src"], ["--stage", "/src", "--no-wait"], [],
+                 ["--stage", "/src", "--no-wait", "--nodes", "2", "--node-rank", "1"]):  # fmt: skip
+        result = runner.invoke(cli, ["run", *args, "--", "true"])
+        assert result.exit_code == 0, result.output
+    assert seen == [4, None, None, 2]
+
+
 def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
     """Two processes started as node 1 of one job (real sockets, node 0's store): the
     second is refused, and node 0 stops with the same line instead of mixing them in."""

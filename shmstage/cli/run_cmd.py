@@ -184,7 +184,10 @@ def run_cmd(
     from shmstage.launch import JobKilled, run
 
     cluster = None
-    if stages:  # nothing to stage meets no other node, also in a Slurm step
+    # Nothing to stage meets no other node, also in a Slurm step; and --no-wait asked for a
+    # copy the job reads while it goes on, which a count only Slurm gave must not turn into a
+    # cluster stage (whose files are complete only at its end).
+    if stages and not (no_wait and nodes is None):
         cluster = cluster_spec(
             nodes, node_rank, rendezvous, timeout, inflight, dest, not no_service
         )
