@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -556,16 +555,6 @@ def _slow_source(c: SlurmCluster, nodes, bps: int):
         yield
 
 
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _stagers(c: SlurmCluster, i: int) -> list[psutil.Process]:
     """The `shmstage stage` processes running on node i (the step's and their children)."""
     out = []
@@ -650,7 +639,7 @@ def test_a_job_cancelled_mid_stage_publishes_nothing_and_the_next_job_stages(slu
         with _slow_source(c, range(2), 256 << 10):
             before = c.read()
             job = c.sbatch(stage, "--nodes=2", "--ntasks-per-node=1", "-w", "node[1-2]")
-            _wait(lambda b=before: c.read() - b > 256 << 10, 120, "the stage to read the source")
+            c.until(lambda b=before: c.read() - b > 256 << 10, 120, "the stage to read the source")
             c.as_user(["scancel", *how, job])
             state = c.wait_job(job)
             assert c.read() - before < c.sizes["big"]  # cancelled before it was all read
@@ -674,7 +663,7 @@ def test_a_node_that_hangs_mid_stage_fails_the_step_on_every_node(slurm_edges):
     with _slow_source(c, range(4), 256 << 10):
         before = c.read()
         job = c.sbatch(stage, "--nodes=4", "--ntasks-per-node=1")
-        _wait(lambda: c.read() - before > 512 << 10, 120, "the stage to read the source")
+        c.until(lambda: c.read() - before > 512 << 10, 120, "the stage to read the source")
         stopped = _stagers(c, 3)
         assert stopped
         for p in stopped:
@@ -685,7 +674,7 @@ def test_a_node_that_hangs_mid_stage_fails_the_step_on_every_node(slurm_edges):
                 lines = c.output(job).splitlines()
                 return [x for x in lines if x[:1].isdigit() and "Error" in x]
 
-            _wait(lambda: len(errors()) >= 3, 90, f"three nodes to fail: {c.output(job)}")
+            c.until(lambda: len(errors()) >= 3, 90, "three nodes to fail")
         finally:
             for p in stopped:
                 with contextlib.suppress(psutil.Error):
@@ -741,7 +730,7 @@ def test_two_jobs_staging_on_the_same_nodes_at_once_meet_on_ports_of_their_own(s
                      "--nodes=2", "--ntasks-per-node=1", "-w", "node[1-2]")
             for name in ("big", "big2")
         ]  # fmt: skip
-        _wait(lambda: _sources_staged(c, 0) == {"big", "big2"}, 120, "both jobs to stage at once")
+        c.until(lambda: _sources_staged(c, 0) == {"big", "big2"}, 120, "both jobs to stage at once")
         states = [c.wait_job(job) for job in jobs]
     assert states == ["COMPLETED", "COMPLETED"], [c.output(job) for job in jobs]
     for i in range(2):
