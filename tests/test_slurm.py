@@ -64,7 +64,7 @@ TRAIN = """\
 import argparse, json, os, subprocess
 from pathlib import Path
 from shmstage import system
-from shmstage.loader import default_num_workers, loader_kwargs, local_ranks
+from shmstage.loader import default_num_workers, global_rank, loader_kwargs, local_ranks
 p = argparse.ArgumentParser()
 p.add_argument("--data")
 args, _ = p.parse_known_args()
@@ -82,7 +82,8 @@ out.mkdir(parents=True, exist_ok=True)
     "workers": default_num_workers(), "ranks": local_ranks(),
     "loader_workers": loader_kwargs()["num_workers"], "cpus": len(os.sched_getaffinity(0)),
     "container_cpus": system.cpu_set().container, "leases": leases,
-    "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"),
+    "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"), "rank": global_rank(),
+    "torch_rank": os.environ.get("RANK"),
 }))
 """
 
@@ -94,7 +95,10 @@ def trained(c: SlurmCluster, job: str) -> list[dict]:
     return sorted(rows, key=lambda r: (r["host"], r["procid"] or "", r["localid"] or ""))
 
 
-def make_cluster(tmp_path_factory, **kw) -> SlurmCluster:
+def make_cluster(tmp_path_factory, service: bool = False, **kw) -> SlurmCluster:
+    """A started cluster with the docs' datasets on its "NFS", a node config and the docs'
+    install path on each node, a train.py in the user's home; ``service``: each node runs
+    `shmstage serve` as root (as the unit would), on a socket of the node's own."""
     why = missing()
     if why:
         pytest.skip(why)
@@ -112,6 +116,15 @@ def make_cluster(tmp_path_factory, **kw) -> SlurmCluster:
         f"version: 1\nshm: {{path: /dev/shm, size: 300M}}\ndest: {c.dest}\nreserve: 0\n"
         f"datasets:\n  - {c.nfs}/datasets/imagenet/train\n"
     )
+    if service:
+        run = c.base / "run"
+        run.mkdir()
+        c.node_files["/etc/shmstage.yaml"] += f"service: {{socket: {run}/shmstage.sock}}\n"
+        c.node_setup += (
+            f"\nmount -t tmpfs -o size=1M,mode=755 run-{{name}} {run}\n"
+            f"{c.bin}/shmstage serve --config /etc/shmstage.yaml >>{c.base}/log/serve-{{name}}.log 2>&1 &\n"
+            f"for _ in $(seq 200); do [ -S {run}/shmstage.sock ] && break; sleep 0.05; done\n"
+        )
     c.node_files["/opt/shmstage/venv/bin/shmstage"] = f'#!/bin/sh\nexec {c.bin}/shmstage "$@"\n'
     c.start()
     train = c.user_home / "train.py"
@@ -427,6 +440,7 @@ def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm,
     ]
     for r in rows:
         assert (r["ranks"], r["tasks_per_node"]) == (k, f"{k}(x2)"), r
+        assert r["rank"] == int(r["procid"]), r  # loader.md: SLURM_PROCID without torchrun
         assert r["cpus"] == (c.cpus // k if not bind else c.cpus), r  # what Slurm gave it
         assert r["workers"] == r["loader_workers"] == expected_workers(r, k), r
 
@@ -452,6 +466,8 @@ def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ran
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
         assert r["ranks"] == 8 and r["cpus"] == c.cpus, r
         assert r["workers"] == r["loader_workers"] == max(1, c.cpus // 8 - 1), r
+    assert sorted(r["rank"] for r in rows) == list(range(16))  # torchrun's RANK, not srun's
+    assert all(r["rank"] == int(r["torch_rank"]) for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -490,3 +506,41 @@ def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_s
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
         assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8(x2)", machine), r
         assert r["workers"] == r["loader_workers"] == max(1, machine // 8 - 1), r
+
+
+# --- docs/service.md: the node service under Slurm ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def service_slurm(tmp_path_factory):
+    """One node running the node service (`shmstage serve` as root), as `prepare` would."""
+    c = make_cluster(tmp_path_factory, service=True, nodes=1, cpus=8, task_plugin="task/none")
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_service_md_job_stages_through_the_service_leased_until_the_batch_script_exits(
+    service_slurm,
+):
+    """docs/service.md's job: `DATA=$(shmstage stage /nfs/imagenet --lease-for $$ -q)` as
+    the user goes through the service (the store stays root's), torchrun's 8 ranks read $DATA,
+    the lease holds while the batch script runs and is gone once it exits."""
+    c = service_slurm
+    script = block("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+    job = c.sbatch(recipe(c, script))
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    rows = trained(c, job)
+    copy = f"{c.dest}/imagenet"
+    assert len(rows) == 8 and all(r["ranks"] == 8 for r in rows), rows
+    for r in rows:
+        assert (r["data"], r["files"], r["bytes"]) == (copy, 96, c.sizes["imagenet"]), r
+        assert r["leases"] and r["leases"][0], r  # the batch script's lease, while it ran
+    (out,) = on_nodes(c, f"stat -c %u {c.dest}; shmstage list --json --dest {c.dest}")
+    owner, listed = out.split("\n", 1)
+    assert owner == "0"  # the service published it: the store stays root's
+    (row,) = [d for d in json.loads(listed) if d["path"] == copy]
+    assert row["leased_by"] == []  # the batch script exited: its lease went with it
+    log = (c.base / "log" / "serve-node1.log").read_text()
+    assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
