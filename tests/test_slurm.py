@@ -262,11 +262,12 @@ def test_cluster_md_job_script_on_unprepared_nodes_fails_naming_the_root_step(sl
 
 @pytest.fixture(scope="module")
 def prolog_slurm(tmp_path_factory):
-    """A cluster whose slurm.conf runs docs/cluster.md's prolog, installed where it says."""
+    """A cluster whose slurm.conf runs docs/cluster.md's prolog, installed where it says, at
+    allocation (PrologFlags=Alloc, as the page suggests)."""
     prolog = block("cluster.md", "# /etc/slurm/prolog.d/50-shmstage.sh")
     c = make_cluster(
         tmp_path_factory,
-        conf_extra=inline("cluster.md", "Prolog="),
+        conf_extra=inline("cluster.md", "Prolog=") + "\n" + inline("cluster.md", "PrologFlags="),
         node_files={"/etc/slurm/prolog.d/50-shmstage.sh": prolog},
     )
     try:
@@ -277,14 +278,18 @@ def prolog_slurm(tmp_path_factory):
 
 def test_cluster_md_prolog_prepares_each_allocated_node_as_root_before_the_job(prolog_slurm):
     """The prolog of docs/cluster.md (Prolog=/etc/slurm/prolog.d/* in slurm.conf) stages the
-    config's dataset as root on each allocated node before the job; the job's `run` finds it
-    there, copies nothing, leases it while the job runs; the lease is gone after."""
+    config's dataset as root on each allocated node before the job (with PrologFlags=Alloc:
+    on every node before the batch script starts); the job's `run` finds it there, copies
+    nothing, leases it while the job runs; the lease is gone after."""
     c = prolog_slurm
     line = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
     run = next(x for x in line.splitlines() if x.startswith("srun shmstage run"))
-    job = c.sbatch(recipe(c, run + "\n"), "--nodes=2", "--ntasks-per-node=1")
+    job = c.sbatch("echo START $(date +%s.%N)\n" + recipe(c, run + "\n"), "--nodes=2")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     out = c.output(job)
+    start = float(re.search(r"^START (\S+)$", out, re.M)[1])
+    ends = on_nodes(c, "stat -c %.9Y /var/log/shmstage-prolog.log 2>/dev/null || echo inf")
+    assert all(float(t) < start for t in ends[:2]), (ends, start)  # both prologs, then the job
     assert out.count("train is up to date") == 2 and "copied" not in out, out
     rows = trained(c, job)
     assert [(r["host"], r["files"], r["bytes"]) for r in rows] == [
@@ -324,8 +329,8 @@ def test_on_a_prolog_prepared_node_a_dataset_root_did_not_stage_is_refused_in_on
 
 
 def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
-    """ "A prolog that exits non-zero drains the node": a node whose dataset source is missing
-    is drained by Slurm with the prolog named, and the job does not run there."""
+    """docs/cluster.md: "a prolog that exits non-zero drains the node".  A node whose dataset
+    source is missing is drained by Slurm with the prolog named, and the job does not run."""
     c = prolog_slurm
     bad = f"version: 1\ndest: {c.dest}\ndatasets:\n  - {c.nfs}/no/such/dataset\n"
     r = c.on_node(2, ["sh", "-c", f"printf '{bad}' > /etc/shmstage.yaml"])
@@ -336,7 +341,7 @@ def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
         assert node["Reason"].startswith("Prolog error"), node
         info = c.show("job", job)  # Slurm requeues it, held: it never ran on node3
         assert (info["JobState"], info["Reason"]) == ("PENDING", "launch_failed_requeued_held")
-        assert c.output(job) == "Error running slurm prolog: 1\n"  # Slurm's line, no step ran
+        assert c.output(job) == ""  # with PrologFlags=Alloc the batch script never started
         log = c.on_node(2, ["cat", "/var/log/shmstage-prolog.log"]).stdout
         assert re.search(r"^Error: .*no/such/dataset", log, re.M) and "Traceback" not in log, log
     finally:
