@@ -11,6 +11,7 @@ import os
 import random
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -549,3 +550,46 @@ def test_service_md_job_stages_through_the_service_leased_until_the_batch_script
     assert row["leased_by"] == []  # the batch script exited: its lease went with it
     log = (c.base / "log" / "serve-node1.log").read_text()
     assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
+
+
+# --- docs/run.md: Slurm's signals and `shmstage run` --------------------------------------------
+
+SIGJOB = """\
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1) or out.write_text(f"{len(got)}\\n"))
+out.write_text("0\\n")
+while not out.with_suffix(".stop").exists():
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize(
+    "form",
+    [("srun shmstage run --stage {src} -- python sigjob.py {out}", "--signal=USR1"),
+     ("exec shmstage run --stage {src} -- python sigjob.py {out}", "--batch --signal=USR1")],
+    ids=["step-wide", "batch-shell"],
+)  # fmt: skip
+def test_run_md_slurm_signals_reach_the_job_exactly_once(slurm, form):
+    """docs/run.md: `scancel --signal=USR1` signals every process of the step, the job
+    included, and shmstage does not forward it again; a batch script that `exec`s shmstage
+    gets `scancel -b`'s signal alone and forwards it.  Either way the job sees it once."""
+    c = slurm
+    script, flags = form
+    sigjob = c.user_home / "sigjob.py"
+    sigjob.write_text(SIGJOB)
+    out = c.user_home / f"sig-{len(flags)}.count"
+    out.unlink(missing_ok=True)
+    out.with_suffix(".stop").unlink(missing_ok=True)
+    job = c.sbatch(script.format(src=f"{c.nfs}/imagenet", out=out) + "\n", "--nodes=1")
+    try:
+        c.until(lambda: out.exists() and out.read_text() == "0\n", 120, "the job to start")
+        c.as_user(["scancel", *flags.split(), job])
+        c.until(lambda: out.read_text() != "0\n", 30, "the signal")
+        time.sleep(1)  # a second delivery (shmstage forwarding it again) would land by now
+        assert out.read_text() == "1\n"
+    finally:
+        out.with_suffix(".stop").touch()
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
