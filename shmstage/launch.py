@@ -391,6 +391,7 @@ def run(
         returncode = nowait.finish_live(
             stagers, returncode, killed_by is not None or cleanup, teardown, log
         )
+        staged = nowait.unpublished(staged, stagers)
         failed = False
     finally:
         teardown.hold()  # staging stopped by a signal: a second one waits for the cleanup too
