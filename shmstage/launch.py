@@ -206,7 +206,6 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
     return found
 
 
-
 # --- the whole command ------------------------------------------------------
 
 

@@ -168,9 +168,7 @@ class SignalHold:
             signal.raise_signal(self.signal)
 
 
-def _terminate(
-    procs: list[psutil.Process], grace: float, held: SignalHold | None = None
-) -> None:
+def _terminate(procs: list[psutil.Process], grace: float, held: SignalHold | None = None) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
@@ -360,4 +358,3 @@ def _reap_orphans(job: int, not_ours: set[int]) -> None:
                 os.waitpid(p.pid, os.WNOHANG)
         except (psutil.Error, ChildProcessError):
             pass
-

@@ -3,9 +3,10 @@
 Partial trees, source markers, ``.<name>.json.new`` manifests, half-written records, lock
 and lease files of datasets that are gone, space reservations of dead stagers, records
 whose tree is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size
-claims of dead stagers and the "held for" marks of lease holders that are gone.  Each
-dataset's leftovers are removed only while holding its lock (taken without waiting: a
-dataset being staged is skipped), so gc is safe while others stage.
+claims of dead stagers, the "held for" marks of lease holders that are gone, and the read
+counters (served.py) of dead jobs of datasets that are gone.  Each dataset's leftovers are
+removed only while holding its lock (taken without waiting: a dataset being staged is
+skipped), so gc is safe while others stage.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage.store import inflight, leases
+from shmstage.stage.store import inflight, leases, served
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import Busy, alive, running, trash_owner
 from shmstage.stage.store.names import check_name
@@ -123,6 +124,17 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
             skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
         else:
             removed.append(Leftover(path, "placing lock", 0))
+    for s in served.files(store.book):  # the read counters of dead jobs of datasets gone
+        if (
+            alive(s.pid)
+            or store.published(s.name) is not None
+            or os.path.lexists(os.path.join(store.book, "views", s.name))
+        ):
+            continue
+        removed.append(Leftover(s.path, "read counters", 0))
+        if not dry_run:
+            with suppress(OSError):  # another user's, in a store of ours: theirs to keep
+                os.unlink(s.path)
     dead, looked = inflight.reap_claims(store, dry_run=dry_run)
     removed += [Leftover(path, "max_size claim", 0) for path in dead]
     if not looked:

@@ -23,7 +23,7 @@ from typing import Any
 from shmstage import system
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.libc import load_libc
-from shmstage.stage.store import access
+from shmstage.stage.store import access, served
 from shmstage.stage.store.checks import (
     check_dir,
     check_owner,
@@ -126,6 +126,8 @@ class Store:
                 mkdir_checked(path, mode)
             elif os.path.lexists(path):
                 check_dir(path, "bookkeeping directory")
+        if create:  # where jobs count the bytes they read (NOTE [served] in served.py)
+            served.make_dir(self.book)
         return self
 
     def check_published(self, name: str) -> os.stat_result | None:
