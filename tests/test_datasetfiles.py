@@ -303,26 +303,32 @@ def test_another_user_reads_roots_partial_copy_and_counts_in_its_own_file(open_t
     assert oct(os.stat(os.path.dirname(row.path)).st_mode & 0o7777) == "0o1777"
 
 
-def test_metrics_export_the_bytes_served_and_gc_drops_them_with_the_dataset(tmp_path):
-    """`metrics` sums every process's counters per dataset; once the dataset is evicted and
-    its readers are gone, gc removes their counter files (a live dataset's stay)."""
+@pytest.mark.root
+def test_metrics_export_the_bytes_served_and_gc_drops_them_with_the_dataset(tmpfs, tmp_path):
+    """`metrics` sums every process's counters per dataset (a real `stage --partial`); once
+    the dataset is evicted and its readers are gone, gc removes their counter files."""
     from shmstage import metrics
+    from shmstage.stage import resident
 
-    src, data, resident = partial_copy(tmp_path)
-    dest = tmp_path / "dest"
+    dest = tmpfs("1M") / "store"
+    data = {f"c/{i}.bin": os.urandom(200_000) for i in range(6)}
+    for rel, b in data.items():
+        (tmp_path / "src" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / rel).write_bytes(b)
+    ds = resident.stage(tmp_path / "src", name="ds", dest=dest, reserve="100K")
+    assert 0 < ds.resident < 1
     code = "import sys; from shmstage.datasetfiles import DatasetFiles as D; f = D(sys.argv[1]); [f.read(n) for n in f.names]"
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", code, str(dest / "ds")], capture_output=True,
                            text=True, timeout=60)  # fmt: skip
         assert r.returncode == 0, r.stderr
-    ram = sum(len(data[n]) for n in resident)
     text = metrics.render(metrics.collect(dest))
-    assert f'shmstage_served_bytes_total{{tier="{dest}",dataset="ds",from="ram"}} {2 * ram}' in text
-    src_bytes = 2 * (sum(map(len, data.values())) - ram)
-    assert f'dataset="ds",from="source"}} {src_bytes}' in text
+    ram = f'shmstage_served_bytes_total{{tier="{dest}",dataset="ds",from="ram"}} {2 * ds.bytes}'
+    assert ram in text
+    assert f'dataset="ds",from="source"}} {2 * (ds.total_bytes - ds.bytes)}' in text
     assert len(engine.gc(dest).removed) == 0 and len(list(served.files(Store(dest).book))) == 2
-    shutil.rmtree(Path(Store(dest).book) / "views" / "ds")  # evicted (partial: with its view)
-    shutil.rmtree(dest / "ds")
+    assert engine.evict("ds", dest=dest) == ["ds"]
+    assert not (Path(Store(dest).book) / "views" / "ds").exists()
     gone = engine.gc(dest).removed
     assert [x.what for x in gone] == ["read counters"] * 2
     assert list(served.files(Store(dest).book)) == []

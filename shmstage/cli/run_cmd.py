@@ -123,6 +123,13 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     is_flag=True,
     help="Evict the datasets this run staged once the job exits.",
 )
+@click.option(
+    "--partial",
+    is_flag=True,
+    help="A directory larger than DEST keeps the largest part that fits in RAM, leased for the "
+    "job's life; the job reads the rest from the source through shmstage.loader.DatasetFiles "
+    "(see stage --partial).",
+)
 @config_option(
     "Node config: its loader section gives default loader settings, its dest the tiers and "
     "their cache max_size, its reserve the room kept free."
@@ -144,6 +151,7 @@ def run_cmd(
     reserve: int | str | None,
     make_room: bool,
     cleanup: bool,
+    partial: bool,
     config_path: str | None,
     nodes: int | None,
     node_rank: int | None,
@@ -184,6 +192,7 @@ def run_cmd(
         log=_log,
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
         service=not no_service,
+        partial=partial,
     )
     if result.signal is not None:
         raise JobKilled(result.signal)  # cleaned up: now die of it (shmstage.cli.main)

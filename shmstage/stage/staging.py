@@ -69,6 +69,7 @@ def stage(
     reader: Caller | None = None,
     credentials: Mapping[str, str] | None = None,
     share: Share | None = None,
+    subset: Any = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
@@ -84,7 +85,7 @@ def stage(
     the reader's own walk of the source and a check that they may open every file of it
     (else RefusedError, nothing staged).  ``credentials``: an object store's, instead of
     this process's environment (with a reader and none: no credentials of ours are used);
-    ``share``: who besides the reader may read an object-store copy."""
+    ``share``: who besides the reader may read an object-store copy; ``subset``: resident.py."""
     t0 = time.monotonic()
     if reader is not None and reader.is_root:
         reader = None
@@ -148,6 +149,7 @@ def stage(
                 peers,
                 admit,
                 (reader, credentials, share),
+                subset,
             )
         except BaseException:
             drop_unused_lock(store, name)
@@ -216,6 +218,7 @@ def _stage_locked(
     peers: Any = None,
     admit: Callable[[build.Need], None] | None = None,
     asker: tuple[Caller | None, Mapping[str, str] | None, Share | None] = (None, None, None),
+    subset: Any = None,
 ) -> StagedDataset:
     reader, credentials, share = asker
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
@@ -250,10 +253,12 @@ def _stage_locked(
         drop_leftovers(store, name, marker)
         if kind not in sources.LISTED_KINDS:
             topaccess.recheck(store, name, source, kind, manifest, reader)
+        if subset is not None:  # the part in RAM is current; the rest may have changed
+            subset.current(store, name, record)
         return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
 
     try:
-        if cold and peers is None and src.kind == "dir":  # a DirSource (build/fromdir.py)
+        if cold and peers is None and src.kind == "dir" and subset is None:  # build/fromdir.py
             write_marker(marker, source)
             _kill_at("marker")
             tree = fromdir.build_first(src, store, name, workers, verify, reserve, report, claim)
@@ -264,6 +269,8 @@ def _stage_locked(
             if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
                 return unchanged()
             listing = src.listing()  # a walk, an archive's headers, one LIST
+            if subset is not None:
+                listing = subset.select(listing, store, name)
             current = same and stamp is None and build.current(manifest, listing)
             if peers is not None and not peers.agree(src.tree, current, cold) and current:
                 peers.fill([], lambda b, f: None, False)  # the others need our share
@@ -299,6 +306,7 @@ def _stage_locked(
             root.st_ino,
             root.st_dev,
         )
+        new = subset.publishing(store, name, new) if subset is not None else new  # its view
         if built.copied < built.bytes and (record is None or record.memcg != new.memcg):
             # Kept or linked files stay charged to whoever wrote them (a killed run, the old
             # version's stager): make-room must not count them as ours (None: counts 0).

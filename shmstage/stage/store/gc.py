@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage.store import inflight, leases, served
+from shmstage.stage.store import inflight, leases, residentview, served
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import Busy, alive, running, trash_owner
 from shmstage.stage.store.names import check_name
@@ -64,7 +64,14 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                 published = store.published(name) is not None
                 kept = False
                 for path, what in items:
-                    if published and what in ("record", "manifest", "used", "lease", "lock"):
+                    if published and what in (
+                        "record",
+                        "manifest",
+                        "used",
+                        "lease",
+                        "lock",
+                        "view",
+                    ):
                         continue  # the dataset's own bookkeeping
                     if what == "lock":
                         continue  # handled last, below
@@ -159,6 +166,7 @@ def _names(store: Store) -> set[str]:
     for entry in listdir(store.lease_dir):
         names.add(entry.removesuffix(".lease"))
     names.update(listdir(store.reservation_dir))
+    names.update(listdir(os.path.join(store.book, residentview.VIEWS)))
     out = set()
     for n in names:
         with suppress(RefusedError):
@@ -204,6 +212,7 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
     add(store.manifest_path(name), "manifest")
     add(os.path.join(store.meta_dir, f".{name}.used"), "used")
     add(leases.lease_path(store, name), "lease")
+    add(residentview.view_dir(store, name), "view")  # a partial copy's, or a dead stager's
     # a stager reserves under the dataset's lock: with the lock ours, its stager is dead
     add(os.path.join(store.reservation_dir, name), "reservation")
     if lock:
