@@ -29,6 +29,7 @@ __all__ = ["DatasetFiles"]
 _FLUSH_EVERY = 1.0  # seconds between writes of this process's counters (and one at exit)
 _POLL = 1.0  # seconds a demand waits before it looks whether the stager is still alive
 _SETTLE = 200  # tries (x 50 ms) for a live copy to settle (publish) before giving up
+_CREATING = threading.Lock()  # one _Local per process, however many threads start at once
 
 
 class _Counted(io.FileIO):
@@ -63,7 +64,8 @@ class _Local:
         self.landed = bytearray(files._resident)
         self.landed_at = 0  # bytes of the ``landed`` log read so far
         self.sock: socket.socket | None = None
-        self.answers: dict[int, int] = {}
+        self.answers: dict[int, int] = {}  # the stager's final word on each file asked for
+        self.asked: set[int] = set()  # requests sent on this connection
         self.reading = False  # one thread reads the socket, the others wait on ``cond``
         self.ram = 0
         self.source = 0
@@ -155,16 +157,19 @@ class DatasetFiles:
         local = self._here()
         view = local.view
         if view is None:
-            return self._ram(self.path, name, local)
+            try:
+                return self._ram(self.path, name, local)
+            except FileNotFoundError:
+                raise ShmstageError(
+                    f"{name} is gone from {self.path}: the copy was evicted or restaged while "
+                    "this job read it; run the job again"
+                ) from None
         if view.kind == "partial":
             if self._resident[i]:
-                try:
+                # Not there: a first partial copy about to be published (its view comes
+                # first), or restaged since: the source has the same bytes (checked).
+                with suppress(FileNotFoundError):
                     return self._ram(view.root, name, local)
-                except FileNotFoundError:
-                    raise ShmstageError(
-                        f"{name} is gone from {view.root}: the copy was evicted or restaged "
-                        "while this job read it; run the job again"
-                    ) from None
             return self._from_source(i, view, local)
         return self._live(i, local)
 
@@ -193,12 +198,20 @@ class DatasetFiles:
     def _here(self) -> _Local:
         local = self._local
         if local is None or local.pid != os.getpid():  # a new process (fork): its own state
-            local = _Local(self)
-            self._local = local
+            with _CREATING:
+                local = self._local
+                if local is None or local.pid != os.getpid():
+                    local = self._local = _Local(self)
         return local
 
     def _ram(self, root: str, name: str, local: _Local) -> BinaryIO:
-        return io.BufferedReader(_Counted(os.path.join(root, name), local.count))
+        path = os.path.join(root, name)
+        try:
+            return io.BufferedReader(_Counted(path, local.count))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
 
     def _from_source(self, i: int, view: View, local: _Local) -> BinaryIO:
         """The file read whole from the source as this process, checked against the listing
@@ -250,7 +263,7 @@ class DatasetFiles:
                 return self._ram(view.final, rel, local)  # type: ignore[union-attr]
             if local.dead:  # what landed may still be there (else gc took it): the rest, source
                 if local.landed[i]:
-                    with suppress(OSError):
+                    with suppress(OSError, ShmstageError):  # removed, or the stager's only
                         return self._ram(view.root, rel, local)  # type: ignore[union-attr]
                 return self._from_source(i, view, local)  # type: ignore[arg-type]
             if local.landed[i] or self._poll_landed(local, i):
@@ -315,6 +328,8 @@ class DatasetFiles:
         Requests are pipelined on one connection per process; one thread reads the answers
         and hands each to the thread waiting for it."""
         with local.cond:
+            if i in local.answers:  # final: landed (0), published (1) or refused (< 0)
+                return local.answers[i]
             if local.sock is None:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
                 try:
@@ -324,11 +339,13 @@ class DatasetFiles:
                     return None
                 sock.settimeout(_POLL)
                 local.sock = sock
-            try:
-                local.sock.sendall(struct.pack("<I", i))
-            except OSError:
-                self._drop(local)
-                return None
+            if i not in local.asked:  # another thread's request for it is answered to all
+                try:
+                    local.sock.sendall(struct.pack("<I", i))
+                except OSError:
+                    self._drop(local)
+                    return None
+                local.asked.add(i)
             while i not in local.answers:
                 if local.sock is None:
                     return None
@@ -353,13 +370,15 @@ class DatasetFiles:
                 if got == "timeout" and not local.view.alive():  # type: ignore[union-attr]
                     self._drop(local)
                     return None
-            return local.answers.pop(i)
+            return local.answers[i]
 
     def _drop(self, local: _Local) -> None:
+        """Forget the connection and what was asked on it (the asking threads ask again)."""
         if local.sock is not None:
             with suppress(OSError):
                 local.sock.close()
             local.sock = None
+        local.asked.clear()
 
 
 def _recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:

@@ -80,16 +80,20 @@ def test_a_plain_directory_is_read_as_is(tmp_path):
         DatasetFiles(tmp_path / "missing")
 
 
-def partial_copy(tmp_path: Path) -> tuple[Path, dict[str, bytes], set[str]]:
+def partial_copy(
+    tmp_path: Path, dest: Path | None = None
+) -> tuple[Path, dict[str, bytes], set[str]]:
+    """A partial copy made by hand: class0 in RAM, the view listing every file."""
     src = tmp_path / "src"
+    dest = dest or tmp_path / "dest"
     data = make_tree(src)
     resident = {n for n in data if n.startswith("class0/")}
-    final = tmp_path / "dest" / "ds"
+    final = dest / "ds"
     for rel in resident:
         (final / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / rel, final / rel)
-    Store(tmp_path / "dest").open()
-    write_view(tmp_path / "dest", "ds", src, "partial", final, resident)
+    Store(dest).open()
+    write_view(dest, "ds", src, "partial", final, resident)
     return src, data, resident
 
 
@@ -284,23 +288,38 @@ NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 @pytest.mark.root
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-def test_another_user_reads_roots_partial_copy_and_counts_in_its_own_file(open_tmp_path):
-    """A job running as nobody on root's store: the rest read from the source as nobody,
-    its counters in a file of its own in the sticky served/, none of root's files touched."""
-    src, data, resident = partial_copy(open_tmp_path)
+@pytest.mark.parametrize("shared", [True, False])
+def test_another_user_reads_roots_partial_copy_and_counts_where_allowed(open_tmp_path, shared):
+    """A job running as nobody on root's store reads every file (the rest from the source, as
+    nobody).  DEST in a directory every user writes (like /dev/shm): its counters go in a file
+    of its own in the sticky served/.  Elsewhere served/ is root's alone (no user can fill the
+    store's file system through it): nothing is counted on disk, nothing fails."""
+    parent = open_tmp_path / "shm"
+    parent.mkdir()
+    parent.chmod(0o1777 if shared else 0o755)
+    src, data, resident = partial_copy(open_tmp_path, parent / "store")
     code = (
         "import sys; from shmstage.datasetfiles import DatasetFiles; f = DatasetFiles(sys.argv[1]);"
         "print(sum(len(f.read(n)) for n in f.names))"
     )
     r = subprocess.run(
-        [*NOBODY, sys.executable, "-c", code, str(open_tmp_path / "dest" / "ds")],
+        [*NOBODY, sys.executable, "-c", code, str(parent / "store" / "ds")],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == sum(map(len, data.values()))
-    (row,) = served.files(Store(open_tmp_path / "dest").book)
-    assert row.uid == 65534 and os.stat(row.path).st_uid == 65534
-    assert oct(os.stat(os.path.dirname(row.path)).st_mode & 0o7777) == "0o1777"
+    where = Path(Store(parent / "store").book) / "served"
+    assert oct(where.stat().st_mode & 0o7777) == ("0o1777" if shared else "0o755")
+    rows = list(served.files(Store(parent / "store").book))
+    if shared:
+        (row,) = rows
+        assert row.uid == 65534 and os.stat(row.path).st_uid == 65534
+        assert (row.ram, row.source) == (
+            sum(len(data[n]) for n in resident),
+            sum(len(data[n]) for n in data if n not in resident),
+        )
+    else:
+        assert rows == []
 
 
 @pytest.mark.root

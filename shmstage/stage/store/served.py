@@ -2,12 +2,15 @@
 reading process in ``DEST/.shmstage/served/`` (written by the job, summed by ``metrics``,
 the files of dead processes of datasets that are gone removed by ``gc``).
 
-NOTE [served]: the directory is mode 1777 (sticky) and flat, one file per process named
-``<name>@<uid>.<pid>`` (``@`` is never in a dataset name): a job may not write the rest of
-root's store, a per-dataset directory made by one user could be closed by them to the
-others, and in a sticky directory nobody can replace or remove another user's file.  A file
-is created with O_EXCL|O_NOFOLLOW (a name planted by someone else is not written through) and
-holds two fixed-width numbers only, mode 0644: counts, nothing of what was read.
+NOTE [served]: the directory is flat, one file per process named ``<name>@<uid>.<pid>``
+(``@`` is never in a dataset name).  Where every user may already write beside DEST (DEST in
+/dev/shm, mode 1777) it is mode 1777 too, so a job of any user may count in root's store: a
+per-dataset directory made by one user could be closed by them to the others, and in a
+sticky directory nobody can replace or remove another user's file.  Elsewhere (DEST on a
+tmpfs of its own, 0755) it is 0755: a world-writable directory there would let any user fill
+the store's file system, so only jobs of the store's owner count (metrics then shows theirs).
+A file is created with O_EXCL|O_NOFOLLOW (a name planted by someone else is not written
+through) and holds two fixed-width numbers, mode 0644: counts, nothing of what was read.
 """
 
 from __future__ import annotations
@@ -41,27 +44,40 @@ def served_dir(book: str) -> str:
 
 
 def make_dir(book: str) -> None:
-    """Create ``served/`` (1777) beside the bookkeeping; by the store's owner, at open."""
+    """Create ``served/`` beside the bookkeeping (NOTE [served]); by the store's owner."""
     path = served_dir(book)
+    dest = os.path.dirname(book)
+    mode = DIR_MODE if _open_to_all(dest) or _open_to_all(os.path.dirname(dest)) else 0o755
     try:
-        os.mkdir(path, DIR_MODE)
+        os.mkdir(path, mode)
     except FileExistsError:
         return
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.fchmod(fd, DIR_MODE)  # exact mode whatever the umask
+        os.fchmod(fd, mode)  # exact mode whatever the umask
     finally:
         os.close(fd)
 
 
+def _open_to_all(path: str) -> bool:
+    """Every user may create files in ``path`` (sticky and world-writable, like /dev/shm)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_IWOTH and mode & stat.S_ISVTX)
+
+
 def _usable(path: str) -> bool:
-    """``served/`` is a real sticky directory of the store's owner (else never written)."""
+    """``served/`` is a real directory of the store's owner, sticky where others write it."""
     try:
         st = os.lstat(path)
         owner = os.lstat(os.path.dirname(path)).st_uid
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX) and st.st_uid == owner
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != owner:
+        return False
+    return bool(st.st_mode & stat.S_ISVTX) or not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 class Writer:
