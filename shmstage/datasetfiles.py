@@ -12,7 +12,6 @@ import multiprocessing.util
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 from array import array
@@ -22,7 +21,15 @@ from typing import Any, BinaryIO
 from shmstage.errors import ShmstageError
 from shmstage.stage.store import served
 from shmstage.stage.store.layout import Store
-from shmstage.stage.store.views import View, read_view
+from shmstage.stage.store.views import (
+    ANSWER,
+    LANDED_OK,
+    PUBLISHED,
+    REQUEST,
+    FileList,
+    View,
+    read_view,
+)
 
 __all__ = ["DatasetFiles"]
 
@@ -104,13 +111,12 @@ class DatasetFiles:
         self.path = os.path.abspath(os.fspath(path))
         self._dest, self._name = os.path.split(self.path)
         self._store = os.path.isdir(Store(self._dest).book)
-        self._view = read_view(self._dest, self._name) if self._store else None
-        if self._view is not None:
-            entries = self._view.files
-            self._names = tuple(e.rel for e in entries)
-            self._sizes = array("q", (e.size for e in entries))
-            self._mtimes = array("q", (e.mtime_ns for e in entries))
-            self._resident = bytes(1 if e.resident else 0 for e in entries)
+        self._view, listed = _listed_view(self._dest, self._name) if self._store else (None, None)
+        if listed is not None:
+            self._names = listed.names
+            self._sizes = array("q", listed.sizes)
+            self._mtimes = array("q", listed.mtimes)
+            self._resident = bytes(listed.resident)
         else:
             names, sizes = _walk(self.path)
             self._names, self._sizes = names, array("q", sizes)
@@ -273,9 +279,9 @@ class DatasetFiles:
                     self._settle(local)  # published (renamed away) or removed by gc
                     continue
             status = self._demand(local, i)
-            if status == 0:
+            if status == LANDED_OK:
                 local.landed[i] = 1
-            elif status == 1:
+            elif status == PUBLISHED:
                 local.published = True
             elif status is None:  # the stager is gone, or its socket is
                 self._settle(local)
@@ -292,17 +298,12 @@ class DatasetFiles:
 
     def _poll_landed(self, local: _Local, i: int) -> bool:
         """Read what the ``landed`` log gained since the last look (whole records only)."""
-        path = os.path.join(local.view.dir, "landed")  # type: ignore[union-attr]
         with local.lock:
             try:
-                with open(path, "rb") as f:
-                    f.seek(local.landed_at)
-                    data = f.read()
+                got, local.landed_at = local.view.landed_since(local.landed_at)  # type: ignore[union-attr]
             except OSError:
                 return False
-            data = data[: len(data) - len(data) % 4]
-            local.landed_at += len(data)
-            for (index,) in struct.iter_unpack("<I", data):
+            for index in got:
                 if index < len(local.landed):
                     local.landed[index] = 1
             return bool(local.landed[i])
@@ -341,7 +342,7 @@ class DatasetFiles:
                 local.sock = sock
             if i not in local.asked:  # another thread's request for it is answered to all
                 try:
-                    local.sock.sendall(struct.pack("<I", i))
+                    local.sock.sendall(REQUEST.pack(i))
                 except OSError:
                     self._drop(local)
                     return None
@@ -396,8 +397,21 @@ def _recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:
         if not chunk:
             return None
         data += chunk
-    index, status = struct.unpack("<Ii", data)
+    index, status = ANSWER.unpack(data)
     return index, status
+
+
+def _listed_view(dest: str, name: str) -> tuple[View | None, FileList | None]:
+    """The view of DEST/<name> and its file list, read together (a view that goes away
+    between the two was published: read again)."""
+    for _ in range(3):
+        view = read_view(dest, name)
+        if view is None:
+            return None, None
+        listed = view.files()
+        if listed is not None:
+            return view, listed
+    return None, None
 
 
 def _walk(top: str) -> tuple[tuple[str, ...], list[int]]:

@@ -48,7 +48,7 @@ def write_view(dest: Path, name: str, src: Path, kind: str, root: Path, resident
         lines.append(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\t{1 if rel in resident else 0}\n")
     (vdir / "files").write_text("".join(lines))
     head = {"format": 1, "kind": kind, "name": name, "source": str(src), "root": str(root)}
-    head |= {"final": str(dest / name), "socket": None, "pid": None, "pid_start": None, **meta}
+    head |= {"final": str(dest / name), "socket": None, "pid": 0, "pid_start": None, **meta}
     (vdir / "view.json").write_text(json.dumps(head))
     return vdir
 

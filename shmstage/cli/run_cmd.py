@@ -130,6 +130,13 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     "job's life; the job reads the rest from the source through shmstage.loader.DatasetFiles "
     "(see stage --partial).",
 )
+@click.option(
+    "--no-wait",
+    is_flag=True,
+    help="Start the job as soon as each directory --stage is listed; the copy goes on, files "
+    "the job asks for first, and is published as usual. The job must read through "
+    "shmstage.loader.DatasetFiles({staged}) (docs/run.md).",
+)
 @config_option(
     "Node config: its loader section gives default loader settings, its dest the tiers and "
     "their cache max_size, its reserve the room kept free."
@@ -152,6 +159,7 @@ def run_cmd(
     make_room: bool,
     cleanup: bool,
     partial: bool,
+    no_wait: bool,
     config_path: str | None,
     nodes: int | None,
     node_rank: int | None,
@@ -193,6 +201,7 @@ def run_cmd(
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
         service=not no_service,
         partial=partial,
+        no_wait=no_wait,
     )
     if result.signal is not None:
         raise JobKilled(result.signal)  # cleaned up: now die of it (shmstage.cli.main)

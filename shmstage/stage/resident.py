@@ -1,7 +1,7 @@
 """``stage --partial``: a directory larger than its tier keeps the largest part that fits (after
 the reserve and the cache's max_size) in RAM, the same part for as long as its files do not
 change, published as a dataset whose record says partial, with a view of kind "partial"
-listing every file (store/residentview.py); ``DatasetFiles`` reads the rest from the source.
+listing every file (store/views.py); ``DatasetFiles`` reads the rest from the source.
 
 A dataset that fits is staged exactly as without --partial.  A partial stage evicts nothing:
 it takes the room that is free (make-room would trade whole datasets for a fraction of one).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import astuple, replace
 from typing import Any
 
 from shmstage.capacity import check_fit
@@ -23,10 +23,10 @@ from shmstage.stage.cache.makeroom import CachePolicy
 from shmstage.stage.cache.tiers import Placed, check_request, holding, joined, refusal, why_not_ours
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.sources.base import Listing
-from shmstage.stage.store import counters, inflight, residentview
+from shmstage.stage.store import counters, inflight
 from shmstage.stage.store.layout import Record, Store
 from shmstage.stage.store.reserve import pending
-from shmstage.stage.store.views import read_view
+from shmstage.stage.store.views import PARTIAL, read_view, remove_view, write_view
 
 _SLACK_PAGES = 64  # kept free beyond the reserve: long symlinks' pages, rounding
 
@@ -94,8 +94,9 @@ class Subset:
         cost nothing more: linked), then the largest files first while they fit."""
         page = page_size(store.dest)
         before = read_view(store.dest, name) if store.published(name) is not None else None
+        listed = before.files() if before is not None and before.kind == PARTIAL else None
         kept_before = (
-            {e.rel: (e.size, e.mtime_ns) for e in before.files if e.resident} if before else {}
+            {n: (s, m) for n, s, m, r in zip(*astuple(listed)) if r} if listed is not None else {}
         )
         room, cap = self._room(store, name)
         entries = listing.entries
@@ -150,17 +151,26 @@ class Subset:
             cap -= makeroom.cached_bytes(store, exclude=name) + inflight.in_flight(store, name)
         return max(0, room), None if cap is None else max(0, cap)
 
-    def publishing(self, store: Store, name: str, record: Record) -> Record:
-        """Before the part is published: its view, and the record that says it is partial."""
+    def publishing(self, store: Store, name: str, record: Record, top: str = "") -> Record:
+        """Before the part is published (``top``: its tree, partial/<name> by default): its
+        view, and the record that says it is partial."""
+        view = read_view(store.dest, name)
         if self.total is None:
-            residentview.drop(store, name)
+            if view is not None and view.kind == PARTIAL:
+                remove_view(store, name)  # all of it is in RAM now
             return replace(record, total_bytes=None, total_files=None)
-        residentview.write(store, name, self.source, self.files)
+        listed = view.files() if view is not None and view.kind == PARTIAL else None
+        same = listed is not None and list(zip(*astuple(listed))) == self.files
+        if not same or view.source != self.source:  # type: ignore[union-attr]
+            write_view(
+                store, name, kind=PARTIAL, source=self.source, root=store.path(name),
+                socket=None, files=self.files, top=top or store.partial(name),
+            )  # fmt: skip
         return replace(record, total_bytes=self.total[0], total_files=self.total[1])
 
     def current(self, store: Store, name: str, record: Record) -> None:
         """The part in RAM is current: the view (what is not in RAM may have changed) and
-        the record's totals brought up to date."""
-        new = self.publishing(store, name, record)
+        the record's totals brought up to date; nothing rewritten when nothing changed."""
+        new = self.publishing(store, name, record, top=store.path(name))
         if new != record:
             store.write_record(new)

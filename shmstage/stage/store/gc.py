@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage.store import inflight, leases, residentview, served
+from shmstage.stage.store import inflight, leases, served, views
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import Busy, alive, running, trash_owner
 from shmstage.stage.store.names import check_name
@@ -64,14 +64,9 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                 published = store.published(name) is not None
                 kept = False
                 for path, what in items:
-                    if published and what in (
-                        "record",
-                        "manifest",
-                        "used",
-                        "lease",
-                        "lock",
-                        "view",
-                    ):
+                    if published and what == "view" and not _dead_live(store, name):
+                        continue  # a partial copy's, or a live stager's at work
+                    if published and what in ("record", "manifest", "used", "lease", "lock"):
                         continue  # the dataset's own bookkeeping
                     if what == "lock":
                         continue  # handled last, below
@@ -135,7 +130,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         if (
             alive(s.pid)
             or store.published(s.name) is not None
-            or os.path.lexists(os.path.join(store.book, "views", s.name))
+            or os.path.lexists(store.view_path(s.name))
         ):
             continue
         removed.append(Leftover(s.path, "read counters", 0))
@@ -166,12 +161,18 @@ def _names(store: Store) -> set[str]:
     for entry in listdir(store.lease_dir):
         names.add(entry.removesuffix(".lease"))
     names.update(listdir(store.reservation_dir))
-    names.update(listdir(os.path.join(store.book, residentview.VIEWS)))
+    names.update(views.view_names(store))
     out = set()
     for n in names:
         with suppress(RefusedError):
             out.add(check_name(n))
     return out
+
+
+def _dead_live(store: Store, name: str) -> bool:
+    """``name``'s view is a live one whose stager is gone (run --no-wait killed)."""
+    view = views.read_view(store.dest, name)
+    return view is not None and view.kind == views.LIVE and not view.alive()
 
 
 def _strip(entry: str) -> str:
@@ -212,7 +213,7 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
     add(store.manifest_path(name), "manifest")
     add(os.path.join(store.meta_dir, f".{name}.used"), "used")
     add(leases.lease_path(store, name), "lease")
-    add(residentview.view_dir(store, name), "view")  # a partial copy's, or a dead stager's
+    add(store.view_path(name), "view")  # a partial copy's, or a dead stager's (views.py)
     # a stager reserves under the dataset's lock: with the lock ours, its stager is dead
     add(os.path.join(store.reservation_dir, name), "reservation")
     if lock:

@@ -84,6 +84,7 @@ class Store:
         self.trash_dir = os.path.join(self.book, "trash")
         self.lease_dir = os.path.join(self.book, "leases")
         self.reservation_dir = os.path.join(self.book, "reservations")
+        self.views_dir = os.path.join(self.book, "views")  # views.py: datasets not (all) in RAM
 
     # --- paths ----------------------------------------------------------------
 
@@ -98,6 +99,9 @@ class Store:
 
     def manifest_path(self, name: str) -> str:
         return os.path.join(self.manifest_dir, name + ".json")
+
+    def view_path(self, name: str) -> str:
+        return os.path.join(self.views_dir, name)
 
     # --- safety ---------------------------------------------------------------
 
@@ -120,12 +124,14 @@ class Store:
             (self.meta_dir, 0o755),
             (self.manifest_dir, 0o755),
             (self.lock_dir, locks),
-            (self.partial_dir, 0o700),
+            # 0711: a live view's in-flight tree (views.py) is entered by its readers; its
+            # siblings' tops and markers stay 0700/0600, and nobody else may list it
+            (self.partial_dir, 0o711),
             (self.trash_dir, 0o700),
             (self.lease_dir, 0o755),
             (self.reservation_dir, locks),
         ):
-            if create and mode == 0o700:
+            if create and mode in (0o700, 0o711):
                 lock_dir_checked(path, mode)
             elif create:
                 mkdir_checked(path, mode)
@@ -293,10 +299,9 @@ class Store:
         want = access.bookkeeping_access(self.path(name) if top is None else top)
         # The lease file too: only who may read the copy may lease it (leases.ensure_file).
         paths = [self.new_manifest_path(name), self.lease_path(name)]
-        if top is None:  # and a partial copy's view (residentview.py): it lists the files too
-            views = os.path.join(self.book, "views", name)
+        if top is None:  # and a partial copy's view (views.py): it lists the files too
             paths += [self.manifest_path(name), self.meta_path(name)]
-            paths += [os.path.join(views, "files"), os.path.join(views, "view.json")]
+            paths += [os.path.join(self.view_path(name), f) for f in ("files", "view.json")]
         for path in paths:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
