@@ -351,3 +351,111 @@ def test_metrics_export_the_bytes_served_and_gc_drops_them_with_the_dataset(tmpf
     gone = engine.gc(dest).removed
     assert [x.what for x in gone] == ["read counters"] * 2
     assert list(served.files(Store(dest).book)) == []
+
+
+CHECK_JOB = """
+import hashlib, json, random, sys, threading
+from shmstage.loader import DatasetFiles
+f = DatasetFiles(sys.argv[1])
+kind = f.kind
+order = list(f.names)
+random.Random(1).shuffle(order)
+sums = {}
+def read(part):
+    for n in part:
+        sums[n] = hashlib.sha256(f.read(n)).hexdigest()
+threads = [threading.Thread(target=read, args=(order[k::3],)) for k in range(3)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps({"kind": kind, "sums": sums, "served": f.served}))
+"""
+
+
+def _sums(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+@pytest.mark.root
+def test_a_job_of_run_no_wait_reads_every_byte_from_ram_while_the_copy_runs(tmpfs, tmp_path):
+    """`run --no-wait` (the real stager, slowed): the job's DatasetFiles sees a live copy,
+    reads each file's source bytes in a shuffled order from three threads, and never reads
+    the source itself (every byte from RAM, after a demand where it had not landed)."""
+    src = tmp_path / "ds"
+    make_tree(src, classes=4, per=30)
+    dest = tmpfs("64M")
+    exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
+    r = subprocess.run(
+        [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
+         "--", sys.executable, "-c", CHECK_JOB, "{staged}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.05"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["kind"] == "live" and got["sums"] == _sums(src)
+    assert got["served"] == [sum(p.stat().st_size for p in src.rglob("*") if p.is_file()), 0]
+
+
+@pytest.mark.root
+def test_a_job_of_run_partial_reads_the_rest_from_the_source(tmpfs, tmp_path):
+    """`run --stage SRC --partial` on a dataset larger than the tmpfs: the job sees a partial
+    copy, leased for its life, and reads every file right (the rest from the source)."""
+    src = tmp_path / "ds"
+    for i in range(24):
+        (src / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{i % 3}" / f"{i}.bin").write_bytes(os.urandom(200_000))
+    dest = tmpfs("4M")
+    exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
+    r = subprocess.run(
+        [exe, "run", "--partial", "--reserve", "512K", "--no-service", "--dest", str(dest),
+         "--stage", str(src), "--", sys.executable, "-c", CHECK_JOB, "{staged}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["kind"] == "partial" and got["sums"] == _sums(src)
+    ram, source = got["served"]
+    assert ram > 0 and source > 0 and ram + source == 24 * 200_000
+    assert "in RAM" in r.stderr  # the summary says what part
+
+
+KILL_JOB = """
+import hashlib, json, os, signal, sys, time
+from shmstage.loader import DatasetFiles
+from shmstage.stage.store.views import read_view
+f = DatasetFiles(sys.argv[1])
+sums = dict((n, hashlib.sha256(f.read(n)).hexdigest()) for n in f.names[:5])
+view = read_view(os.path.dirname(sys.argv[1]), os.path.basename(sys.argv[1]))
+os.kill(view.pid, signal.SIGKILL)
+while view.alive():
+    time.sleep(0.01)
+sums.update((n, hashlib.sha256(f.read(n)).hexdigest()) for n in f.names[5:])
+print(json.dumps(dict(sums=sums, served=f.served)))
+"""
+
+
+@pytest.mark.root
+def test_a_stager_killed_mid_copy_leaves_the_job_reading_the_source(tmpfs, tmp_path):
+    """The stager of `run --no-wait` SIGKILLed while the job reads: the job goes on, each
+    file not landed read from the source (checked), every byte right; nothing is published."""
+    src = tmp_path / "ds"
+    make_tree(src, classes=4, per=30)
+    dest = tmpfs("64M")
+    exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
+    r = subprocess.run(
+        [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
+         "--", sys.executable, "-c", KILL_JOB, "{staged}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.2"},
+    )  # fmt: skip
+    assert r.stdout, r.stderr
+    got = json.loads(r.stdout)
+    assert got["sums"] == _sums(src), r.stderr
+    assert got["served"][1] > 0  # the rest came from the source
+    assert not (dest / "ds").exists() and "Traceback" not in r.stderr
