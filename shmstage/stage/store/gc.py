@@ -1,12 +1,13 @@
 """``gc``: remove what killed and failed runs left under DEST, but nothing a live process owns.
 
-Partial trees, source markers, ``.<name>.json.new`` manifests, half-written records, lock
-and lease files of datasets that are gone, space reservations of dead stagers, records
-whose tree is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size
-claims of dead stagers, the "held for" marks of lease holders that are gone, and the read
-counters (served.py) of dead jobs of datasets that are gone.  Each dataset's leftovers are
-removed only while holding its lock (taken without waiting: a dataset being staged is
-skipped), so gc is safe while others stage.
+Partial trees, killed stagers' live views and the views of datasets that are gone
+(views.py), source markers, ``.<name>.json.new`` manifests, half-written records, lock and
+lease files of datasets that are gone, space reservations of dead stagers, records whose tree
+is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size claims of dead
+stagers, the "held for" marks of lease holders that are gone, and the read counters
+(served.py) of dead jobs of datasets that are gone.  Each dataset's leftovers are removed
+only while holding its lock (taken without waiting: a dataset being staged is skipped), so
+gc is safe while others stage.
 """
 
 from __future__ import annotations
@@ -64,9 +65,14 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                 published = store.published(name) is not None
                 kept = False
                 for path, what in items:
-                    if published and what == "view" and not _dead_live(store, name):
-                        continue  # a partial copy's, or a live stager's at work
-                    if published and what in ("record", "manifest", "used", "lease", "lock"):
+                    if published and what in (
+                        "record",
+                        "manifest",
+                        "used",
+                        "lease",
+                        "lock",
+                        "view",
+                    ):
                         continue  # the dataset's own bookkeeping
                     if what == "lock":
                         continue  # handled last, below
@@ -126,6 +132,10 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
             skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
         else:
             removed.append(Leftover(path, "placing lock", 0))
+    for path in views.dead_leftovers(store):  # a killed live stager's socket, a half view
+        removed.append(Leftover(path, "view leftover", 0))
+        if not dry_run:
+            _remove(path)
     for s in served.files(store.book):  # the read counters of dead jobs of datasets gone
         if (
             alive(s.pid)
@@ -169,12 +179,6 @@ def _names(store: Store) -> set[str]:
     return out
 
 
-def _dead_live(store: Store, name: str) -> bool:
-    """``name``'s view is a live one whose stager is gone (run --no-wait killed)."""
-    view = views.read_view(store.dest, name)
-    return view is not None and view.kind == views.LIVE and not view.alive()
-
-
 def _strip(entry: str) -> str:
     """meta/manifest file name -> dataset name."""
     base = entry.lstrip(".")
@@ -193,6 +197,9 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
             found.append((path, what))
 
     add(store.partial(name), "partial tree")
+    view = views.read_view(store.dest, name)
+    if view is not None and view.kind == views.LIVE and not view.alive():
+        found.append((view.path, "live view"))  # a killed stager's
     tree = store.path(name)
     if (
         os.path.isdir(tree)
@@ -213,7 +220,8 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
     add(store.manifest_path(name), "manifest")
     add(os.path.join(store.meta_dir, f".{name}.used"), "used")
     add(leases.lease_path(store, name), "lease")
-    add(store.view_path(name), "view")  # a partial copy's, or a dead stager's (views.py)
+    if view is not None and view.kind == views.PARTIAL:  # kept while its copy is published
+        found.append((view.path, "view"))
     # a stager reserves under the dataset's lock: with the lock ours, its stager is dead
     add(os.path.join(store.reservation_dir, name), "reservation")
     if lock:
