@@ -381,21 +381,25 @@ def _sums(root: Path) -> dict[str, str]:
     }
 
 
+def run_no_wait(src: Path, dest: Path, job: str) -> subprocess.CompletedProcess:
+    """`shmstage run --no-wait` of ``job`` on a fresh tree at ``src``, its copy slowed."""
+    make_tree(src, classes=4, per=30)
+    exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
+    return subprocess.run(
+        [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
+         "--", sys.executable, "-c", job, "{staged}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.2"},
+    )  # fmt: skip
+
+
 @pytest.mark.root
 def test_a_job_of_run_no_wait_reads_every_byte_from_ram_while_the_copy_runs(tmpfs, tmp_path):
     """`run --no-wait` (the real stager, slowed): the job's DatasetFiles sees a live copy,
     reads each file's source bytes in a shuffled order from three threads, and never reads
     the source itself (every byte from RAM, after a demand where it had not landed)."""
-    src = tmp_path / "ds"
-    make_tree(src, classes=4, per=30)
-    dest = tmpfs("64M")
-    exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
-    r = subprocess.run(
-        [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
-         "--", sys.executable, "-c", CHECK_JOB, "{staged}"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.2"},
-    )  # fmt: skip
+    src, dest = tmp_path / "ds", tmpfs("64M")
+    r = run_no_wait(src, dest, CHECK_JOB)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["kind"] == "live" and got["sums"] == _sums(src)
@@ -444,16 +448,8 @@ print(json.dumps(dict(sums=sums, served=f.served)))
 def test_a_stager_killed_mid_copy_leaves_the_job_reading_the_source(tmpfs, tmp_path):
     """The stager of `run --no-wait` SIGKILLed while the job reads: the job goes on, each
     file not landed read from the source (checked), every byte right; nothing is published."""
-    src = tmp_path / "ds"
-    make_tree(src, classes=4, per=30)
-    dest = tmpfs("64M")
-    exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
-    r = subprocess.run(
-        [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
-         "--", sys.executable, "-c", KILL_JOB, "{staged}"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.2"},
-    )  # fmt: skip
+    src, dest = tmp_path / "ds", tmpfs("64M")
+    r = run_no_wait(src, dest, KILL_JOB)
     assert r.stdout, r.stderr
     got = json.loads(r.stdout)
     assert got["sums"] == _sums(src), r.stderr
