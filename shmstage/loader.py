@@ -372,6 +372,14 @@ def staged_path(
     found = api.find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
     if found is not None:
         hold_lease(found.path, required=False)  # so nobody evicts it while this job reads it
+        if getattr(found, "total_bytes", None) is not None:
+            warnings.warn(
+                f"{found.path} holds only part of {found.source} ({found.resident:.0%}, "
+                "stage --partial): read it through shmstage.loader.DatasetFiles or "
+                "FolderDataset, which read the rest from the source",
+                ShmstageWarning,
+                stacklevel=2,
+            )
         return Path(found.path)
     warnings.warn(
         f"{os.fspath(source_or_name)} is not staged on this node; reading it from its source "

@@ -177,3 +177,31 @@ def test_partial_epochs_read_only_the_rest_from_the_source(tmpfs, tmp_path):
     assert reads[0] >= outside  # epoch 1 reads the rest cold too
     for got in reads[1:]:
         assert abs(got - outside) <= 0.02 * outside, (reads, outside)
+
+
+def test_a_partial_copy_made_whole_loses_its_view_and_staged_path_says_partial(tmpfs, tmp_path):
+    """A plain `stage` of a partial copy once its tier is large enough: the whole copy is
+    published and the view removed after it (DatasetFiles reads all of it from RAM);
+    before that, staged_path() warns that only part is in RAM."""
+    import warnings
+
+    from shmstage.errors import ShmstageWarning
+    from shmstage.loader import staged_path
+
+    shm = tmpfs("8M")
+    src = tmp_path / "src"
+    make_src(src, files=12)  # 3 MiB
+    r = sh("stage", str(src), "--dest", str(shm), "--reserve", "5M", "--partial")
+    assert r.returncode == 0, r.stderr  # the edge: the plan says it fits, the copy does not
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert staged_path(src, dest=shm) == shm / "src"
+    assert any(
+        issubclass(w.category, ShmstageWarning) and "only part" in str(w.message) for w in seen
+    )
+    r = sh("stage", str(src), "--dest", str(shm), "--reserve", "1M", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resident"] == 1.0
+    assert not (shm / ".shmstage" / "views" / "src").exists()
+    files = DatasetFiles(shm / "src")
+    assert files.kind == "copy" and len(files.names) == 12

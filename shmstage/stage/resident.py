@@ -60,13 +60,17 @@ def stage(
         force=bool(kw.get("force")), reader=reader, credentials=credentials,
     )  # fmt: skip
     if plan.tier is not None:  # it fits: exactly what stage does without --partial
-        return engine.stage(
-            src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
-            **kw,
-        )  # fmt: skip
-    why = refusal(name, plan.skipped)
-    if not isinstance(why, CapacityError):
-        raise why  # not a question of room
+        try:
+            return engine.stage(
+                src, name=name, dest=dest, reserve=reserve, make_room=make_room,
+                policies=policies, **kw,
+            )  # fmt: skip
+        except CapacityError:
+            pass  # the plan's estimate fit, the copy's count did not (nothing was kept)
+    else:
+        why = refusal(name, plan.skipped)
+        if not isinstance(why, CapacityError):
+            raise why  # not a question of room
     home = holding(name, joined(tiers))
     tier = home or next((t for t in tiers if why_not_ours(t, name) is None), tiers[0])
     subset = Subset(source, reserve, policies.get(tier))

@@ -329,6 +329,9 @@ def _stage_locked(
             _publish(store, name, new, marker)
         if live is not None:
             live.published()
+        old_view = views.read_view(store.dest, name) if subset is None else None
+        if old_view is not None and old_view.kind == views.PARTIAL:
+            views.remove_view(store, name)  # a --partial copy, whole now: after the publish
         return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
