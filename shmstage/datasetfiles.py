@@ -266,7 +266,13 @@ class DatasetFiles:
         for _ in range(_SETTLE):
             view = local.view
             if local.published:
-                return self._ram(view.final, rel, local)  # type: ignore[union-attr]
+                try:
+                    return self._ram(view.final, rel, local)  # type: ignore[union-attr]
+                except FileNotFoundError:
+                    raise ShmstageError(
+                        f"{rel} is gone from {self.path}: the copy was evicted or restaged "
+                        "while this job read it; run the job again"
+                    ) from None
             if local.dead:  # what landed may still be there (else gc took it): the rest, source
                 if local.landed[i]:
                     with suppress(OSError, ShmstageError):  # removed, or the stager's only
