@@ -166,10 +166,7 @@ class DatasetFiles:
             try:
                 return self._ram(self.path, name, local)
             except FileNotFoundError:
-                raise ShmstageError(
-                    f"{name} is gone from {self.path}: the copy was evicted or restaged while "
-                    "this job read it; run the job again"
-                ) from None
+                raise self._gone(name) from None
         if view.kind == "partial":
             if self._resident[i]:
                 # Not there: a first partial copy about to be published (its view comes
@@ -253,6 +250,12 @@ class DatasetFiles:
         local.count(0, len(data))
         return io.BytesIO(data)
 
+    def _gone(self, rel: str) -> ShmstageError:
+        return ShmstageError(
+            f"{rel} is gone from {self.path}: the copy was evicted or restaged while this job "
+            "read it; run the job again"
+        )
+
     def _changed(self, rel: str, path: str, how: str) -> ShmstageError:
         return ShmstageError(
             f"{rel} {how} at its source ({path}) since {self._name} was listed: restage it "
@@ -269,10 +272,7 @@ class DatasetFiles:
                 try:
                     return self._ram(view.final, rel, local)  # type: ignore[union-attr]
                 except FileNotFoundError:
-                    raise ShmstageError(
-                        f"{rel} is gone from {self.path}: the copy was evicted or restaged "
-                        "while this job read it; run the job again"
-                    ) from None
+                    raise self._gone(rel) from None
             if local.dead:  # what landed may still be there (else gc took it): the rest, source
                 if local.landed[i]:
                     with suppress(OSError, ShmstageError):  # removed, or the stager's only
