@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -67,7 +68,7 @@ TRAIN = """\
 import argparse, json, os, subprocess
 from pathlib import Path
 from shmstage import system
-from shmstage.loader import default_num_workers, loader_kwargs, local_ranks
+from shmstage.loader import default_num_workers, global_rank, loader_kwargs, local_ranks
 p = argparse.ArgumentParser()
 p.add_argument("--data")
 args, _ = p.parse_known_args()
@@ -85,7 +86,8 @@ out.mkdir(parents=True, exist_ok=True)
     "workers": default_num_workers(), "ranks": local_ranks(),
     "loader_workers": loader_kwargs()["num_workers"], "cpus": len(os.sched_getaffinity(0)),
     "container_cpus": system.cpu_set().container, "leases": leases,
-    "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"),
+    "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"), "rank": global_rank(),
+    "torch_rank": os.environ.get("RANK"),
 }))
 """
 
@@ -97,7 +99,10 @@ def trained(c: SlurmCluster, job: str) -> list[dict]:
     return sorted(rows, key=lambda r: (r["host"], r["procid"] or "", r["localid"] or ""))
 
 
-def make_cluster(tmp_path_factory, **kw) -> SlurmCluster:
+def make_cluster(tmp_path_factory, service: bool = False, **kw) -> SlurmCluster:
+    """A started cluster with the docs' datasets on its "NFS", a node config and the docs'
+    install path on each node, a train.py in the user's home; ``service``: each node runs
+    `shmstage serve` as root (as the unit would), on a socket of the node's own."""
     why = missing()
     if why:
         pytest.skip(why)
@@ -115,6 +120,15 @@ def make_cluster(tmp_path_factory, **kw) -> SlurmCluster:
         f"version: 1\nshm: {{path: /dev/shm, size: 300M}}\ndest: {c.dest}\nreserve: 0\n"
         f"datasets:\n  - {c.nfs}/datasets/imagenet/train\n"
     )
+    if service:
+        run = c.base / "run"
+        run.mkdir()
+        c.node_files["/etc/shmstage.yaml"] += f"service: {{socket: {run}/shmstage.sock}}\n"
+        c.node_setup += (
+            f"\nmount -t tmpfs -o size=1M,mode=755 run-{{name}} {run}\n"
+            f"{c.bin}/shmstage serve --config /etc/shmstage.yaml >>{c.base}/log/serve-{{name}}.log 2>&1 &\n"
+            f"for _ in $(seq 200); do [ -S {run}/shmstage.sock ] && break; sleep 0.05; done\n"
+        )
     c.node_files["/opt/shmstage/venv/bin/shmstage"] = f'#!/bin/sh\nexec {c.bin}/shmstage "$@"\n'
     c.start()
     train = c.user_home / "train.py"
@@ -252,11 +266,12 @@ def test_cluster_md_job_script_on_unprepared_nodes_fails_naming_the_root_step(sl
 
 @pytest.fixture(scope="module")
 def prolog_slurm(tmp_path_factory):
-    """A cluster whose slurm.conf runs docs/cluster.md's prolog, installed where it says."""
+    """A cluster whose slurm.conf runs docs/cluster.md's prolog, installed where it says, at
+    allocation (PrologFlags=Alloc, as the page suggests)."""
     prolog = block("cluster.md", "# /etc/slurm/prolog.d/50-shmstage.sh")
     c = make_cluster(
         tmp_path_factory,
-        conf_extra=inline("cluster.md", "Prolog="),
+        conf_extra=inline("cluster.md", "Prolog=") + "\n" + inline("cluster.md", "PrologFlags="),
         node_files={"/etc/slurm/prolog.d/50-shmstage.sh": prolog},
     )
     try:
@@ -267,14 +282,18 @@ def prolog_slurm(tmp_path_factory):
 
 def test_cluster_md_prolog_prepares_each_allocated_node_as_root_before_the_job(prolog_slurm):
     """The prolog of docs/cluster.md (Prolog=/etc/slurm/prolog.d/* in slurm.conf) stages the
-    config's dataset as root on each allocated node before the job; the job's `run` finds it
-    there, copies nothing, leases it while the job runs; the lease is gone after."""
+    config's dataset as root on each allocated node before the job (with PrologFlags=Alloc:
+    on every node before the batch script starts); the job's `run` finds it there, copies
+    nothing, leases it while the job runs; the lease is gone after."""
     c = prolog_slurm
     line = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
     run = next(x for x in line.splitlines() if x.startswith("srun shmstage run"))
-    job = c.sbatch(recipe(c, run + "\n"), "--nodes=2", "--ntasks-per-node=1")
+    job = c.sbatch("echo START $(date +%s.%N)\n" + recipe(c, run + "\n"), "--nodes=2")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     out = c.output(job)
+    start = float(re.search(r"^START (\S+)$", out, re.M)[1])
+    ends = on_nodes(c, "stat -c %.9Y /var/log/shmstage-prolog.log 2>/dev/null || echo inf")
+    assert all(float(t) < start for t in ends[:2]), (ends, start)  # both prologs, then the job
     assert out.count("train is up to date") == 2 and "copied" not in out, out
     rows = trained(c, job)
     assert [(r["host"], r["files"], r["bytes"]) for r in rows] == [
@@ -314,8 +333,8 @@ def test_on_a_prolog_prepared_node_a_dataset_root_did_not_stage_is_refused_in_on
 
 
 def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
-    """ "A prolog that exits non-zero drains the node": a node whose dataset source is missing
-    is drained by Slurm with the prolog named, and the job does not run there."""
+    """docs/cluster.md: "a prolog that exits non-zero drains the node".  A node whose dataset
+    source is missing is drained by Slurm with the prolog named, and the job does not run."""
     c = prolog_slurm
     bad = f"version: 1\ndest: {c.dest}\ndatasets:\n  - {c.nfs}/no/such/dataset\n"
     r = c.on_node(2, ["sh", "-c", f"printf '{bad}' > /etc/shmstage.yaml"])
@@ -326,7 +345,7 @@ def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
         assert node["Reason"].startswith("Prolog error"), node
         info = c.show("job", job)  # Slurm requeues it, held: it never ran on node3
         assert (info["JobState"], info["Reason"]) == ("PENDING", "launch_failed_requeued_held")
-        assert c.output(job) == "Error running slurm prolog: 1\n"  # Slurm's line, no step ran
+        assert c.output(job) == ""  # with PrologFlags=Alloc the batch script never started
         log = c.on_node(2, ["cat", "/var/log/shmstage-prolog.log"]).stdout
         assert re.search(r"^Error: .*no/such/dataset", log, re.M) and "Traceback" not in log, log
     finally:
@@ -430,6 +449,7 @@ def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm,
     ]
     for r in rows:
         assert (r["ranks"], r["tasks_per_node"]) == (k, f"{k}(x2)"), r
+        assert r["rank"] == int(r["procid"]), r  # loader.md: SLURM_PROCID without torchrun
         assert r["cpus"] == (c.cpus // k if not bind else c.cpus), r  # what Slurm gave it
         assert r["workers"] == r["loader_workers"] == expected_workers(r, k), r
 
@@ -437,15 +457,23 @@ def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm,
 # --- docs/run.md and docs/quickstart.md: one `shmstage run` and one torchrun per node ----------
 
 
-@pytest.mark.parametrize("doc", ["run.md", "quickstart.md"])
-def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ranks(slurm, doc):
+def shell_lines(script: str) -> list[str]:
+    """A script's commands: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", script)
+    return [" ".join(x.split()) for x in joined.splitlines() if x.strip() and not x.startswith("#")]
+
+
+def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ranks(slurm):
     """The torchrun recipe (#SBATCH ... --cpus-per-task=64, `head` from scontrol, srun
     shmstage run -- torchrun --nproc-per-node 8 ...), on 2 nodes with 2 CPUs per task: every
     node stages its copy, torchrun's 8 ranks per node read it, and each counts 8 local ranks
     (torchrun's LOCAL_WORLD_SIZE) sharing the task's CPUs."""
     c = slurm
     wipe_stores(c)
-    script = block(doc, 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)')
+    head = 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
+    script = block("run.md", head)
+    # quickstart.md prints the same script, wrapped differently
+    assert shell_lines(block("quickstart.md", head)) == shell_lines(script)
     assert "#SBATCH --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=64" in script
     job = c.sbatch(recipe(c, script), "--nodes=2", f"--cpus-per-task={c.cpus}")
     assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
@@ -455,6 +483,8 @@ def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ran
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
         assert r["ranks"] == 8 and r["cpus"] == c.cpus, r
         assert r["workers"] == r["loader_workers"] == max(1, c.cpus // 8 - 1), r
+    assert sorted(r["rank"] for r in rows) == list(range(16))  # torchrun's RANK, not srun's
+    assert all(r["rank"] == int(r["torch_rank"]) for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -493,6 +523,87 @@ def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_s
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
         assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8(x2)", machine), r
         assert r["workers"] == r["loader_workers"] == max(1, machine // 8 - 1), r
+
+
+# --- docs/service.md: the node service under Slurm ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def service_slurm(tmp_path_factory):
+    """One node running the node service (`shmstage serve` as root), as `prepare` would."""
+    c = make_cluster(tmp_path_factory, service=True, nodes=1, cpus=8, task_plugin="task/none")
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_service_md_job_stages_through_the_service_leased_until_the_batch_script_exits(
+    service_slurm,
+):
+    """docs/service.md's job: `DATA=$(shmstage stage /nfs/imagenet --lease-for $$ -q)` as
+    the user goes through the service (the store stays root's), torchrun's 8 ranks read $DATA,
+    the lease holds while the batch script runs and is gone once it exits."""
+    c = service_slurm
+    script = block("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+    job = c.sbatch(recipe(c, script))
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    rows = trained(c, job)
+    copy = f"{c.dest}/imagenet"
+    assert len(rows) == 8 and all(r["ranks"] == 8 for r in rows), rows
+    for r in rows:
+        assert (r["data"], r["files"], r["bytes"]) == (copy, 96, c.sizes["imagenet"]), r
+        assert r["leases"] and r["leases"][0], r  # the batch script's lease, while it ran
+    (out,) = on_nodes(c, f"stat -c %u {c.dest}; shmstage list --json --dest {c.dest}")
+    owner, listed = out.split("\n", 1)
+    assert owner == "0"  # the service published it: the store stays root's
+    (row,) = [d for d in json.loads(listed) if d["path"] == copy]
+    assert row["leased_by"] == []  # the batch script exited: its lease went with it
+    log = (c.base / "log" / "serve-node1.log").read_text()
+    assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
+
+
+# --- docs/run.md: Slurm's signals and `shmstage run` --------------------------------------------
+
+SIGJOB = """\
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1) or out.write_text(f"{len(got)}\\n"))
+out.write_text("0\\n")
+while not out.with_suffix(".stop").exists():
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize(
+    "form",
+    [("srun shmstage run --stage {src} -- python sigjob.py {out}", "--signal=USR1"),
+     ("exec shmstage run --stage {src} -- python sigjob.py {out}", "--batch --signal=USR1")],
+    ids=["step-wide", "batch-shell"],
+)  # fmt: skip
+def test_run_md_slurm_signals_reach_the_job_exactly_once(slurm, form):
+    """docs/run.md: `scancel --signal=USR1` signals every process of the step, the job
+    included, and shmstage does not forward it again; a batch script that `exec`s shmstage
+    gets `scancel -b`'s signal alone and forwards it.  Either way the job sees it once."""
+    c = slurm
+    script, flags = form
+    sigjob = c.user_home / "sigjob.py"
+    sigjob.write_text(SIGJOB)
+    out = c.user_home / f"sig-{len(flags)}.count"
+    out.unlink(missing_ok=True)
+    out.with_suffix(".stop").unlink(missing_ok=True)
+    job = c.sbatch(script.format(src=f"{c.nfs}/imagenet", out=out) + "\n", "--nodes=1")
+    try:
+        c.until(lambda: out.exists() and out.read_text() == "0\n", 120, "the job to start")
+        c.as_user(["scancel", *flags.split(), job])
+        c.until(lambda: out.read_text() != "0\n", 30, "the signal")
+        time.sleep(0.5)  # a second delivery (shmstage forwarding it again) would land by now
+        assert out.read_text() == "1\n"
+    finally:
+        out.with_suffix(".stop").touch()
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
 
 
 # --- issue 24 items 4-5: job_container/tmpfs, a cancelled job, a node that hangs ----------------
