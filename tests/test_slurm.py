@@ -695,11 +695,13 @@ def _tree(c: SlurmCluster, i: int, path: str) -> str:
 def _srun(c: SlurmCluster, argv: list[str]):
     """``srun ARGV`` as the user, once more when Slurm 22.05's job_container/tmpfs fails to
     set up the job's namespace ("ns base mount failed: Invalid argument" in slurmd's log, about
-    1 job in 20 here: the job is refused with "Something is wrong with the boot of the nodes")."""
-    for _ in range(3):
+    1 job in 20 here, more under load: the job is refused with "Something is wrong with the
+    boot of the nodes")."""
+    for _ in range(6):  # more often on a loaded machine: up to 3 in a row seen in a full run
         out = c.as_user(["srun", *argv], check=False)
         if "wrong with the boot of the nodes" not in out.stderr:
             break
+        c.wait_idle()  # the node is back (idle) before the next try
     assert out.returncode == 0, (out.stdout, out.stderr)
     return out
 
