@@ -1,0 +1,476 @@
+"""Train while staging (issue 23): stage-then-run, --no-wait, the source alone, and --partial.
+
+    sudo .venv/bin/python benchmarks/overlap.py --runs 3          # 300 MB at 50 MB/s, ~6 min
+    sudo .venv/bin/python benchmarks/overlap.py --size-mb 60 --runs 1   # a quick look
+
+An ImageNet-like tree (files lognormal around 100 KB, benchmarks/stage.py's generator) sits in
+an ext4 image on a read-only direct-I/O loop device, mounted afresh for every run (so nothing
+of it is in the page cache) and read through a blkio throttle on that loop device (--mbps,
+the stand-in for a network file system; only the dataset's reads are throttled).  The job,
+benchmarks/overlap_job.py, reads every file once per epoch in a shuffled order, in batches,
+with a fixed sleep per batch (the GPU step) and reader threads prefetching ahead, for 3
+epochs; after each epoch it drops the source's files from the page cache, as a source far
+larger than RAM would be.  Modes, interleaved, --runs each, medians:
+
+  stage    shmstage run --stage SRC -- job            (the whole copy, then the job)
+  nowait   shmstage run --stage SRC --no-wait -- job  (the job at once, the copy meanwhile)
+  source   the job reading SRC, no staging
+  partial  shmstage run --stage SRC --partial -- job, the tmpfs 1/1.5 of the dataset
+  source2  the job reading SRC with partial's compute time (partial's comparison)
+
+The first three share --compute-ms (default: an epoch of compute as long as the copy at the
+throttle, --epoch-ratio); partial and source2 share --io-compute-ms (small: reading bound).
+Source bytes are sectors read from the loop device, minus what a mount and a walk alone read.
+Root only (mounts, a loop device, a cgroup); all mounts are in a private mount namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stage as stage_bench  # noqa: E402  (benchmarks/stage.py: the dataset, the namespace)
+
+from shmstage.bench.throttle import blkio_throttle  # noqa: E402
+
+MB = 1_000_000
+JOB = Path(__file__).resolve().parent / "overlap_job.py"
+SHMSTAGE = [sys.executable, "-m", "shmstage"]
+MODES = ("stage", "nowait", "source", "partial", "source2")
+LABELS = {
+    "stage": "stage-then-run",
+    "nowait": "`--no-wait`",
+    "source": "source only",
+    "partial": "`--partial` (tmpfs = dataset / 1.5)",
+    "source2": "source only, partial's job",
+}
+NAME = "data"
+
+
+def log(msg: str) -> None:
+    stage_bench.log(msg)
+
+
+def boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@dataclass
+class Run:
+    mode: str
+    run: int
+    ttfb: float  # seconds from starting the command to the job's first batch
+    startup: float  # the job's own: from its exec to its first batch
+    staging: float | None  # from starting the command to the copy's publish (None: no copy)
+    epochs: list[float]  # each epoch's seconds
+    total: float  # from starting the command to the end of the last epoch
+    wait: float  # seconds the job waited for a batch, all epochs
+    source_bytes: int  # read from the loop device, the whole run, walk's metadata excluded
+    epoch_source_bytes: list[int]  # read during each epoch (stager and job together)
+    resident_bytes: int | None = None  # the published copy's bytes (partial: the resident part)
+    stable: bool | None = None  # the published copy unchanged from publish to the end
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Setup:
+    src: Path  # where the image is mounted
+    dest: Path  # where a fresh tmpfs is mounted per run
+    loop: str  # /dev/loopN
+    size: int  # dataset bytes
+    files: int
+    metadata: int  # bytes a mount and a walk read
+    compute_ms: float
+    io_compute_ms: float
+    batch: int
+    epochs: int
+
+
+def sectors(loop: str) -> int:
+    return 512 * int(Path(f"/sys/block/{Path(loop).name}/stat").read_text().split()[2])
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            st = os.lstat(os.path.join(d, f))
+            out[os.path.relpath(os.path.join(d, f), root)] = (st.st_ino, st.st_size, st.st_ctime_ns)
+    return out
+
+
+class Publish(threading.Thread):
+    """Watches for DEST/NAME to appear (the copy's publish); snapshots it then."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.at: float | None = None
+        self.first: dict[str, tuple[int, int, int]] | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            if self.path.is_dir():
+                self.at = boottime()
+                self.first = snapshot(self.path)
+                return
+            time.sleep(0.01)
+
+
+def supported() -> tuple[set[str], str | None]:
+    """Which modes this shmstage can run, and what is missing."""
+    text = subprocess.run([*SHMSTAGE, "run", "--help"], capture_output=True, text=True).stdout
+    modes = {"stage", "source", "source2"}
+    missing = []
+    files = (
+        subprocess.run(
+            [sys.executable, "-c", "import shmstage.datasetfiles"], capture_output=True
+        ).returncode
+        == 0
+    )
+    for mode, flag in (("nowait", "--no-wait"), ("partial", "--partial")):
+        if flag in text and files:
+            modes.add(mode)
+        else:
+            missing.append(flag)
+    if not files:
+        missing.append("shmstage.datasetfiles")
+    return modes, (", ".join(missing) + " not in this shmstage") if missing else None
+
+
+def mount_source(s: Setup) -> None:
+    subprocess.run(["mount", "-o", "ro,noload", s.loop, str(s.src)], check=True)
+
+
+def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noqa: ANN001
+    tmpfs = s.size * 2 // 3 if mode == "partial" else int(s.size * 1.2) + 64 * (1 << 20)
+    stage_bench.mount_tmpfs(s.dest, tmpfs)
+    mount_source(s)
+    out = workdir / f"job-{mode}-{i}.json"
+    out.unlink(missing_ok=True)
+    compute = s.io_compute_ms if mode in ("partial", "source2") else s.compute_ms
+    job = [sys.executable, str(JOB), "--epochs", str(s.epochs), "--batch", str(s.batch)]
+    job += ["--compute-ms", f"{compute:g}", "--seed", str(i), "--device", Path(s.loop).name]
+    job += ["--evict", str(s.src), "--json-out", str(out)]
+    if mode in ("source", "source2"):
+        argv = [*job, "--data", str(s.src), "--plain"]
+    else:
+        argv = [*SHMSTAGE, "run", "--stage", str(s.src), "--name", NAME, "--dest", str(s.dest)]
+        argv += ["--reserve", "0", "--no-service"]
+        argv += {"nowait": ["--no-wait"], "partial": ["--partial"]}.get(mode, [])
+        argv += ["--", *job, "--data", "{staged}"]
+    watch = Publish(s.dest / NAME)
+    watch.start()
+    before = sectors(s.loop)
+    t0 = boottime()
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, preexec_fn=throttle.enter, timeout=1800
+        )
+        if proc.returncode != 0:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+            raise SystemExit(f"Error: {mode} run {i + 1} failed ({proc.returncode}): {tail}")
+        read = sectors(s.loop) - before
+        watch.done.set()
+        watch.join()
+        r = json.loads(out.read_text())
+        resident = stable = None
+        if watch.first is not None:
+            last = snapshot(s.dest / NAME)
+            resident = sum(v[1] for v in last.values())
+            stable = last == watch.first
+    finally:
+        watch.done.set()
+        subprocess.run(["umount", str(s.src)], check=False)
+        subprocess.run(["umount", str(s.dest)], check=False)
+    for n, e in enumerate(r["epochs"]):
+        if e["bytes"] != s.size or r["files"] != s.files:
+            raise SystemExit(
+                f"Error: {mode} run {i + 1} epoch {n + 1} read {r['files']} files, {e['bytes']} "
+                f"bytes; the dataset has {s.files}, {s.size}"
+            )
+    marks = [r["source_bytes_at_start"]] + [e["source_bytes"] for e in r["epochs"]]
+    return Run(
+        mode=mode,
+        run=i,
+        ttfb=r["first_batch"] - t0,
+        startup=r["first_batch"] - r["exec"],
+        staging=None if watch.at is None or mode.startswith("source") else watch.at - t0,
+        epochs=[e["end"] - e["start"] for e in r["epochs"]],
+        total=r["epochs"][-1]["end"] - t0,
+        wait=r["wait_s"],
+        source_bytes=read - s.metadata,
+        epoch_source_bytes=[b - a for a, b in zip(marks, marks[1:])],
+        resident_bytes=resident,
+        stable=stable,
+    )
+
+
+def walk_metadata(loop: str, src: Path) -> int:
+    """Bytes a mount and a listing of the tree read (inodes, directories): not data."""
+    before = sectors(loop)
+    subprocess.run(["mount", "-o", "ro,noload", loop, str(src)], check=True)
+    try:
+        for d, _, files in os.walk(src):
+            for f in files:
+                os.lstat(os.path.join(d, f))
+    finally:
+        subprocess.run(["umount", str(src)], check=True)
+    return sectors(loop) - before
+
+
+def make_image(data: Path, image: Path, size: int) -> None:
+    if image.exists() and image.stat().st_mtime > data.stat().st_mtime:
+        return
+    mb = int(size * 1.25 / (1 << 20)) + 64
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-d", str(data), "-O", "^has_journal", str(image), f"{mb}M"],
+        check=True,
+    )
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+@dataclass(frozen=True)
+class Summary:
+    mode: str
+    runs: int
+    ttfb: float
+    startup: float
+    staging: float | None
+    epochs: list[float]  # median per epoch
+    total: float
+    total_range: tuple[float, float]
+    source_bytes: float
+    epoch_source_bytes: list[float]
+    resident_bytes: float | None
+    stable: bool | None
+
+
+def summarize(runs: list[Run]) -> dict[str, Summary]:
+    out = {}
+    for mode in MODES:
+        rs = [r for r in runs if r.mode == mode]
+        if not rs:
+            continue
+        n = len(rs[0].epochs)
+        staged = [r.staging for r in rs if r.staging is not None]
+        resident = [r.resident_bytes for r in rs if r.resident_bytes is not None]
+        out[mode] = Summary(
+            mode=mode,
+            runs=len(rs),
+            ttfb=med([r.ttfb for r in rs]),
+            startup=med([r.startup for r in rs]),
+            staging=med(staged) if staged else None,
+            epochs=[med([r.epochs[k] for r in rs]) for k in range(n)],
+            total=med([r.total for r in rs]),
+            total_range=(min(r.total for r in rs), max(r.total for r in rs)),
+            source_bytes=med([r.source_bytes for r in rs]),
+            epoch_source_bytes=[med([r.epoch_source_bytes[k] for r in rs]) for k in range(n)],
+            resident_bytes=med(resident) if resident else None,
+            stable=all(r.stable for r in rs) if resident else None,
+        )
+    return out
+
+
+def targets(m: dict[str, Summary], size: int) -> list[tuple[str, bool]]:
+    """The issue's targets, each as (text, met)."""
+    out: list[tuple[str, bool]] = []
+    a, b = m.get("stage"), m.get("nowait")
+    if a and b and a.staging:
+        ram = med(a.epochs)  # stage-then-run reads every epoch from RAM
+        limit = 1.0 + a.startup
+        out.append(
+            (
+                f"time to first batch with --no-wait <= 1 s + the job's start-up "
+                f"({b.ttfb:.2f} s <= {limit:.2f} s; stage-then-run: {a.ttfb:.2f} s)",
+                b.ttfb <= limit,
+            )
+        )
+        limit = 1.1 * (a.staging + 2 * ram)
+        out.append(
+            (
+                f"3 epochs with --no-wait <= 1.1 x (staging + 2 epochs from RAM) "
+                f"({b.total:.2f} s <= 1.1 x ({a.staging:.2f} + 2 x {ram:.2f}) = {limit:.2f} s)",
+                b.total <= limit,
+            )
+        )
+        saved = a.total - b.total
+        out.append(
+            (
+                f"--no-wait below stage-then-run by >= 80% of the staging time "
+                f"({saved:.2f} s saved = {saved / a.staging:.0%} of {a.staging:.2f} s)",
+                saved >= 0.8 * a.staging,
+            )
+        )
+        out.append(
+            (
+                f"source bytes over 3 epochs with --no-wait <= 1.02x the dataset "
+                f"({b.source_bytes / size:.3f}x)",
+                b.source_bytes <= 1.02 * size,
+            )
+        )
+    d, c = m.get("partial"), m.get("source2")
+    if d and d.resident_bytes is not None:
+        rest = size - d.resident_bytes
+        later = d.epoch_source_bytes[1:]
+        worst = max(abs(x - rest) for x in later) / max(rest, 1)
+        out.append(
+            (
+                f"--partial: source bytes in epochs 2-3 = the non-resident bytes within 2% "
+                f"({', '.join(f'{x / MB:.1f}' for x in later)} MB vs {rest / MB:.1f} MB: "
+                f"{worst:.1%} off)",
+                worst <= 0.02,
+            )
+        )
+        out.append(
+            (
+                "--partial: the resident copy unchanged from publish to the job's end "
+                "(no file evicted or rewritten between epochs)",
+                bool(d.stable),
+            )
+        )
+        if c:
+            frac = d.resident_bytes / size
+            ep_d, ep_c = med(d.epochs[1:]), med(c.epochs[1:])
+            out.append(
+                (
+                    f"--partial epoch <= source-only epoch x (1 - resident fraction) "
+                    f"({ep_d:.2f} s <= {ep_c:.2f} x (1 - {frac:.2f}) = {ep_c * (1 - frac):.2f} s; "
+                    f"ratio {ep_d / ep_c:.3f})",
+                    ep_d <= ep_c * (1 - frac),
+                )
+            )
+    return out
+
+
+def render(m: dict[str, Summary], s: Setup, args: argparse.Namespace, skipped: str | None) -> str:
+    lines = [
+        f"{s.files:,} files, {s.size / MB:.0f} MB (ImageNet-like), source read through a "
+        f"{args.mbps} MB/s blkio throttle; {s.epochs} epochs, batch {s.batch} files, "
+        f"compute {s.compute_ms:g} ms per batch ({s.io_compute_ms:g} ms for partial and "
+        f"source2), {args.workers} reader threads; medians of {args.runs} interleaved runs.",
+        "",
+        "| mode | first batch s | job start-up s | staging s | epochs s | total s (min-max) "
+        "| source MB (per epoch) | x dataset |",
+        "|---|---:|---:|---:|---|---:|---|---:|",
+    ]
+    for mode, r in m.items():
+        staging = f"{r.staging:.2f}" if r.staging is not None else "-"
+        if mode == "partial" and r.resident_bytes is not None:
+            staging += f" ({r.resident_bytes / s.size:.0%} resident)"
+        lines.append(
+            f"| {LABELS[mode]} | {r.ttfb:.2f} | {r.startup:.2f} | {staging} | "
+            f"{' / '.join(f'{e:.2f}' for e in r.epochs)} | {r.total:.2f} "
+            f"({r.total_range[0]:.2f}-{r.total_range[1]:.2f}) | {r.source_bytes / MB:.0f} "
+            f"({' / '.join(f'{e / MB:.0f}' for e in r.epoch_source_bytes)}) | "
+            f"{r.source_bytes / s.size:.3f} |"
+        )
+    lines.append("")
+    ts = targets(m, s.size)
+    for text, met in ts:
+        lines.append(f"- {text}: {'met' if met else '**missed**'}")
+    if ts:
+        lines.append(f"\nTargets met: {sum(met for _, met in ts)} of {len(ts)}.")
+    if skipped:
+        lines.append(f"\nNot measured: {skipped}.")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=300, help="dataset size (default: 300)")
+    ap.add_argument("--mbps", type=int, default=50, help="source read limit (default: 50)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per mode, interleaved; median")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32, help="files per batch (default: 32)")
+    ap.add_argument("--workers", type=int, default=4, help="the job's reader threads")
+    ap.add_argument(
+        "--compute-ms",
+        type=float,
+        help="sleep per batch for stage/nowait/source (default: from --epoch-ratio)",
+    )
+    ap.add_argument(
+        "--epoch-ratio",
+        type=float,
+        default=1.0,
+        help="an epoch of compute / the copy's time at --mbps (default: 1.0)",
+    )
+    ap.add_argument("--io-compute-ms", type=float, default=2.0, help="partial's and source2's")
+    ap.add_argument("--workdir", default="/var/tmp/shmstage-bench-overlap")
+    ap.add_argument("--json", metavar="FILE", help="also write every run's figures here")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("Error: run as root: mounts, a loop device and a blkio cgroup")
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    n = max(20, args.size_mb * MB // 100_000)
+    ds = stage_bench.Dataset(f"imagenet-{n}", "imagenet", n, n * 100_000)
+    data = stage_bench.ensure_dataset(ds, work)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs]
+    size = sum(os.path.getsize(f) for f in files)
+    image = work / f"{ds.name}.ext4"
+    make_image(data, image, size)
+    available, skipped = supported()
+    modes = [m for m in args.modes if m in available]
+    batches = -(-len(files) // args.batch)
+    compute = args.compute_ms
+    if compute is None:
+        compute = args.epoch_ratio * size / (args.mbps * MB) / batches * 1000
+    stage_bench.enter_private_mount_namespace()
+    loop = subprocess.run(
+        ["losetup", "--find", "--show", "--read-only", "--direct-io=on", str(image)],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    src, dest = work / "src", work / "dest"
+    src.mkdir(exist_ok=True)
+    dest.mkdir(exist_ok=True)
+    runs: list[Run] = []
+    try:
+        meta = walk_metadata(loop, src)
+        setup = Setup(src, dest, loop, size, len(files), meta, compute, args.io_compute_ms,
+                      args.batch, args.epochs)  # fmt: skip
+        log(
+            f"{len(files)} files, {size / MB:.0f} MB on {loop}, {args.mbps} MB/s; compute "
+            f"{compute:.1f} ms/batch; metadata {setup.metadata / MB:.1f} MB; modes {modes}"
+        )
+        mount_source(setup)
+        try:
+            with blkio_throttle(src, args.mbps * MB, name="shmstage-bench-overlap") as throttle:
+                subprocess.run(["umount", str(src)], check=True)
+                for i in range(args.runs):
+                    for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                        r = one_run(mode, i, setup, throttle, work)
+                        runs.append(r)
+                        log(
+                            f"run {i + 1} {mode:8s} first batch {r.ttfb:6.2f} s, total "
+                            f"{r.total:6.2f} s, epochs {' '.join(f'{e:.2f}' for e in r.epochs)}, "
+                            f"staging {r.staging or 0:.2f} s, source {r.source_bytes / size:.3f}x"
+                        )
+        finally:
+            subprocess.run(["umount", str(src)], capture_output=True, check=False)
+    finally:
+        subprocess.run(["losetup", "-d", loop], check=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
+    print(render(summarize(runs), setup, args, skipped))
+    return 0
+
+
+if __name__ == "__main__":
+    shutil.which("mkfs.ext4") or sys.exit("Error: needs mkfs.ext4 (e2fsprogs)")
+    sys.exit(main())
