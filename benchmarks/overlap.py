@@ -20,7 +20,7 @@ larger than RAM would be.  Modes, interleaved, --runs each, medians:
 
 The first three share --compute-ms (default: an epoch of compute as long as the copy at the
 throttle, --epoch-ratio); partial and source2 share --io-compute-ms (small: reading bound).
-Source bytes are sectors read from the loop device, minus what a mount and a walk alone read.
+Source bytes are sectors read from the loop device during a run, minus what a walk alone reads.
 Root only (mounts, a loop device, a cgroup); all mounts are in a private mount namespace.
 """
 
@@ -75,7 +75,7 @@ class Run:
     epochs: list[float]  # each epoch's seconds
     total: float  # from starting the command to the end of the last epoch
     wait: float  # seconds the job waited for a batch, all epochs
-    source_bytes: int  # read from the loop device, the whole run, walk's metadata excluded
+    source_bytes: int  # read from the loop device, the whole run, a walk's metadata excluded
     epoch_source_bytes: list[int]  # read during each epoch (stager and job together)
     resident_bytes: int | None = None  # the published copy's bytes (partial: the resident part)
     stable: bool | None = None  # the published copy unchanged from publish to the end
@@ -218,9 +218,10 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
 
 
 def walk_metadata(loop: str, src: Path) -> int:
-    """Bytes a mount and a listing of the tree read (inodes, directories): not data."""
-    before = sectors(loop)
+    """Bytes a listing of the freshly mounted tree reads (inodes, directories): not data.
+    (The mount's own reads come before a run's count starts.)"""
     subprocess.run(["mount", "-o", "ro,noload", loop, str(src)], check=True)
+    before = sectors(loop)
     try:
         for d, _, files in os.walk(src):
             for f in files:

@@ -10,9 +10,11 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shmstage.bench.throttle import Throttle
 from shmstage.capacity import MEMORY_BACKED
 from shmstage.demo.pagecache import cached_share, evict_from_page_cache
 from shmstage.demo.report import DemoReport, DemoRun, busy_note, payback, suggest_next_steps
@@ -25,6 +27,7 @@ from shmstage.demo.steps import (
     node_facts,
     pillow_facts,
     prepare_dataset,
+    run_offers,
     signals_unwind,
     slow_source_throttle,
     stage_through_cli,
@@ -104,7 +107,8 @@ def run_demo(
             dataset = prepare_dataset(workdir, images, log)
             owned += [dataset.path, os.path.join(workdir, MARKER)]
             owned += [
-                os.path.join(workdir, f"train-{label}.json") for label in ("original", "staged")
+                os.path.join(workdir, f"train-{label}.json")
+                for label in ("original", "staged", "no-wait")
             ]
             log(
                 f"demo: inspecting the node and the dataset (shmstage inspect --dataset {dataset.path})"
@@ -135,7 +139,7 @@ def run_demo(
                 )
                 evict_from_page_cache(files)
             cached = cached_share(files)
-            shown, original = train_through_run(
+            shown, original, original_first = train_through_run(
                 dataset.path,
                 label="original",
                 stage_spec=None,
@@ -146,7 +150,7 @@ def run_demo(
                 log=log,
                 throttle=throttle,
             )
-            original_run = DemoRun("original", shown, cached, original)
+            original_run = DemoRun("original", shown, cached, original, original_first)
             load = os.getloadavg()[0]
 
             staged_root, fallback = choose_dest(dataset.bytes, workdir)
@@ -162,6 +166,7 @@ def run_demo(
                 else ""
             )
             log(f"demo: staging {format_size(dataset.bytes)} into {staged_root}{eta}")
+            stage_start = time.monotonic()
             staging = stage_through_cli(
                 dataset.path,
                 name=staged_name,
@@ -170,8 +175,9 @@ def run_demo(
                 env=env,
                 preexec=preexec,
             )
+            stage_wall = time.monotonic() - stage_start
             env["SHMSTAGE_DEST"] = staged_root  # `shmstage run` finds the copy just made
-            shown, staged = train_through_run(
+            shown, staged, staged_first = train_through_run(
                 "{staged}",
                 label="staged",
                 stage_spec=f"{dataset.path}={staged_name}",
@@ -186,7 +192,16 @@ def run_demo(
                 shown,
                 cached_share([str(p) for p in Path(staging.dest).rglob("*.jpg")]),
                 staged,
+                stage_wall + staged_first,
             )
+            nowait_run = None
+            if run_offers("--no-wait", env):
+                nowait_run = _train_while_staging(
+                    dataset.path, staged_root, staged_name, files, throttle, cold, steps,
+                    batch_size, out_dir, env, log,
+                )  # fmt: skip
+            else:
+                notes.append("this shmstage's run has no --no-wait, so no third run")
             speedup = (
                 staged.images_per_s / original.images_per_s if original.images_per_s > 0 else 0.0
             )
@@ -212,6 +227,7 @@ def run_demo(
                 slow_source=slow,
                 original=original_run,
                 staged=staged_run,
+                nowait=nowait_run,
                 speedup=speedup,
                 payback=payback(dataset.images, original, staged, staging.seconds),
                 notes=tuple(notes),
@@ -230,6 +246,41 @@ def run_demo(
         finally:
             if not keep:
                 _cleanup(workdir, created, staged_root, staged_name, owned, log)
+
+
+def _train_while_staging(
+    source: str,
+    dest: str,
+    name: str,
+    files: list[str],
+    throttle: Throttle | None,
+    cold: bool,
+    steps: int,
+    batch_size: int,
+    out_dir: str,
+    env: dict[str, str],
+    log: Callable[[str], None],
+) -> DemoRun:
+    """The third run: the copy made afresh by ``run --no-wait`` while the job trains on it."""
+    from shmstage.stage import evict
+
+    evict(name, dest=dest)  # else run finds the copy the staged run read
+    if cold:
+        evict_from_page_cache(files)
+    cached = cached_share(files)
+    shown, result, first = train_through_run(
+        "{staged}",
+        label="no-wait",
+        stage_spec=f"{source}={name}",
+        steps=steps,
+        batch_size=batch_size,
+        out_dir=out_dir,
+        env=env,
+        log=log,
+        throttle=throttle,
+        no_wait=True,
+    )
+    return DemoRun("no-wait", shown, cached, result, first)
 
 
 def _cleanup(
