@@ -161,6 +161,10 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
                 f"bytes; the dataset has {s.files}, {s.size}"
             )
     marks = [r["source_bytes_at_start"]] + [e["source_bytes"] for e in r["epochs"]]
+    served = None
+    if r["epochs"][0]["served"] is not None:  # cumulative: per epoch is the difference
+        totals = [(0, 0)] + [tuple(e["served"]) for e in r["epochs"]]
+        served = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(totals, totals[1:])]
     return Run(
         mode=mode,
         run=i,
@@ -174,6 +178,7 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
         epoch_source_bytes=[b - a for a, b in zip(marks, marks[1:])],
         resident_bytes=resident,
         stable=stable,
+        served=served,
     )
 
 

@@ -136,7 +136,17 @@ def main(argv: list[str] | None = None) -> int:
             source = sectors_read(a.device)
             if a.evict:
                 evict(a.evict)
-            epochs.append({"start": start, "end": end, "bytes": nbytes, "source_bytes": source})
+            # DatasetFiles counts what it served from RAM and from the source (this process)
+            served = list(files.served()) if hasattr(files, "served") else None
+            epochs.append(
+                {
+                    "start": start,
+                    "end": end,
+                    "bytes": nbytes,
+                    "source_bytes": source,
+                    "served": served,
+                }
+            )
     result = {
         "exec": started,
         "listed": listed,

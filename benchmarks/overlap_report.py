@@ -33,6 +33,8 @@ class Run:
     epoch_source_bytes: list[int]  # read during each epoch (stager and job together)
     resident_bytes: int | None = None  # the published copy's bytes (partial: the resident part)
     stable: bool | None = None  # the published copy unchanged from publish to the end
+    # per epoch, (from RAM, from the source) bytes as DatasetFiles counted them; None: plain open()
+    served: list[tuple[int, int]] | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -68,6 +70,7 @@ class Summary:
     epoch_source_bytes: list[float]
     resident_bytes: float | None
     stable: bool | None
+    served: list[tuple[float, float]] | None  # median per epoch: (from RAM, from the source)
 
 
 def summarize(runs: list[Run]) -> dict[str, Summary]:
@@ -92,6 +95,12 @@ def summarize(runs: list[Run]) -> dict[str, Summary]:
             epoch_source_bytes=[med([r.epoch_source_bytes[k] for r in rs]) for k in range(n)],
             resident_bytes=med(resident) if resident else None,
             stable=all(r.stable for r in rs) if resident else None,
+            served=[
+                (med([r.served[k][0] for r in rs]), med([r.served[k][1] for r in rs]))
+                for k in range(n)
+            ]
+            if all(r.served for r in rs)
+            else None,
         )
     return out
 
@@ -189,6 +198,14 @@ def render(m: dict[str, Summary], s: Setup, args: argparse.Namespace, skipped: s
             f"({' / '.join(f'{e / MB:.0f}' for e in r.epoch_source_bytes)}) | "
             f"{r.source_bytes / s.size:.3f} |"
         )
+    lines.append("")
+    for mode, r in m.items():
+        if r.served and mode in ("nowait", "partial"):
+            per = " / ".join(f"{a / MB:.0f} + {b / MB:.0f}" for a, b in r.served)
+            lines.append(
+                f"{LABELS[mode]}: the job's DatasetFiles served, per epoch, MB from RAM + MB "
+                f"from the source: {per}."
+            )
     lines.append("")
     ts = targets(m, s.size)
     for text, met in ts:
