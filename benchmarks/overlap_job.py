@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.evict:
                 evict(a.evict)
             # DatasetFiles counts what it served from RAM and from the source (this process)
-            served = list(files.served()) if hasattr(files, "served") else None
+            served = getattr(files, "served", None)  # a property: (from RAM, from the source)
+            served = list(served() if callable(served) else served) if served else None
             epochs.append(
                 {
                     "start": start,
