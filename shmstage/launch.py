@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from shmstage import nowait
 from shmstage.errors import KilledBy, RefusedError, ShmstageError
 from shmstage.supervisor import CommandNotFound, SignalHold, spawn
 
@@ -206,7 +207,6 @@ def resolve_command(command: Sequence[str], path: str | None = None) -> str:
     return found
 
 
-
 # --- the whole command ------------------------------------------------------
 
 
@@ -272,8 +272,13 @@ def run(
     log: Callable[[str], None] | None = None,
     cluster: Any = None,
     service: bool = True,
+    no_wait: bool = False,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
+
+    ``no_wait``: start the job as soon as each directory is listed while its copy goes on
+    (shmstage.nowait); the job reads it through shmstage.loader.DatasetFiles.  Its exit
+    status is the job's, or the copy's failure when the job succeeded.
 
     ``reserve`` (bytes or "N%"): room to keep free while staging; None: the node config's
     ``reserve``, else the staging default.
@@ -320,6 +325,8 @@ def run(
     held: list[Any] = []  # a lease per staged dataset, for the job's lifetime
     teardown = SignalHold()  # from the job's start to the end of the cleanup (SignalHold)
     failed = True
+    stagers: list[Any] = []  # --no-wait: the stagers copying while the job runs
+    joins: list[Any] = []  # --no-wait: other stagers' views the job reads
     try:
         if requests:
             from shmstage import stage as engine
@@ -327,6 +334,25 @@ def run(
 
             with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
                 for r in requests:
+                    live = nowait.start_live(
+                        r.source,
+                        r.name,
+                        dest,
+                        log,
+                        cluster,
+                        service,
+                        held,
+                        no_wait,
+                        make_room=make_room,
+                        policies=policies,
+                        reserve=reserve,
+                    )
+                    if live is not None:
+                        ds, stager, joined = live
+                        staged.append(ds)
+                        stagers += [stager] if stager is not None else []
+                        joins += [joined] if joined is not None else []
+                        continue
                     ds, lease = _stage_leased(
                         r,
                         dest,
@@ -352,13 +378,24 @@ def run(
             )
         args = substitute(command[1:], pairs)
         env = job_env(staged, settings)
+        nowait.follow_live(stagers, joins, held, log)
         teardown.hold()
         returncode, leftovers, killed_by = spawn(
-            [command[0], *args], env, executable=exe, log=log, held=teardown
+            [command[0], *args],
+            env,
+            executable=exe,
+            log=log,
+            held=teardown,
+            spare=[s.pid for s in stagers],
+        )
+        returncode = nowait.finish_live(
+            stagers, returncode, killed_by is not None or cleanup, teardown, log
         )
         failed = False
     finally:
         teardown.hold()  # staging stopped by a signal: a second one waits for the cleanup too
+        for stager in stagers:  # an error or a signal: stop every copy (nothing published)
+            stager.finish(True, lambda: None)
         try:
             _teardown(held, staged, evicted, cleanup, dest, log, service)
         finally:

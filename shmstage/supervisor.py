@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Callable
 
 import psutil
@@ -168,9 +168,7 @@ class SignalHold:
             signal.raise_signal(self.signal)
 
 
-def _terminate(
-    procs: list[psutil.Process], grace: float, held: SignalHold | None = None
-) -> None:
+def _terminate(procs: list[psutil.Process], grace: float, held: SignalHold | None = None) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
@@ -199,9 +197,13 @@ def spawn(
     grace: float = LEFTOVER_GRACE,
     log: Callable[[str], None] | None = None,
     held: SignalHold | None = None,
+    spare: Collection[int] = (),
 ) -> tuple[int, int, int | None]:
     """Run ``command`` to completion forwarding signals; return (exit status, leftovers
     killed, the signal that killed the job or None).
+
+    ``spare``: our own children started before the job (``run --no-wait``'s stagers), whose
+    descendants (copy workers forked while the job runs) are not the job's leftovers.
 
     ``held``: the caller's :class:`SignalHold`, which it releases after its own teardown;
     without, spawn holds signals until the job's leftovers are gone.
@@ -217,7 +219,11 @@ def spawn(
     returncode: int | None = None
     try:
         returncode = _run_child(command, env, executable, before, hold.unheld_mask)
-        leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+        leftovers = [
+            p
+            for p in me.children(recursive=True)
+            if p.pid not in before and not _descends(p, spare)
+        ]
         if leftovers:
             if log is not None:
                 log(f"terminating {len(leftovers)} process(es) the job left running")
@@ -346,6 +352,15 @@ def sent_to_whole_slurm_step(
     return not batch_shell
 
 
+def _descends(p: psutil.Process, ancestors: Collection[int]) -> bool:
+    if not ancestors:
+        return False
+    try:
+        return any(a.pid in ancestors for a in p.parents())
+    except psutil.Error:
+        return False
+
+
 def _reap_orphans(job: int, not_ours: set[int]) -> None:
     """Reap exited descendants the job orphaned onto us (subreaper), so no zombies pile up."""
     try:
@@ -360,4 +375,3 @@ def _reap_orphans(job: int, not_ours: set[int]) -> None:
                 os.waitpid(p.pid, os.WNOHANG)
         except (psutil.Error, ChildProcessError):
             pass
-

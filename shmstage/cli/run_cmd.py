@@ -123,6 +123,13 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     is_flag=True,
     help="Evict the datasets this run staged once the job exits.",
 )
+@click.option(
+    "--no-wait",
+    is_flag=True,
+    help="Start the job as soon as each directory --stage is listed; the copy goes on, files "
+    "the job asks for first, and is published as usual. The job must read through "
+    "shmstage.loader.DatasetFiles({staged}) (docs/run.md).",
+)
 @config_option(
     "Node config: its loader section gives default loader settings, its dest the tiers and "
     "their cache max_size, its reserve the room kept free."
@@ -144,6 +151,7 @@ def run_cmd(
     reserve: int | str | None,
     make_room: bool,
     cleanup: bool,
+    no_wait: bool,
     config_path: str | None,
     nodes: int | None,
     node_rank: int | None,
@@ -184,6 +192,7 @@ def run_cmd(
         log=_log,
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
         service=not no_service,
+        no_wait=no_wait,
     )
     if result.signal is not None:
         raise JobKilled(result.signal)  # cleaned up: now die of it (shmstage.cli.main)

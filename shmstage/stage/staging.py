@@ -17,12 +17,12 @@ from shmstage.errors import CapacityError, PermissionDenied, RefusedError, Shmst
 from shmstage.identity import Caller, Share
 from shmstage.paths import is_within
 from shmstage.stage import topaccess
-from shmstage.stage.build import copier, fromdir
+from shmstage.stage.build import copier, fromdir, ondemand
 from shmstage.stage.build import partial as build
 from shmstage.stage.signals import signals_raise
 from shmstage.stage.sources import acls
 from shmstage.stage.sources import kinds as sources
-from shmstage.stage.store import leases
+from shmstage.stage.store import leases, views
 from shmstage.stage.store.datasets import StagedDataset, dataset_of
 from shmstage.stage.store.layout import Record, Store, managed_by
 from shmstage.stage.store.names import check_name, name_for
@@ -69,6 +69,7 @@ def stage(
     reader: Caller | None = None,
     credentials: Mapping[str, str] | None = None,
     share: Share | None = None,
+    live: ondemand.Live | None = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
@@ -84,7 +85,7 @@ def stage(
     the reader's own walk of the source and a check that they may open every file of it
     (else RefusedError, nothing staged).  ``credentials``: an object store's, instead of
     this process's environment (with a reader and none: no credentials of ours are used);
-    ``share``: who besides the reader may read an object-store copy."""
+    ``share``: who besides the reader may read an object-store copy.  ``live``: ondemand.py."""
     t0 = time.monotonic()
     if reader is not None and reader.is_root:
         reader = None
@@ -148,6 +149,7 @@ def stage(
                 peers,
                 admit,
                 (reader, credentials, share),
+                live,
             )
         except BaseException:
             drop_unused_lock(store, name)
@@ -216,10 +218,12 @@ def _stage_locked(
     peers: Any = None,
     admit: Callable[[build.Need], None] | None = None,
     asker: tuple[Caller | None, Mapping[str, str] | None, Share | None] = (None, None, None),
+    live: ondemand.Live | None = None,
 ) -> StagedDataset:
     reader, credentials, share = asker
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
+    views.remove_dead_view(store, name)  # a killed live stager's (run --no-wait)
     clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
@@ -244,7 +248,9 @@ def _stage_locked(
     marker = os.path.join(store.partial_dir, f".{name}.source")
     prev_marker = read_marker(marker)  # put back if the fit check refuses
     # A first copy with no peers copies while its walk runs; with peers each reads a share.
-    cold = record is None and not os.path.lexists(part)
+    cold = record is None and not os.path.lexists(part) and live is None
+    if live is not None:
+        live.restrict_top = lambda top: topaccess.restrict_new(top, source, kind, src, reader)
 
     def unchanged() -> StagedDataset:
         drop_leftovers(store, name, marker)
@@ -275,7 +281,7 @@ def _stage_locked(
             _kill_at("marker")
             built = build.build(
                 store, name, src, listing, manifest if same else None, workers, verify,
-                reserve, resumable, report, claim, admit,
+                reserve, resumable, report, claim, admit, live,
             )  # fmt: skip
             _kill_at("build")
         _kill_at("manifest")
@@ -308,6 +314,8 @@ def _stage_locked(
                 _publish(store, name, new, marker)
         else:
             _publish(store, name, new, marker)
+        if live is not None:
+            live.published()
         return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.

@@ -234,8 +234,10 @@ class Stream:
         progress: Callable[[int, int], None] | None = None,
         page: int = 4096,
         tops: Tops | None = None,
+        on_task: Callable[[int], None] | None = None,
     ) -> None:
         self.src_prefix, self.dst_prefix = src_prefix, dst_prefix
+        self.on_task = on_task  # called with each finished task's number (ondemand.py)
         self.tops = tops
         self.page = page
         self.landed = 0  # what the finished tasks take on the destination (whole pages)
@@ -292,6 +294,8 @@ class Stream:
 
     def _landed(self, seq: int) -> None:
         self.landed += self._pages.pop(seq, 0)
+        if self.on_task is not None:
+            self.on_task(seq)
 
     def __exit__(self, *exc: object) -> None:
         _kill_workers(self.pids, self.alive)

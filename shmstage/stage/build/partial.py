@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmstage.errors import ShmstageError
-from shmstage.stage.build import fromdir, untar
+from shmstage.stage.build import fromdir, ondemand, untar
 from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
 from shmstage.stage.build.tree import (
     Counter,
@@ -98,10 +98,14 @@ def build(
     report: Callable[..., None],
     claim: Claim,
     admit: Callable[[Need], None] | None = None,
+    live: ondemand.Live | None = None,
 ) -> Built:
     """Fill partial/<name> from ``src`` and write its manifest (steps in the module docstring).
     ``manifest`` is the published copy's, when it is of the same source (else None).
-    ``admit(need)`` runs before the fit is claimed, and may make room or refuse."""
+    ``admit(need)`` runs before the fit is claimed, and may make room or refuse.  ``live``
+    (a directory only): step 4 writes a live view and copies in demand order (ondemand.py)."""
+    if live is not None and (src.kind != "dir" or getattr(src, "peers", None) is not None):
+        raise ShmstageError("only a directory staged by one node is read while it is copied")
     part = store.partial(name)
     old_root = store.path(name)
     incremental = src.incremental
@@ -173,13 +177,21 @@ def build(
     # 4: the rest from the source.
     total = sum(w.size for w in wants)
     tick = claim.counting(Counter(report, total, len(wants)))
-    fill(src, wants, part, tick, workers, verify == "checksum", write_manifest)
+    if live is not None:
+        ondemand.fill_live(
+            live, src, wants, part, tick, workers, verify == "checksum", write_manifest,
+            store=store, name=name, entries=entries, hard=hard, dirs=dirs,
+        )  # fmt: skip
+    else:
+        fill(src, wants, part, tick, workers, verify == "checksum", write_manifest)
     if not written:
         write_manifest()
 
     # 5: what needs every file in place.
     finish_tree(part, hard, dirs, src.owner, src.group)
     apply_acls(part, entries)
+    if live is not None and live.restrict_top is not None:
+        live.restrict_top(part)  # finish_tree gave the top its source's mode: not yet its own
     return Built(total, listing.bytes, listing.files)
 
 

@@ -79,6 +79,7 @@ class Store:
         self.trash_dir = os.path.join(self.book, "trash")
         self.lease_dir = os.path.join(self.book, "leases")
         self.reservation_dir = os.path.join(self.book, "reservations")
+        self.views_dir = os.path.join(self.book, "views")  # views.py: datasets not (all) in RAM
 
     # --- paths ----------------------------------------------------------------
 
@@ -93,6 +94,9 @@ class Store:
 
     def manifest_path(self, name: str) -> str:
         return os.path.join(self.manifest_dir, name + ".json")
+
+    def view_path(self, name: str) -> str:
+        return os.path.join(self.views_dir, name)
 
     # --- safety ---------------------------------------------------------------
 
@@ -115,12 +119,14 @@ class Store:
             (self.meta_dir, 0o755),
             (self.manifest_dir, 0o755),
             (self.lock_dir, locks),
-            (self.partial_dir, 0o700),
+            # 0711: a live view's in-flight tree (views.py) is entered by its readers; its
+            # siblings' tops and markers stay 0700/0600, and nobody else may list it
+            (self.partial_dir, 0o711),
             (self.trash_dir, 0o700),
             (self.lease_dir, 0o755),
             (self.reservation_dir, locks),
         ):
-            if create and mode == 0o700:
+            if create and mode in (0o700, 0o711):
                 lock_dir_checked(path, mode)
             elif create:
                 mkdir_checked(path, mode)

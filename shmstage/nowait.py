@@ -1,0 +1,383 @@
+"""``run --no-wait``: each directory is staged by a stager forked from ``run`` that writes a
+live view and goes on copying while the job runs (stage/build/ondemand.py); the job starts
+once every view is written, and the job's lease is taken when its copy is published.
+
+    run ── fork ──▶ stager: engine.stage(live=...) ─▶ "view" ─▶ copy ─▶ publish ─▶ "published"
+     │                                                                  (lock held) waits ack
+     ├─ reads "view" (or "published": nothing to copy; "failed": refused, no job started)
+     ├─ starts the job; a thread reads on: "published" -> lease, ack; "failed" -> one line
+     └─ the job exits: wait for the copy (a stopping signal or --cleanup: stop it), reap
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shmstage.errors import RefusedError, ShmstageError
+from shmstage.libc import load_libc
+
+ACK_WAIT = 60.0  # seconds a stager holding its lock waits for run to take its lease
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class LiveDataset:
+    """A dataset the job reads while it is copied: ``path`` is where it is published (what
+    ``{staged}`` gives; shmstage.loader.DatasetFiles finds the view from it)."""
+
+    name: str
+    path: str
+    source: str
+    changed: bool = True
+    skipped: tuple[Any, ...] = ()
+    evicted: tuple[Any, ...] = ()
+
+
+def why_not(source: str, *, cluster: Any, service_answers: bool) -> str | None:
+    """Why ``--no-wait`` stages ``source`` first instead (one line), or None: it overlaps."""
+    from shmstage.stage.sources import kinds
+
+    if cluster is not None:
+        return "with --nodes every node's share is exchanged before any is complete"
+    if service_answers:
+        return "the node's shmstage service stages it (a live copy is made by run itself: add --no-service and a --dest of your own)"
+    try:
+        kind, _ = kinds.resolve(source)
+    except ShmstageError:
+        return None  # staging says what is wrong with it, in its own words
+    if kind != "dir":
+        return f"it is a {'tar archive' if kind == 'tar' else kind + ' prefix'}, and only a directory is read while it is copied"
+    return None
+
+
+def joinable(source: str, name: str | None, tiers: list[str]) -> LiveDataset | None:
+    """A live stager already copying ``source`` as ``name`` (another ``run --no-wait``): the job
+    may start on its view at once, without waiting for its lock."""
+    from shmstage.stage.sources import kinds
+    from shmstage.stage.store import name_for
+    from shmstage.stage.store.views import LIVE, read_view
+
+    try:
+        kind, real = kinds.resolve(source)
+    except ShmstageError:
+        return None
+    name = name or name_for(real)
+    for tier in tiers:
+        view = read_view(tier, name)
+        if view is not None and view.kind == LIVE and view.source == real and view.alive():
+            return LiveDataset(view.name, view.final, real, changed=False)
+    return None
+
+
+class Stager:
+    """One forked stager and what ``run`` hears from it (the module's diagram)."""
+
+    def __init__(self, pid: int, events: int, ack: int, name: str | None) -> None:
+        self.pid, self.events, self.ack = pid, events, ack
+        self.name = name
+        self.buf = b""
+        self.status: int | None = None  # the stager's exit status, once reaped
+        self.failure: ShmstageError | None = None
+        self.done: dict[str, Any] | None = None
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def fork(cls, source: str, name: str | None, dest: str | None, room: dict[str, Any]) -> Stager:
+        ev_r, ev_w = os.pipe()
+        ack_r, ack_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the stager
+            os.close(ev_r)
+            os.close(ack_w)
+            _stager(source, name, dest, room, ev_w, ack_r)
+        os.close(ev_w)
+        os.close(ack_r)
+        return cls(pid, ev_r, ack_w, name)
+
+    def next_event(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The stager's next event; {"event": "gone"} at EOF; None when ``timeout`` passed."""
+        while b"\n" not in self.buf:
+            if timeout is not None and not select.select([self.events], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.events, 65536)
+            if not chunk:
+                return {"event": "gone"}
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+    def first(self, lease: Callable[[str, str], Any]) -> tuple[Any, Any]:
+        """Wait for the view (a LiveDataset, no lease yet) or, with nothing to copy, for the
+        published copy (its dataset and lease).  Raises what the stager failed with."""
+        event = self.next_event()
+        assert event is not None
+        if event["event"] == "view":
+            return LiveDataset(event["name"], event["path"], event["source"]), None
+        if event["event"] == "published":
+            held = self.published(event, lease)
+            done = self.next_event()
+            assert done is not None
+            if done["event"] != "done":
+                self._failed(done)
+            self.reap()
+            return replace(held.dataset, changed=bool(done["changed"])), held
+        self._failed(event)
+        raise AssertionError("unreachable")
+
+    def published(self, event: dict[str, Any], lease: Callable[[str, str], Any]) -> Any:
+        """Take the lease while the stager still holds its lock, then let it go on."""
+        try:
+            return lease(event["name"], os.path.dirname(event["path"]))
+        finally:
+            with contextlib.suppress(OSError):
+                os.write(self.ack, b"k")
+
+    def watch(
+        self, lease: Callable[[str, str], Any], held: list[Any], log: Callable[[str], None] | None
+    ) -> None:
+        """After the job started: a thread takes the lease at the publish and says a failure."""
+
+        def follow() -> None:
+            while True:
+                event = self.next_event()
+                assert event is not None
+                kind = event["event"]
+                if kind == "published":
+                    try:
+                        held.append(self.published(event, lease))
+                    except ShmstageError as e:
+                        self.failure = e
+                elif kind == "done":
+                    self.done = event
+                    if log is not None and event.get("summary"):
+                        log(str(event["summary"]))
+                elif kind in ("failed", "gone"):
+                    self.failure = _failure(event)
+                    if log is not None:
+                        log(
+                            f"{self.failure} (the job goes on reading what is not copied from the source)"
+                        )
+                    return
+                if kind == "done":
+                    return
+
+        self.thread = threading.Thread(target=follow, name="shmstage-nowait", daemon=True)
+        self.thread.start()
+
+    def finish(self, stop: bool, poll: Callable[[], int | None]) -> None:
+        """After the job: stop the copy (``stop``), or wait for it while ``poll()`` sees no
+        stopping signal; then reap the stager."""
+        if not stop:
+            while self.thread is not None and self.thread.is_alive():
+                self.thread.join(0.2)
+                if poll() is not None:
+                    stop = True
+                    break
+        if stop and self.status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+        self.reap()
+        if self.thread is not None:
+            self.thread.join(5)
+
+    def reap(self) -> None:
+        if self.status is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.status = os.waitstatus_to_exitcode(status)
+            for fd in (self.events, self.ack):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _failed(self, event: dict[str, Any]) -> None:
+        self.reap()
+        raise _failure(event)
+
+
+def _failure(event: dict[str, Any]) -> ShmstageError:
+    if event["event"] == "gone":
+        return ShmstageError("the stager of --no-wait exited before the copy was published")
+    cls = RefusedError if event.get("code") == RefusedError.exit_code else ShmstageError
+    error = cls(event.get("message") or "the copy failed")
+    error.exit_code = int(event.get("code") or 1)
+    return error
+
+
+def _stager(
+    source: str, name: str | None, dest: str | None, room: dict[str, Any], ev_w: int, ack_r: int
+) -> None:  # pragma: no cover - runs in the forked stager
+    """The stager's whole life: stage with a live view, say each step on ``ev_w``, exit."""
+    code = 1
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        with contextlib.suppress(OSError, AttributeError):
+            load_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # run died: stop
+        code = _stage_live(source, name, dest, room, ev_w, ack_r)
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _stage_live(
+    source: str, name: str | None, dest: str | None, room: dict[str, Any], ev_w: int, ack_r: int
+) -> int:  # pragma: no cover - runs in the forked stager
+    from shmstage.service import api
+    from shmstage.stage.build.ondemand import Live
+
+    def send(**event: Any) -> None:
+        os.write(ev_w, json.dumps(event).encode() + b"\n")
+
+    said = []
+
+    def on_view(view: Any) -> None:
+        said.append(True)
+        send(event="view", name=view.name, path=view.final, source=view.source)
+
+    def on_published(path: str) -> None:
+        send(event="published", name=os.path.basename(path), path=path)
+        select.select([ack_r], [], [], ACK_WAIT)  # run leases it before our lock goes
+
+    try:
+        ds = api.stage(
+            source, name=name, dest=dest, service=False, live=Live(on_view, on_published), **room
+        )
+    except ShmstageError as e:
+        send(event="failed", message=str(e), code=e.exit_code)
+        return e.exit_code
+    except KeyboardInterrupt:
+        send(event="failed", message="the copy was stopped", code=130)
+        return 130
+    if not said:  # nothing to copy: published already (no view, no lock held now)
+        send(event="published", name=ds.name, path=str(ds.path))
+        select.select([ack_r], [], [], ACK_WAIT)
+    from shmstage.stage.engine import summary
+
+    send(event="done", changed=ds.changed, summary=f"{summary(ds)} -> {ds.path}")
+    return 0
+
+
+def wait_published(
+    live: LiveDataset, lease: Callable[[str, str], Any], held: list[Any]
+) -> threading.Thread:
+    """A job started on another stager's view: lease the copy once that stager published it."""
+    from shmstage.stage.store.views import read_view
+
+    def follow() -> None:
+        dest = os.path.dirname(live.path)
+        while True:
+            view = read_view(dest, live.name)
+            if view is None or not view.alive():
+                break
+            time.sleep(0.5)
+        with contextlib.suppress(ShmstageError):
+            held.append(lease(live.name, dest))
+
+    thread = threading.Thread(target=follow, name="shmstage-nowait-join", daemon=True)
+    thread.start()
+    return thread
+
+
+def start(
+    source: str,
+    name: str | None,
+    dest: str | None,
+    *,
+    cluster: Any,
+    service_answers: bool,
+    room: dict[str, Any],
+    held: list[Any],
+    log: Callable[[str], None] | None,
+    lease: Callable[[str, str], Any],
+    tiers: list[str],
+) -> tuple[Any, Stager | None, LiveDataset | None] | None:
+    """``--no-wait`` for one ``--stage``: (the dataset the job gets, the stager forked for
+    it, a view of another stager joined); None when it is staged first (said in one line)."""
+    why = why_not(source, cluster=cluster, service_answers=service_answers)
+    if why is not None:
+        if log is not None:
+            log(f"--no-wait: staging {source} before the job starts: {why}")
+        return None
+    joined = joinable(source, name, tiers)
+    if joined is not None:
+        if log is not None:
+            log(
+                f"--no-wait: {joined.name} is being copied by another shmstage: the job starts on its copy now"
+            )
+        return joined, None, joined
+    stager = Stager.fork(source, name, dest, room)
+    ds, got = stager.first(lease)
+    if got is not None:
+        held.append(got)
+        return ds, None, None
+    stager.name = ds.name
+    if log is not None:
+        log(f"--no-wait: the job starts now; {source} is copied to {ds.path} while it runs")
+    return ds, stager, None
+
+
+def start_live(
+    source: str,
+    name: str | None,
+    dest: str | None,
+    log: Callable[[str], None] | None,
+    cluster: Any,
+    service: bool,
+    held: list[Any],
+    no_wait: bool,
+    **room: Any,
+) -> tuple[Any, Any, Any] | None:
+    """``--no-wait`` for one ``--stage`` (:func:`start`); None: stage it first."""
+    if not no_wait:
+        return None
+    from shmstage.service import api
+    from shmstage.stage.cache.tiers import split
+    from shmstage.stage.store.leases import acquire
+
+    return start(
+        source,
+        name,
+        dest,
+        cluster=cluster,
+        service_answers=api.service_for(dest, service) is not None,
+        room=room,
+        held=held,
+        log=log,
+        lease=acquire,
+        tiers=split(dest),
+    )
+
+
+def follow_live(stagers: list[Any], joins: list[Any], held: list[Any], log: Any) -> None:
+    """Once every stager forked: threads take each live copy's lease when it is published."""
+    if not stagers and not joins:
+        return
+    from shmstage.stage.store.leases import acquire
+
+    for stager in stagers:
+        stager.watch(acquire, held, log)
+    for joined in joins:
+        wait_published(joined, acquire, held)
+
+
+def finish_live(stagers: list[Any], returncode: int, stop: bool, hold: Any, log: Any) -> int:
+    """The job exited: wait for each copy (or stop it: a signal, ``--cleanup``); the job's
+    status, or the first copy's failure when the job succeeded."""
+    for stager in stagers:
+        if not stop and stager.status is None and stager.done is None and log is not None:
+            log(
+                f"the job exited; finishing the copy of {stager.name or 'the dataset'} (^C stops it)"
+            )
+        stager.finish(stop, hold.poll)
+    failures = [s.failure for s in stagers if s.failure is not None and not stop]
+    if returncode == 0 and failures:
+        return failures[0].exit_code
+    return returncode

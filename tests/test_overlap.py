@@ -1,0 +1,184 @@
+"""``run --no-wait`` (issue 23 items 1-2): the job reads a dataset while it is copied, through
+the live view (tests/overlap_job.py speaks the protocol from the contract alone); demanded
+files are copied first; a killed stager or a changed source never publishes or mixes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shmstage.stage.store.views import read_view
+
+JOB = str(Path(__file__).with_name("overlap_job.py"))
+SLOW = "SHMSTAGE_TEST_SLOW_COPY"
+
+
+def _tree(root: Path, files: int, size: int = 3000) -> dict[str, str]:
+    """A source of ``files`` files in a few directories; {rel: sha256}."""
+    sums = {}
+    for i in range(files):
+        rel = f"d{i % 4}/f{i:04d}.bin"
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = os.urandom(size + i)
+        path.write_bytes(data)
+        sums[rel] = hashlib.sha256(data).hexdigest()
+    return sums
+
+
+def _env(slow: float) -> dict[str, str]:
+    return {**os.environ, SLOW: str(slow)}
+
+
+def _run(shmstage_bin, dest, src, job_args, slow, **kw):
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", sys.executable, JOB, str(dest), src.name, *job_args]
+    return subprocess.run(argv, env=_env(slow), capture_output=True, text=True, timeout=120, **kw)
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_job_reads_every_file_right_while_the_copy_runs(tmpfs, tmp_path, shmstage_bin):
+    """The job starts before the copy ends, reads each file once (demanding the ones not
+    landed), gets the source's bytes, and the copy is then published with the view gone."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 120)
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    p = _run(shmstage_bin, dest, src, [str(out)], 0.05)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums
+    assert got["how"]["demanded"] > 0  # it did not wait for the whole copy
+    assert got["how"]["source"] == 0  # and never read the source itself
+    assert "the job starts now" in p.stderr
+    assert read_view(dest, "ds") is None
+    for rel, digest in sums.items():
+        assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
+    assert not [e for e in os.listdir(dest / ".shmstage" / "views") if not e.startswith(".")]
+    assert not [e for e in os.listdir(dest / ".shmstage" / "views") if e.endswith(".sock")]
+
+
+def test_a_demanded_file_lands_before_files_queued_earlier(tmpfs, tmp_path, shmstage_bin):
+    """The last file in listing order, asked for first, lands behind only what the workers
+    already had (a task each and QUEUED more, of BATCH_FILES files), not behind the rest."""
+    from shmstage.stage.build import copier, ondemand
+
+    src = tmp_path / "ds"
+    _tree(src, 300, 500)
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    last = sorted(f"d{i % 4}/f{i:04d}.bin" for i in range(300))[-1]
+    p = _run(shmstage_bin, dest, src, [str(out), "--first", last], 0.1)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    ahead = (copier.default_workers() + ondemand.QUEUED + 1) * ondemand.BATCH_FILES
+    assert got["before"] is not None and got["before"] + ahead < got["total"] - 1, got
+    assert got["position"] - got["before"] <= ahead, got
+
+
+def test_a_killed_stager_publishes_nothing_and_its_view_reads_dead(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """SIGKILL the stager mid-copy: no copy is published, the view stays and says its stager
+    is dead, run says so in one line (the job goes on); the next stage resumes and cleans."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "2"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    assert view.alive()
+    os.kill(view.pid, signal.SIGKILL)
+    _wait(lambda: not view.alive())
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 1, err  # the job succeeded, the copy did not
+    assert err.count("exited before the copy was published") == 1, err
+    assert "Traceback" not in err
+    assert not (dest / "ds").exists()
+    dead = read_view(dest, "ds")
+    assert dead is not None and not dead.alive()
+    p = subprocess.run(
+        [*shmstage_bin, "stage", "--no-service", "--dest", str(dest), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert read_view(dest, "ds") is None
+    for rel, digest in sums.items():
+        assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
+
+
+def test_a_source_file_rewritten_during_the_copy_is_refused_never_mixed(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """A file rewritten after the listing: the job's demand for it is refused (it fails in
+    its own way), the stage fails in one line, and nothing is published."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    out, go = tmp_path / "out.json", tmp_path / "go"
+    victim = "d3/f0199.bin"
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", sys.executable, JOB, str(dest), "ds", str(out)]
+    argv += ["--first", victim, "--go", str(go)]
+    p = subprocess.Popen(argv, env=_env(0.05), stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: read_view(dest, "ds") is not None)
+        (src / victim).write_bytes(b"new bytes, another size")
+        go.touch()
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 3, err  # the job's own status: its read was refused
+    assert f"refused {victim}" in err
+    assert "changed during the copy" in err and "Traceback" not in err
+    assert not (dest / "ds").exists()
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_another_user_reads_the_live_copy_only_where_they_may_read_it(
+    open_tmpfs, open_tmp_path, shmstage_bin, procs
+):
+    """Root stages, nobody's job reads: a world-readable source's files come from RAM (the
+    in-flight tree and the view let them in); a source they may not read: the view is shut."""
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    nobody += ["--inh-caps=-dac_override", "--bounding-set=-dac_override"]
+    dest = open_tmpfs("64M")
+    (open_tmp_path / "out").mkdir(mode=0o777)
+    (open_tmp_path / "out").chmod(0o777)
+    for name, mode in (("open", 0o755), ("shut", 0o700)):
+        src = open_tmp_path / name
+        sums = _tree(src, 60, 500)
+        src.chmod(mode)
+        out = open_tmp_path / "out" / f"{name}.json"
+        argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+        argv += ["--stage", str(src), "--", *nobody, sys.executable, JOB, str(dest), name, str(out)]
+        p = subprocess.run(argv, env=_env(0.05), capture_output=True, text=True, timeout=120)
+        if mode == 0o755:
+            assert p.returncode == 0, p.stderr
+            got = json.loads(out.read_text())
+            assert got["sums"] == sums and got["how"]["source"] == 0
+            assert got["how"]["root"] > 0  # read from the in-flight tree, as nobody
+        else:
+            assert p.returncode != 0 and not out.exists(), p.stderr
+            assert "PermissionError" in p.stderr or "no view" in p.stderr
