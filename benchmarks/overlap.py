@@ -122,6 +122,7 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
     compute = s.io_compute_ms if mode in ("partial", "source2") else s.compute_ms
     job = [sys.executable, str(JOB), "--epochs", str(s.epochs), "--batch", str(s.batch)]
     job += ["--compute-ms", f"{compute:g}", "--seed", str(i), "--device", Path(s.loop).name]
+    job += ["--workers", str(s.workers), "--prefetch", str(s.prefetch)]
     job += ["--evict", str(s.src), "--json-out", str(out)]
     if mode in ("source", "source2"):
         argv = [*job, "--data", str(s.src), "--plain"]
@@ -215,6 +216,7 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32, help="files per batch (default: 32)")
     ap.add_argument("--workers", type=int, default=4, help="the job's reader threads")
+    ap.add_argument("--prefetch", type=int, default=8, help="batches the job reads ahead")
     ap.add_argument(
         "--compute-ms",
         type=float,
@@ -259,7 +261,7 @@ def main() -> int:
     try:
         meta = walk_metadata(loop, src)
         setup = Setup(src, dest, loop, size, len(files), meta, compute, args.io_compute_ms,
-                      args.batch, args.epochs)  # fmt: skip
+                      args.batch, args.epochs, args.workers, args.prefetch)  # fmt: skip
         log(
             f"{len(files)} files, {size / MB:.0f} MB on {loop}, {args.mbps} MB/s; compute "
             f"{compute:.1f} ms/batch; metadata {setup.metadata / MB:.1f} MB; modes {modes}"

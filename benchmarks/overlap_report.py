@@ -50,6 +50,8 @@ class Setup:
     io_compute_ms: float
     batch: int
     epochs: int
+    workers: int  # the job's reader threads
+    prefetch: int  # batches they read ahead
 
 
 def med(values: list[float]) -> float:
@@ -181,7 +183,7 @@ def render(m: dict[str, Summary], s: Setup, args: argparse.Namespace, skipped: s
         f"{s.files:,} files, {s.size / MB:.0f} MB (ImageNet-like), source read through a "
         f"{args.mbps} MB/s blkio throttle; {s.epochs} epochs, batch {s.batch} files, "
         f"compute {s.compute_ms:g} ms per batch ({s.io_compute_ms:g} ms for partial and "
-        f"source2), {args.workers} reader threads; medians of {args.runs} interleaved runs.",
+        f"source2), {s.workers} reader threads, {s.prefetch} batches ahead; medians of {args.runs} interleaved runs.",
         "",
         "| mode | first batch s | job start-up s | staging s | epochs s | total s (min-max) "
         "| source MB (per epoch) | x dataset |",
