@@ -128,7 +128,9 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
         argv = [*job, "--data", str(s.src), "--plain"]
     else:
         argv = [*SHMSTAGE, "run", "--stage", str(s.src), "--name", NAME, "--dest", str(s.dest)]
-        argv += ["--reserve", "0", "--no-service"]
+        # partial keeps the default reserve (10% of DEST), as a user's run would; the others
+        # fit whole and need none
+        argv += ["--no-service"] + ([] if mode == "partial" else ["--reserve", "0"])
         argv += {"nowait": ["--no-wait"], "partial": ["--partial"]}.get(mode, [])
         argv += ["--", *job, "--data", "{staged}"]
     watch = Publish(s.dest / NAME)
