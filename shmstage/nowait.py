@@ -89,6 +89,7 @@ class Stager:
         self.failure: ShmstageError | None = None
         self.done: dict[str, Any] | None = None
         self.thread: threading.Thread | None = None
+        self.stopping = False  # run stops the copy: its end is no news to the user
 
     @classmethod
     def fork(cls, source: str, name: str | None, dest: str | None, room: dict[str, Any]) -> Stager:
@@ -162,7 +163,7 @@ class Stager:
                         log(str(event["summary"]))
                 elif kind in ("failed", "gone"):
                     self.failure = _failure(event)
-                    if log is not None:
+                    if log is not None and not self.stopping:
                         log(
                             f"{self.failure} (the job goes on reading what is not copied from the source)"
                         )
@@ -170,8 +171,7 @@ class Stager:
                 if kind == "done":
                     return
 
-        self.thread = threading.Thread(target=follow, name="shmstage-nowait", daemon=True)
-        self.thread.start()
+        self.thread = _quiet_thread(follow, "shmstage-nowait")
 
     def finish(self, stop: bool, poll: Callable[[], int | None]) -> None:
         """After the job: stop the copy (``stop``), or wait for it while ``poll()`` sees no
@@ -183,6 +183,7 @@ class Stager:
                     stop = True
                     break
         if stop and self.status is None:
+            self.stopping = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
         self.reap()
@@ -281,8 +282,19 @@ def wait_published(
         with contextlib.suppress(ShmstageError):
             held.append(lease(live.name, dest))
 
-    thread = threading.Thread(target=follow, name="shmstage-nowait-join", daemon=True)
-    thread.start()
+    return _quiet_thread(follow, "shmstage-nowait-join")
+
+
+def _quiet_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread that never takes a signal: it inherits a mask blocking them all, so
+    a SIGTERM to run reaches the main thread (the supervisor forwards it to the job) and
+    never the default action in this thread (run dying with its stager left running)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return thread
 
 
@@ -313,8 +325,11 @@ def start(
                 f"--no-wait: {joined.name} is being copied by another shmstage: the job starts on its copy now"
             )
         return joined, None, joined
+    from shmstage.stage.signals import signals_raise
+
     stager = Stager.fork(source, name, dest, room)
-    ds, got = stager.first(lease)
+    with signals_raise():  # SIGTERM while it lists: run's cleanup stops it, then we die of it
+        ds, got = stager.first(lease)
     if got is not None:
         held.append(got)
         return ds, None, None

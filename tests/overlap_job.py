@@ -41,6 +41,19 @@ def read(path):
         return f.read()
 
 
+def read_root(path, size, mtime):
+    """A landed file under root; None when root is no longer this copy (after the publish's
+    exchange it may hold the old version: its size or mtime then differ from the listing)."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_size != size or st.st_mtime_ns != mtime:
+                return None
+            return f.read()
+    except FileNotFoundError:  # published meanwhile
+        return None
+
+
 def main():
     dest, name, out = sys.argv[1:4]
     opts = dict(zip(sys.argv[4::2], sys.argv[5::2]))
@@ -112,10 +125,10 @@ def main():
                     data = read(os.path.join(view["final"], rel))
                     how["final"] += 1
         if data is None and i in landed:
-            try:
-                data = read(os.path.join(view["root"], rel))
+            data = read_root(os.path.join(view["root"], rel), size, mtime)
+            if data is not None:
                 how["root"] += 1
-            except FileNotFoundError:  # published meanwhile
+            else:
                 data = read(os.path.join(view["final"], rel))
                 how["final"] += 1
         if data is None:

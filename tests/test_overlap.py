@@ -114,6 +114,7 @@ def test_a_killed_stager_publishes_nothing_and_its_view_reads_dead(
     assert not (dest / "ds").exists()
     dead = read_view(dest, "ds")
     assert dead is not None and not dead.alive()
+    assert os.path.exists(dead.socket)  # a killed stager's socket stays, until the view goes
     p = subprocess.run(
         [*shmstage_bin, "stage", "--no-service", "--dest", str(dest), str(src)],
         capture_output=True,
@@ -121,7 +122,7 @@ def test_a_killed_stager_publishes_nothing_and_its_view_reads_dead(
         timeout=120,
     )
     assert p.returncode == 0, p.stderr
-    assert read_view(dest, "ds") is None
+    assert read_view(dest, "ds") is None and not os.path.exists(dead.socket)
     for rel, digest in sums.items():
         assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
 
@@ -182,3 +183,171 @@ def test_another_user_reads_the_live_copy_only_where_they_may_read_it(
         else:
             assert p.returncode != 0 and not out.exists(), p.stderr
             assert "PermissionError" in p.stderr or "no view" in p.stderr
+
+
+def test_no_wait_on_a_current_copy_just_runs_and_on_a_tar_stages_first(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """Nothing to copy: the job runs on the published copy (no view). A tar archive cannot
+    be read while it is copied: staged first, said in one line, then the job runs."""
+    import tarfile
+
+    src = tmp_path / "ds"
+    _tree(src, 10)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    first = subprocess.run(
+        [*base, "--stage", str(src), "--", "true"], capture_output=True, text=True, timeout=60
+    )
+    assert first.returncode == 0, first.stderr
+    probe = "import os,sys; sys.exit(os.path.exists(sys.argv[1] + '/.shmstage/views/ds'))"
+    again = subprocess.run(
+        [*base, "--stage", str(src), "--", sys.executable, "-c", probe, str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0 and "the job starts now" not in again.stderr, again.stderr
+    archive = tmp_path / "t.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(src, arcname=".")
+    p = subprocess.run(
+        [*base, "--stage", str(archive), "--", "test", "-d", "{staged}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    said = [line for line in p.stderr.splitlines() if "--no-wait" in line]
+    assert said == [
+        f"shmstage: --no-wait: staging {archive} before the job starts: it is a tar archive, "
+        "and only a directory is read while it is copied"
+    ]
+
+
+def test_a_second_no_wait_run_starts_at_once_on_the_live_copy(tmpfs, tmp_path, shmstage_bin, procs):
+    """While one run's stager copies, another ``run --no-wait`` of the same source does not
+    wait for the lock: its job reads the same live copy right away."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [
+        *shmstage_bin,
+        "run",
+        "--no-wait",
+        "--no-service",
+        "--dest",
+        str(dest),
+        "--stage",
+        str(src),
+    ]
+    first = procs.start([*base, "--", "sleep", "30"], env=_env(0.1), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    out = tmp_path / "out.json"
+    p = subprocess.run(
+        [*base, "--", sys.executable, JOB, str(dest), "ds", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "being copied by another shmstage" in p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums and got["how"]["demanded"] > 0 and got["how"]["source"] == 0
+    first.kill()
+
+
+def _cold(root: Path) -> None:
+    """Drop the source's pages from the page cache (its own files only), so every read of
+    it reaches the disk and is counted by the blkio group."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@pytest.mark.root
+def test_a_throttled_source_is_read_once_while_the_job_reads_everything(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """Behind a blkio throttle, a job reading every file during the copy: the disk under the
+    source reads at most 1.02x the dataset's blocks (no file read twice), all of it counted."""
+    from shmstage.bench.throttle import RefusedError, blkio_throttle
+
+    src = tmp_path / "ds"
+    sums = _tree(src, 160, 100_000)
+    # what the disk reads: whole blocks (a file of 100,001 bytes costs 25 blocks of 4 KiB)
+    total = sum(-(-(src / rel).stat().st_size // 4096) * 4096 for rel in sums)
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    _cold(src)
+    try:
+        throttle = blkio_throttle(src, 40 << 20, name="shmstage-test-overlap")
+        t = throttle.__enter__()
+    except RefusedError as e:
+        pytest.skip(str(e))
+    try:
+        argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+        argv += ["--stage", str(src), "--", sys.executable, JOB, str(dest), "ds", str(out)]
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=t.enter)
+        stats = (t.cgroup / "blkio.throttle.io_service_bytes").read_text() if t.version == 1 else ""
+        if t.version == 2:
+            stats = (t.cgroup / "io.stat").read_text()
+    finally:
+        throttle.__exit__(None, None, None)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums and got["how"]["source"] == 0 and got["how"]["demanded"] > 0
+    read = 0
+    for line in stats.splitlines():
+        fields = line.split()
+        if t.version == 1 and len(fields) == 3 and fields[0] == t.device and fields[1] == "Read":
+            read = int(fields[2])
+        if t.version == 2 and fields and fields[0] == t.device:
+            read = int(dict(f.split("=") for f in fields[1:])["rbytes"])
+    assert 0.95 * total <= read <= 1.02 * total, (read, total)
+
+
+def test_sigterm_to_run_reaches_the_job_and_stops_the_copy(tmpfs, tmp_path, shmstage_bin, procs):
+    """SIGTERM to ``run`` mid-copy: the job gets it, the copy stops, nothing is published,
+    no stager or copy worker is left, and run dies of SIGTERM."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    started = tmp_path / "started"
+    argv += ["--stage", str(src), "--", "sh", "-c", f"touch {started}; exec sleep 60"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    stager = read_view(dest, "ds").pid
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGTERM, err
+    assert "Traceback" not in err and "goes on reading" not in err
+    assert not (dest / "ds").exists()
+    assert not os.path.exists(f"/proc/{stager}")
+    assert read_view(dest, "ds") is None or not read_view(dest, "ds").alive()
+
+
+def test_hard_links_and_odd_names_are_read_during_the_copy(tmpfs, tmp_path, shmstage_bin):
+    """A hard link inside the tree is served once its file lands (both names, same inode in
+    the copy), and names with a tab, a newline or a percent sign go through the view."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 80, 500)
+    os.link(src / "d1/f0001.bin", src / "d2/link.bin")
+    sums["d2/link.bin"] = sums["d1/f0001.bin"]
+    for odd in ("tab\there", "new\nline", "100%"):
+        (src / odd).write_bytes(odd.encode())
+        sums[odd] = hashlib.sha256(odd.encode()).hexdigest()
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    p = _run(shmstage_bin, dest, src, [str(out), "--first", "d2/link.bin"], 0.05)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"] == sums and got["how"]["source"] == 0
+    a, b = (dest / "ds/d1/f0001.bin").stat(), (dest / "ds/d2/link.bin").stat()
+    assert (a.st_ino, a.st_nlink) == (b.st_ino, 2)

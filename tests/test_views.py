@@ -114,3 +114,27 @@ def test_rewriting_a_view_replaces_it_whole(tmp_path):
     view = read_view(store.dest, "ds")
     assert view.source == "/s2" and len(view.files()) == 0 and view.landed_since() == ([], 0)
     assert sorted(os.listdir(store.views_dir)) == ["ds"]
+
+
+def test_gc_removes_a_dead_stagers_view_and_socket_but_not_a_live_one(tmp_path):
+    from shmstage.stage.store.gc import gc
+
+    store = Store(tmp_path / "dest").open()
+    code = (
+        "import socket; from shmstage.stage.store import Store; "
+        "from shmstage.stage.store.views import write_view, LIVE; "
+        f"s = Store({str(store.dest)!r}); "
+        "p = s.views_dir + '/.' + __import__('shmstage.stage.store.locks').stage.store.locks.me() + '.sock'; "
+        "import os; os.makedirs(s.views_dir, exist_ok=True); socket.socket(socket.AF_UNIX).bind(p); "
+        "write_view(s, 'ds', kind=LIVE, source='/s', root='/r', socket=p, files=[], top=s.dest)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    dead = read_view(store.dest, "ds")
+    assert os.path.exists(dead.socket)
+    write_view(
+        store, "mine", kind=LIVE, source="/s", root="/r", socket=None, files=[], top=store.dest
+    )
+    report = gc(store.dest)
+    assert {x.what for x in report.removed} >= {"live view"}
+    assert read_view(store.dest, "ds") is None and not os.path.exists(dead.socket)
+    assert read_view(store.dest, "mine") is not None  # its stager (this process) lives

@@ -1,11 +1,11 @@
 """``gc``: remove what killed and failed runs left under DEST, but nothing a live process owns.
 
-Partial trees, source markers, ``.<name>.json.new`` manifests, half-written records, lock
-and lease files of datasets that are gone, space reservations of dead stagers, records
-whose tree is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size
-claims of dead stagers and the "held for" marks of lease holders that are gone.  Each
-dataset's leftovers are removed only while holding its lock (taken without waiting: a
-dataset being staged is skipped), so gc is safe while others stage.
+Partial trees, killed stagers' live views (views.py), source markers, ``.<name>.json.new``
+manifests, half-written records, lock and lease files of datasets that are gone, space
+reservations of dead stagers, records whose tree is gone, old trees in trash, ``placing/``
+locks nobody holds, the max_size claims of dead stagers and the "held for" marks of lease
+holders that are gone.  Each dataset's leftovers are removed only while holding its lock
+(taken without waiting: a dataset being staged is skipped), so gc is safe while others stage.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage.store import inflight, leases
+from shmstage.stage.store import inflight, leases, views
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import Busy, alive, running, trash_owner
 from shmstage.stage.store.names import check_name
@@ -123,6 +123,10 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
             skipped.append(Leftover(path, "placing lock", 0, "held by a stager placing it"))
         else:
             removed.append(Leftover(path, "placing lock", 0))
+    for path in views.dead_leftovers(store):  # a killed live stager's socket, a half view
+        removed.append(Leftover(path, "view leftover", 0))
+        if not dry_run:
+            _remove(path)
     dead, looked = inflight.reap_claims(store, dry_run=dry_run)
     removed += [Leftover(path, "max_size claim", 0) for path in dead]
     if not looked:
@@ -147,6 +151,7 @@ def _names(store: Store) -> set[str]:
     for entry in listdir(store.lease_dir):
         names.add(entry.removesuffix(".lease"))
     names.update(listdir(store.reservation_dir))
+    names.update(views.view_names(store))
     out = set()
     for n in names:
         with suppress(RefusedError):
@@ -172,6 +177,9 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
             found.append((path, what))
 
     add(store.partial(name), "partial tree")
+    view = views.read_view(store.dest, name)
+    if view is not None and view.kind == views.LIVE and not view.alive():
+        found.append((view.path, "live view"))  # a killed stager's
     tree = store.path(name)
     if (
         os.path.isdir(tree)

@@ -22,7 +22,7 @@ from shmstage.errors import ShmstageError
 from shmstage.stage.store import access
 from shmstage.stage.store.checks import mkdir_checked, os_error
 from shmstage.stage.store.layout import Store
-from shmstage.stage.store.locks import running, start_time
+from shmstage.stage.store.locks import alive, running, start_time
 from shmstage.stage.store.trees import rmtree
 
 FORMAT = 1
@@ -276,8 +276,13 @@ class LandedLog:
 
 
 def remove_view(store: Store, name: str) -> None:
-    """Remove ``name``'s view, at once for its readers (renamed away, then removed)."""
+    """Remove ``name``'s view, at once for its readers (renamed away, then removed), and its
+    stager's demand socket (a killed stager's is left behind)."""
     path = store.view_path(name)
+    view = read_view(store.dest, name)
+    if view is not None and view.socket and os.path.dirname(view.socket) == store.views_dir:
+        with suppress(FileNotFoundError):
+            os.unlink(view.socket)
     gone = os.path.join(store.views_dir, f".{name}.{os.getpid()}.gone")
     try:
         os.rename(path, gone)
@@ -297,14 +302,38 @@ def remove_dead_view(store: Store, name: str) -> bool:
     return True
 
 
-def view_names(store: Store) -> list[str]:
-    """The names that have a view (hidden temporaries left out)."""
+def dead_leftovers(store: Store) -> list[str]:
+    """Paths in the views directory that dead stagers left (a half-written or half-removed
+    view, a demand socket): ``.<name>.<pid>.tmp``, ``.<name>.<pid>.gone``, ``.<pid>-<start>.sock``."""
+    found = []
+    for entry in _entries(store):
+        if not entry.startswith("."):
+            continue
+        if entry.endswith(".sock"):
+            pid, _, start = entry[1:-5].partition("-")
+            owner = (int(pid), int(start)) if pid.isdigit() and start.isdigit() else None
+        else:
+            parts = entry.rsplit(".", 2)
+            owner = (int(parts[1]), None) if len(parts) == 3 and parts[1].isdigit() else None
+        if owner is None:
+            continue
+        pid, start = owner
+        if pid != os.getpid() and not (alive(pid) if start is None else running(pid, start)):
+            found.append(os.path.join(store.views_dir, entry))
+    return found
+
+
+def _entries(store: Store) -> list[str]:
     try:
-        entries = os.listdir(store.views_dir)
+        return os.listdir(store.views_dir)
     except OSError:
         return []
+
+
+def view_names(store: Store) -> list[str]:
+    """The names that have a view (hidden temporaries left out)."""
     names = []
-    for entry in entries:
+    for entry in _entries(store):
         with suppress(OSError):
             if not entry.startswith(".") and stat.S_ISDIR(
                 os.lstat(os.path.join(store.views_dir, entry)).st_mode
