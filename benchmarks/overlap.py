@@ -14,6 +14,7 @@ larger than RAM would be.  Modes, interleaved, --runs each, medians:
 
   stage    shmstage run --stage SRC -- job            (the whole copy, then the job)
   nowait   shmstage run --stage SRC --no-wait -- job  (the job at once, the copy meanwhile)
+  nowait16 the same, the job with 16 reader threads (more demands in flight)
   source   the job reading SRC, no staging
   partial  shmstage run --stage SRC --partial -- job, the tmpfs 1/1.5 of the dataset
   source2  the job reading SRC with partial's compute time (partial's comparison)
@@ -39,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stage as stage_bench  # noqa: E402  (benchmarks/stage.py: the dataset, the namespace)
-from overlap_report import MB, MODES, Run, Setup, render, summarize  # noqa: E402
+from overlap_report import MB, MODES, WIDE, Run, Setup, render, summarize  # noqa: E402
 
 from shmstage.bench.throttle import blkio_throttle  # noqa: E402
 
@@ -102,6 +103,7 @@ def supported() -> tuple[set[str], str | None]:
     for mode, flag in (("nowait", "--no-wait"), ("partial", "--partial")):
         if flag in text and files:
             modes.add(mode)
+            modes |= {"nowait16"} if mode == "nowait" else set()
         else:
             missing.append(flag)
     if not files:
@@ -122,7 +124,8 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
     compute = s.io_compute_ms if mode in ("partial", "source2") else s.compute_ms
     job = [sys.executable, str(JOB), "--epochs", str(s.epochs), "--batch", str(s.batch)]
     job += ["--compute-ms", f"{compute:g}", "--seed", str(i), "--device", Path(s.loop).name]
-    job += ["--workers", str(s.workers), "--prefetch", str(s.prefetch)]
+    workers = WIDE if mode == "nowait16" else s.workers
+    job += ["--workers", str(workers), "--prefetch", str(s.prefetch)]
     job += ["--evict", str(s.src), "--json-out", str(out)]
     if mode in ("source", "source2"):
         argv = [*job, "--data", str(s.src), "--plain"]
@@ -131,7 +134,8 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
         # partial keeps the default reserve (10% of DEST), as a user's run would; the others
         # fit whole and need none
         argv += ["--no-service"] + ([] if mode == "partial" else ["--reserve", "0"])
-        argv += {"nowait": ["--no-wait"], "partial": ["--partial"]}.get(mode, [])
+        argv += ["--partial"] if mode == "partial" else []
+        argv += ["--no-wait"] if mode.startswith("nowait") else []
         argv += ["--", *job, "--data", "{staged}"]
     watch = Publish(s.dest / NAME)
     watch.start()
