@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
@@ -17,7 +18,14 @@ from pathlib import Path
 from shmstage.bench.throttle import Throttle
 from shmstage.capacity import MEMORY_BACKED
 from shmstage.demo.pagecache import cached_share, evict_from_page_cache
-from shmstage.demo.report import DemoReport, DemoRun, busy_note, payback, suggest_next_steps
+from shmstage.demo.report import (
+    DemoReport,
+    DemoRun,
+    TrainResult,
+    busy_note,
+    payback,
+    suggest_next_steps,
+)
 from shmstage.demo.steps import (
     MARKER,
     MB,
@@ -139,16 +147,13 @@ def run_demo(
                 )
                 evict_from_page_cache(files)
             cached = cached_share(files)
-            shown, original, original_first = train_through_run(
-                dataset.path,
-                label="original",
-                stage_spec=None,
-                steps=steps,
-                batch_size=batch_size,
-                out_dir=out_dir,
-                env=env,
+            # every run: the same job, steps and log; env is read at each call (DEST set below)
+            train = functools.partial(
+                train_through_run, steps=steps, batch_size=batch_size, out_dir=out_dir, env=env,
                 log=log,
-                throttle=throttle,
+            )  # fmt: skip
+            shown, original, original_first = train(
+                dataset.path, label="original", stage_spec=None, throttle=throttle
             )
             original_run = DemoRun("original", shown, cached, original, original_first)
             load = os.getloadavg()[0]
@@ -177,15 +182,8 @@ def run_demo(
             )
             stage_wall = time.monotonic() - stage_start
             env["SHMSTAGE_DEST"] = staged_root  # `shmstage run` finds the copy just made
-            shown, staged, staged_first = train_through_run(
-                "{staged}",
-                label="staged",
-                stage_spec=f"{dataset.path}={staged_name}",
-                steps=steps,
-                batch_size=batch_size,
-                out_dir=out_dir,
-                env=env,
-                log=log,
+            shown, staged, staged_first = train(
+                "{staged}", label="staged", stage_spec=f"{dataset.path}={staged_name}"
             )
             staged_run = DemoRun(
                 "staged",
@@ -195,13 +193,15 @@ def run_demo(
                 stage_wall + staged_first,
             )
             nowait_run = None
-            if run_offers("--no-wait", env):
+            # the job reads a live copy through DatasetFiles: both halves of issue 23 needed
+            if run_offers("--no-wait", env) and importlib.util.find_spec("shmstage.datasetfiles"):
                 nowait_run = _train_while_staging(
-                    dataset.path, staged_root, staged_name, files, throttle, cold, steps,
-                    batch_size, out_dir, env, log,
-                )  # fmt: skip
+                    train, dataset.path, staged_root, staged_name, files, throttle, cold
+                )
             else:
-                notes.append("this shmstage's run has no --no-wait, so no third run")
+                notes.append(
+                    "this shmstage has no run --no-wait or no DatasetFiles, so no third run"
+                )
             speedup = (
                 staged.images_per_s / original.images_per_s if original.images_per_s > 0 else 0.0
             )
@@ -249,17 +249,13 @@ def run_demo(
 
 
 def _train_while_staging(
+    train: Callable[..., tuple[str, TrainResult, float]],
     source: str,
     dest: str,
     name: str,
     files: list[str],
     throttle: Throttle | None,
     cold: bool,
-    steps: int,
-    batch_size: int,
-    out_dir: str,
-    env: dict[str, str],
-    log: Callable[[str], None],
 ) -> DemoRun:
     """The third run: the copy made afresh by ``run --no-wait`` while the job trains on it."""
     from shmstage.stage import evict
@@ -268,17 +264,8 @@ def _train_while_staging(
     if cold:
         evict_from_page_cache(files)
     cached = cached_share(files)
-    shown, result, first = train_through_run(
-        "{staged}",
-        label="no-wait",
-        stage_spec=f"{source}={name}",
-        steps=steps,
-        batch_size=batch_size,
-        out_dir=out_dir,
-        env=env,
-        log=log,
-        throttle=throttle,
-        no_wait=True,
+    shown, result, first = train(
+        "{staged}", label="no-wait", stage_spec=f"{source}={name}", throttle=throttle, no_wait=True
     )
     return DemoRun("no-wait", shown, cached, result, first)
 
