@@ -182,7 +182,8 @@ class Stager:
                 if poll() is not None:
                     stop = True
                     break
-        if stop and self.status is None:
+        copying = self.thread is None or self.thread.is_alive()
+        if stop and self.status is None and copying:
             self.stopping = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
@@ -392,7 +393,17 @@ def finish_live(stagers: list[Any], returncode: int, stop: bool, hold: Any, log:
                 f"the job exited; finishing the copy of {stager.name or 'the dataset'} (^C stops it)"
             )
         stager.finish(stop, hold.poll)
-    failures = [s.failure for s in stagers if s.failure is not None and not stop]
+    failures = [s.failure for s in stagers if s.failure is not None and not s.stopping]
     if returncode == 0 and failures:
         return failures[0].exit_code
     return returncode
+
+
+def unpublished(staged: list[Any], stagers: list[Any]) -> list[Any]:
+    """``staged`` with the live copies that were never published marked unchanged (so
+    ``--cleanup`` does not try to evict what is not there)."""
+    gone = {s.name for s in stagers if s.done is None}
+    return [
+        replace(ds, changed=False) if isinstance(ds, LiveDataset) and ds.name in gone else ds
+        for ds in staged
+    ]

@@ -99,13 +99,16 @@ def main():
             how["demanded"] += 1
             if before is None:
                 before = len(order)  # landed when the first demand went out
-            sock.sendall(struct.pack("<I", i))
             answer = b""
-            while len(answer) < 8:
-                chunk = sock.recv(8 - len(answer))
-                if not chunk:
-                    break
-                answer += chunk
+            try:
+                sock.sendall(struct.pack("<I", i))
+                while len(answer) < 8:
+                    chunk = sock.recv(8 - len(answer))
+                    if not chunk:
+                        break
+                    answer += chunk
+            except OSError:  # EPIPE, ECONNRESET: the stager is gone (or published and left)
+                pass
             if len(answer) < 8:
                 sock = None  # the stager is gone
             else:

@@ -351,3 +351,24 @@ def test_hard_links_and_odd_names_are_read_during_the_copy(tmpfs, tmp_path, shms
     assert got["sums"] == sums and got["how"]["source"] == 0
     a, b = (dest / "ds/d1/f0001.bin").stat(), (dest / "ds/d2/link.bin").stat()
     assert (a.st_ino, a.st_nlink) == (b.st_ino, 2)
+
+
+def test_cleanup_stops_an_unfinished_copy_and_says_nothing_of_it(tmpfs, tmp_path, shmstage_bin):
+    """--cleanup: a job that exits before the copy ends leaves nothing staged, and run exits
+    with the job's status, without a failure or a "not evicting" line."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--cleanup", "--no-service", "--dest", str(dest)]
+    p = subprocess.run(
+        [*argv, "--stage", str(src), "--", "true"],
+        env=_env(0.2),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == [
+        f"shmstage: --no-wait: the job starts now; {src} is copied to {dest / 'ds'} while it runs"
+    ]
+    assert not (dest / "ds").exists()
