@@ -383,7 +383,7 @@ def _sums(root: Path) -> dict[str, str]:
 
 def run_no_wait(src: Path, dest: Path, job: str) -> subprocess.CompletedProcess:
     """`shmstage run --no-wait` of ``job`` on a fresh tree at ``src``, its copy slowed."""
-    make_tree(src, classes=4, per=15)
+    make_tree(src, classes=4, per=30)
     exe = os.path.join(os.path.dirname(sys.executable), "shmstage")
     return subprocess.run(
         [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
