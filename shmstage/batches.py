@@ -128,7 +128,13 @@ def _slot_values(obj: Any) -> Iterator[Any]:
                 continue
 
 
-_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+_NOT_HOLDERS = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+)
 
 
 class _TensorWalk:
@@ -198,4 +204,3 @@ def to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
     except (TypeError, ValueError):  # no signature (a builtin): try it
         takes = True
     return obj.to(device, non_blocking=non_blocking) if takes else obj.to(device)
-

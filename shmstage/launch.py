@@ -272,6 +272,7 @@ def run(
     log: Callable[[str], None] | None = None,
     cluster: Any = None,
     service: bool = True,
+    partial: bool = False,
     no_wait: bool = False,
 ) -> RunResult:
     """Stage each source, fill in the command, run it and return its status.
@@ -287,7 +288,9 @@ def run(
     nodes, which run the same command; the job starts once every node has its copy.
 
     ``service``: stage (and ``cleanup``) through the node's shmstage service when one answers
-    and DEST is its store; False: in this process.
+    and DEST is its store; False: in this process.  ``partial``: ``stage --partial`` (a
+    source larger than DEST keeps what fits in RAM; the job reads the rest through
+    DatasetFiles).
 
     Everything that can be refused (placeholders, a missing command, a bad node config, a
     failed staging) is refused before the job starts.
@@ -362,6 +365,7 @@ def run(
                         make_room=make_room,
                         policies=policies,
                         reserve=reserve,
+                        **({"partial": True} if partial else {}),
                     )
                     held.append(lease)
                     staged.append(ds)

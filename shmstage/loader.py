@@ -1,9 +1,10 @@
 """Torch data-loading helpers that keep an accelerator fed from a staged copy.
 
-``make_loader`` sizes a DataLoader to the CPUs this rank really has and leases the staged copy
-it reads; ``staged_path`` finds that copy.  The prefetchers (``CudaPrefetcher``,
-``BackgroundLoader``) live in :mod:`shmstage.prefetch` and the batch walk in
-:mod:`shmstage.batches`; both are importable from here.  This module imports torch;
+``DatasetFiles`` and ``FolderDataset`` (torch-less: :mod:`shmstage.datasetfiles`) read a copy
+still being staged or only partly in RAM.  ``make_loader`` sizes a DataLoader to the CPUs
+this rank really has and leases the staged copy it reads; ``staged_path`` finds that copy.
+The prefetchers (``CudaPrefetcher``, ``BackgroundLoader``) live in :mod:`shmstage.prefetch`
+and the batch walk in :mod:`shmstage.batches`; both are importable from here.  This module imports torch;
 ``import shmstage`` and the CLI never import it.
 """
 
@@ -27,12 +28,16 @@ except ImportError:  # pragma: no cover - exercised only on a torch-less install
 
 from shmstage import system
 from shmstage.batches import batch_tensors, hides_tensors, move_batch
+from shmstage.datasetfiles import DatasetFiles
 from shmstage.errors import ShmstageError, ShmstageWarning
+from shmstage.folderdataset import FolderDataset, decode_image
 from shmstage.prefetch import BackgroundLoader, CudaPrefetcher
 
 __all__ = [
     "BackgroundLoader",
     "CudaPrefetcher",
+    "DatasetFiles",
+    "FolderDataset",
     "ShmstageWarning",
     "cpus_per_rank",
     "default_num_workers",
@@ -40,6 +45,7 @@ __all__ = [
     "local_ranks",
     "rank_generator",
     "batch_tensors",
+    "decode_image",
     "hides_tensors",
     "loader_kwargs",
     "make_loader",
@@ -350,7 +356,6 @@ def hold_lease(path: str | os.PathLike[str], *, required: bool = True) -> bool:
     return True
 
 
-
 # --- staged copies ----------------------------------------------------------
 
 
@@ -367,6 +372,14 @@ def staged_path(
     found = api.find(os.fspath(source_or_name), dest=None if dest is None else os.fspath(dest))
     if found is not None:
         hold_lease(found.path, required=False)  # so nobody evicts it while this job reads it
+        if getattr(found, "total_bytes", None) is not None:
+            warnings.warn(
+                f"{found.path} holds only part of {found.source} ({found.resident:.0%}, "
+                "stage --partial): read it through shmstage.loader.DatasetFiles or "
+                "FolderDataset, which read the rest from the source",
+                ShmstageWarning,
+                stacklevel=2,
+            )
         return Path(found.path)
     warnings.warn(
         f"{os.fspath(source_or_name)} is not staged on this node; reading it from its source "

@@ -19,7 +19,7 @@ from shmstage.errors import ShmstageError
 from shmstage.stage.cache import makeroom
 from shmstage.stage.cache.makeroom import CachePolicy
 from shmstage.stage.cache.tiers import split
-from shmstage.stage.store import Store, counters, leases
+from shmstage.stage.store import Store, counters, leases, served
 from shmstage.stage.store.counters import Counters
 
 FILENAME = "shmstage.prom"
@@ -50,9 +50,18 @@ class DatasetMetrics:
 
 
 @dataclass(frozen=True)
+class ServedMetrics:
+    tier: str
+    name: str  # the dataset (published or not: a copy being made is read too)
+    ram: int  # bytes jobs read through DatasetFiles from the copy in RAM
+    source: int  # ... and from the source (a copy still running, or a partial one)
+
+
+@dataclass(frozen=True)
 class Metrics:
     tiers: tuple[TierMetrics, ...]  # fastest first
     datasets: tuple[DatasetMetrics, ...]  # published datasets of every tier
+    served: tuple[ServedMetrics, ...] = ()  # counted by jobs (stage/store/served.py)
 
 
 def collect(
@@ -62,6 +71,7 @@ def collect(
     """Read-only: the numbers of every tier of ``dest`` and of each dataset in it."""
     tiers: list[TierMetrics] = []
     datasets: list[DatasetMetrics] = []
+    reads: list[ServedMetrics] = []
     for index, tier in enumerate(split(dest)):
         where = tier
         while not os.path.exists(where) and os.path.dirname(where) != where:
@@ -82,6 +92,9 @@ def collect(
                     )
                 )
         datasets.extend(rows)
+        if os.path.lexists(store.book):
+            for n, (ram, source) in sorted(served.totals(store.book).items()):
+                reads.append(ServedMetrics(tier, n, ram, source))
         tiers.append(
             TierMetrics(
                 tier,
@@ -95,7 +108,7 @@ def collect(
                 counters.read(tier),
             )
         )
-    return Metrics(tuple(tiers), tuple(datasets))
+    return Metrics(tuple(tiers), tuple(datasets), tuple(reads))
 
 
 _HELP = {
@@ -116,6 +129,10 @@ _HELP = {
     "shmstage_stage_misses_total": ("counter", "Stages that copied (all or what changed)."),
     "shmstage_copied_bytes_total": ("counter", "Bytes copied into the tier by stage."),
     "shmstage_evictions_total": ("counter", "Datasets evicted from the tier (evict, make-room)."),
+    "shmstage_served_bytes_total": (
+        "counter",
+        "Bytes jobs read through DatasetFiles, from the copy in RAM or from the source.",
+    ),
 }
 
 
@@ -142,6 +159,10 @@ def render(m: Metrics) -> str:
         samples["shmstage_dataset_staged_timestamp_seconds"].append((lab, d.staged_at))
         samples["shmstage_dataset_last_used_timestamp_seconds"].append((lab, d.last_used))
         samples["shmstage_dataset_leases"].append((lab, d.leases))
+    for r in m.served:
+        for where, value in (("ram", r.ram), ("source", r.source)):
+            lab = {"tier": r.tier, "dataset": r.name, "from": where}
+            samples["shmstage_served_bytes_total"].append((lab, value))
     lines = []
     for name, (kind, text) in _HELP.items():
         if not samples[name]:

@@ -383,4 +383,3 @@ class BackgroundLoader:
 
     # No __del__ here: `it = iter(BackgroundLoader(src))` drops the loader at once while the
     # epoch lives on; each epoch stops itself when it is collected.
-

@@ -15,7 +15,6 @@ OK, WARN, FAIL = "OK", "WARN", "FAIL"
 RANK = {OK: 0, WARN: 1, FAIL: 2}  # verdicts, best first: the report's verdict is the worst
 
 
-
 @dataclass(frozen=True)
 class Check:
     name: str  # shm | memory | cpu | memlock | pillow | torch | dataset | fit

@@ -299,6 +299,7 @@ STAGE_RANKS = {
     "staging": 5,
     "verification": 5,
     "signals": 5,
+    "resident": 5,
     "cache": 4,
     "build": 3,
     "sources": 2,

@@ -734,3 +734,33 @@ def test_a_grant_is_taken_back_once_its_user_no_longer_reaches_the_source(
     r = service.run("stage", str(src), "-q", uid=ALICE)  # unchanged: the recheck
     assert r.returncode == 0, r.stderr
     assert not bob_reads() and BOB not in named(top)
+
+
+def test_a_partial_stage_goes_through_the_service_and_the_user_reads_it_all(
+    world, shmstage_bin, procs
+):
+    """`stage --partial` by a user on root's store: the service keeps what its max_size
+    allows of the user's dataset in RAM (the user's own source read as the user); the user's
+    DatasetFiles reads every file, the rest from the source as the user."""
+    store = world / "store"
+    svc = Service(
+        world, shmstage_bin, procs,
+        config=f"version: 1\ndest:\n  - path: {store}\n    cache: {{max_size: 150K}}\n",
+    )  # fmt: skip
+    svc.start()
+    src = make_ds(world / "data" / "ds", files=6, size=50 * 1024, uid=ALICE)
+    r = svc.run("stage", str(src), "--partial", "--json", uid=ALICE)
+    assert r.returncode == 0, r.stderr
+    ds = json.loads(r.stdout)
+    assert 0 < ds["resident"] < 1 and ds["total_files"] == 6 and ds["path"] == str(store / "ds")
+    assert os.stat(store).st_uid == 0  # staged by the service
+    code = (
+        "import sys; from shmstage.datasetfiles import DatasetFiles; f = DatasetFiles(sys.argv[1]);"
+        "print(f.kind, sum(len(f.read(n)) for n in f.names))"
+    )
+    r = subprocess.run(
+        [*as_user(ALICE), sys.executable, "-c", code, ds["path"]],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["partial", str(6 * 50 * 1024)]

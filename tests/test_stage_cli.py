@@ -63,6 +63,9 @@ def test_stage_json(runner, cli, tmp_path):
         "changed",
         "copied_bytes",
         "seconds",
+        "resident",  # stage --partial: the fraction in RAM, and the whole dataset's size
+        "total_bytes",
+        "total_files",
         "tier",  # DEST may list tiers (docs/cache.md)
         "tier_index",
         "skipped",

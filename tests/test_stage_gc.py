@@ -46,7 +46,16 @@ EMPTY = [
     ".shmstage",
     *(
         f".shmstage/{d}"
-        for d in ("leases", "locks", "manifests", "meta", "partial", "reservations", "trash")
+        for d in (
+            "leases",
+            "locks",
+            "manifests",
+            "meta",
+            "partial",
+            "reservations",
+            "served",
+            "trash",
+        )
     ),
 ]
 

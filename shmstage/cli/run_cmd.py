@@ -124,6 +124,13 @@ def _requests(ctx: click.Context, stages: Sequence[str], names: Sequence[str]) -
     help="Evict the datasets this run staged once the job exits.",
 )
 @click.option(
+    "--partial",
+    is_flag=True,
+    help="A directory larger than DEST keeps the largest part that fits in RAM, leased for the "
+    "job's life; the job reads the rest from the source through shmstage.loader.DatasetFiles "
+    "(see stage --partial).",
+)
+@click.option(
     "--no-wait",
     is_flag=True,
     help="Start the job as soon as each directory --stage is listed; the copy goes on, files "
@@ -151,6 +158,7 @@ def run_cmd(
     reserve: int | str | None,
     make_room: bool,
     cleanup: bool,
+    partial: bool,
     no_wait: bool,
     config_path: str | None,
     nodes: int | None,
@@ -192,6 +200,7 @@ def run_cmd(
         log=_log,
         cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
         service=not no_service,
+        partial=partial,
         no_wait=no_wait,
     )
     if result.signal is not None:

@@ -127,6 +127,13 @@ def _log_waiting(p: Progress) -> None:
     help="Tar archives only: drop the first N path components of every member, like tar's "
     "option (1 turns an archive of one top folder into that folder's contents).",
 )
+@click.option(
+    "--partial",
+    is_flag=True,
+    help="A directory larger than DEST (after the reserve and max_size): keep the largest part "
+    "that fits in RAM, evicting nothing, and read the rest from the source through "
+    "shmstage.loader.DatasetFiles. A dataset that fits is staged as without it.",
+)
 @cluster_options
 @no_service_option
 @click.option(
@@ -158,6 +165,7 @@ def stage_cmd(
     reserve: int | str | None,
     force: bool,
     strip_components: int,
+    partial: bool,
     nodes: int | None,
     node_rank: int | None,
     rendezvous: str | None,
@@ -226,6 +234,7 @@ def stage_cmd(
                 strip_components=strip_components,
                 peers=peers,
                 service=not no_service,
+                **({"partial": True} if partial else {}),
             )
     finally:
         if bar is not None:

@@ -41,7 +41,7 @@ def _render_list(items: list[InTier]) -> None:
         (
             *((f"{tiers.index(d.tier) + 1}:{d.tier}",) if len(tiers) > 1 else ()),
             d.name,
-            format_size(d.bytes),
+            format_size(d.bytes) + _part(d),
             d.files,
             _when(d.staged_at),
             _when(d.last_used),
@@ -54,6 +54,13 @@ def _render_list(items: list[InTier]) -> None:
     click.echo(table(rows, headers=(("TIER",) if len(tiers) > 1 else ()) + headers))
     if any(d.state != "staged" and not d.stager_alive for d in items):
         click.echo("(`shmstage gc` removes what no live process owns)", err=True)
+
+
+def _part(d: InTier) -> str:
+    """`stage --partial`: what part of the dataset is in RAM (the rest is read from its source)."""
+    if d.total_bytes is None:
+        return ""
+    return f" ({d.resident:.0%} of {format_size(d.total_bytes)})"
 
 
 def _state(d: InTier) -> str:

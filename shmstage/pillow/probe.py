@@ -157,7 +157,9 @@ def run_probe(python: str) -> dict:
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise ShmstageError(f"{python} printed no probe result: {output_tail(proc.stdout, 3)}") from None
+        raise ShmstageError(
+            f"{python} printed no probe result: {output_tail(proc.stdout, 3)}"
+        ) from None
 
 
 def _record_from(facts: Mapping[str, Any]) -> BuildRecord | None:

@@ -13,7 +13,7 @@ from shmstage import metrics as node_metrics
 from shmstage.errors import RefusedError
 from shmstage.service.client import Connection, connect
 from shmstage.service.protocol import socket_path
-from shmstage.stage import engine
+from shmstage.stage import engine, resident
 from shmstage.stage.cache.makeroom import CachePolicy
 from shmstage.stage.cache.tiers import Placed, Plan, split
 from shmstage.stage.store.layout import Store, managed_by
@@ -100,14 +100,17 @@ def stage(
     **kw: Any,
 ) -> Placed:
     """:func:`shmstage.stage.engine.stage`; ``kw``: name, reserve, make_room, workers, verify,
-    force, strip_components (``peers`` always runs here: cluster staging is in-process)."""
+    force, strip_components (``peers`` always runs here: cluster staging is in-process);
+    ``partial=True``: :func:`shmstage.stage.resident.stage` (``stage --partial``)."""
+    partial = bool(kw.pop("partial", False))
     conn = service_for(dest, service) if kw.get("peers") is None else None
     if conn is None:
+        fn = resident.stage if partial else engine.stage
         return _in_process(
-            engine.stage, dest, service, src, dest=dest, policies=policies, progress=progress, **kw
+            fn, dest, service, src, dest=dest, policies=policies, progress=progress, **kw
         )  # fmt: skip
     kw.pop("peers", None)
-    args = {k: v for k, v in kw.items() if v is not None}
+    args = {k: v for k, v in kw.items() if v is not None} | ({"partial": True} if partial else {})
     args.update(src=absolute(src), dest=_dest_arg(dest), credentials=credentials())
     return conn.call("stage", args, progress)
 

@@ -16,7 +16,7 @@ from shmstage import metrics
 from shmstage.config import share_for
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, Share
-from shmstage.stage import engine
+from shmstage.stage import engine, resident
 from shmstage.stage.cache.tiers import holding, joined, split
 from shmstage.stage.sources import kinds
 from shmstage.stage.store.layout import Store
@@ -172,7 +172,7 @@ def op_stage(service: Any, caller: Caller, a: dict[str, Any], progress: Progress
     dest = tiers_of(service, a.get("dest"))
     if a.get("force"):
         _may_replace(dest, a.get("name"), a["src"], caller)
-    ds = engine.stage(
+    ds = (resident.stage if a.get("partial") else engine.stage)(
         a["src"],
         name=a.get("name"),
         dest=dest,

@@ -106,7 +106,7 @@ _STAGING = {
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "hello": {},
-    "stage": {**_STAGING, "workers": _OPT_INT, "verify": _STR},
+    "stage": {**_STAGING, "workers": _OPT_INT, "verify": _STR, "partial": _BOOL},
     "plan": _STAGING,
     "find": {"key": _STR, "dest": _OPT_STR, "credentials": _ENV},
     "list": {"dest": _OPT_STR, "unfinished": _BOOL},

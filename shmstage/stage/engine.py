@@ -438,7 +438,8 @@ def summary(ds: StagedDataset) -> str:
     rate = ds.copied_bytes / ds.seconds if ds.seconds > 0 else 0
     if not ds.changed:
         return f"{ds.name} is up to date ({ds.files} files, {format_size(ds.bytes)}) in {ds.seconds:.2f} s"
+    part = f" in RAM, {ds.resident:.0%} of {format_size(ds.total_bytes)}" if ds.total_bytes else ""
     return (
-        f"staged {ds.name}: {ds.files} files, {format_size(ds.bytes)} "
+        f"staged {ds.name}: {ds.files} files, {format_size(ds.bytes)}{part} "
         f"({format_size(ds.copied_bytes)} copied) in {ds.seconds:.2f} s ({format_size(rate)}/s)"
     )

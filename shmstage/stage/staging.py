@@ -1,6 +1,10 @@
 """Staging one dataset into one store: its lock, the source asked whether the copy is
 current, the new version built in ``partial/<name>`` (stage/build/partial.py), and its atomic
-publish (NOTE [publish]).  engine.py chooses the store (the tier) and calls ``stage``."""
+publish (NOTE [publish]).  engine.py chooses the store (the tier) and calls ``stage``.
+
+Long because one stage's steps (lock, freshness, build, publish, the cleanup of a failure)
+share its state, and a copy may be made while its job runs (``live``) or in part
+(``subset``): each hooks into those same steps rather than repeating them."""
 
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ def stage(
     credentials: Mapping[str, str] | None = None,
     share: Share | None = None,
     live: ondemand.Live | None = None,
+    subset: Any = None,
 ) -> StagedDataset:
     """Stage ``src`` (a directory or tar archive) under DEST/<name> and return the copy.
 
@@ -85,7 +90,8 @@ def stage(
     the reader's own walk of the source and a check that they may open every file of it
     (else RefusedError, nothing staged).  ``credentials``: an object store's, instead of
     this process's environment (with a reader and none: no credentials of ours are used);
-    ``share``: who besides the reader may read an object-store copy.  ``live``: ondemand.py."""
+    ``share``: who besides the reader may read an object-store copy.  ``live``: ondemand.py;
+    ``subset``: resident.py."""
     t0 = time.monotonic()
     if reader is not None and reader.is_root:
         reader = None
@@ -150,6 +156,7 @@ def stage(
                 admit,
                 (reader, credentials, share),
                 live,
+                subset,
             )
         except BaseException:
             drop_unused_lock(store, name)
@@ -219,6 +226,7 @@ def _stage_locked(
     admit: Callable[[build.Need], None] | None = None,
     asker: tuple[Caller | None, Mapping[str, str] | None, Share | None] = (None, None, None),
     live: ondemand.Live | None = None,
+    subset: Any = None,
 ) -> StagedDataset:
     reader, credentials, share = asker
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
@@ -256,10 +264,12 @@ def _stage_locked(
         drop_leftovers(store, name, marker)
         if kind not in sources.LISTED_KINDS:
             topaccess.recheck(store, name, source, kind, manifest, reader)
+        if subset is not None:  # the part in RAM is current; the rest may have changed
+            subset.current(store, name, record)
         return dataset_of(store.touch(record), store, seconds=time.monotonic() - t0)  # type: ignore[arg-type]
 
     try:
-        if cold and peers is None and src.kind == "dir":  # a DirSource (build/fromdir.py)
+        if cold and peers is None and src.kind == "dir" and subset is None:  # build/fromdir.py
             write_marker(marker, source)
             _kill_at("marker")
             tree = fromdir.build_first(src, store, name, workers, verify, reserve, report, claim)
@@ -270,6 +280,8 @@ def _stage_locked(
             if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
                 return unchanged()
             listing = src.listing()  # a walk, an archive's headers, one LIST
+            if subset is not None:
+                listing = subset.select(listing, store, name)
             current = same and stamp is None and build.current(manifest, listing)
             if peers is not None and not peers.agree(src.tree, current, cold) and current:
                 peers.fill([], lambda b, f: None, False)  # the others need our share
@@ -305,6 +317,7 @@ def _stage_locked(
             root.st_ino,
             root.st_dev,
         )
+        new = subset.publishing(store, name, new) if subset is not None else new  # its view
         if built.copied < built.bytes and (record is None or record.memcg != new.memcg):
             # Kept or linked files stay charged to whoever wrote them (a killed run, the old
             # version's stager): make-room must not count them as ours (None: counts 0).
@@ -316,6 +329,9 @@ def _stage_locked(
             _publish(store, name, new, marker)
         if live is not None:
             live.published()
+        old_view = views.read_view(store.dest, name) if subset is None else None
+        if old_view is not None and old_view.kind == views.PARTIAL:
+            views.remove_view(store, name)  # a --partial copy, whole now: after the publish
         return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.

@@ -25,6 +25,11 @@ class StagedDataset:
     changed: bool = False  # this call copied something
     copied_bytes: int = 0
     seconds: float = 0.0  # this call's wall time (list(): the last staging's)
+    # ``stage --partial``: the fraction of the dataset's bytes in RAM (bytes/files: that part;
+    # total_bytes/total_files: all of it, the rest read from the source by DatasetFiles)
+    resident: float = 1.0
+    total_bytes: int | None = None
+    total_files: int | None = None
 
 
 @dataclass(frozen=True)
@@ -48,5 +53,15 @@ def dataset_of(record: Record, store: Store, **kw: Any) -> StagedDataset:
         files=record.files,
         staged_at=record.staged_at,
         last_used=record.last_used,
+        resident=resident_fraction(record),
+        total_bytes=record.total_bytes,
+        total_files=record.total_files,
         **kw,
     )
+
+
+def resident_fraction(record: Record) -> float:
+    """The fraction of the dataset's bytes in RAM: 1.0 but for a ``stage --partial`` copy."""
+    if record.total_bytes is None:
+        return 1.0
+    return record.bytes / record.total_bytes if record.total_bytes else 1.0

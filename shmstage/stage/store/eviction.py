@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.stage.store import leases
+from shmstage.stage.store import leases, views
 from shmstage.stage.store.gc import gc
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.leases import Holder
@@ -122,6 +122,7 @@ def evict_report(
                         raise cannot_remove(e, e.filename or store.path(n)) from None
                     remove_marker(os.path.join(store.partial_dir, f".{n}.source"))
                     store.forget(n)
+                    views.remove_view(store, n)  # a --partial copy's
                     leases.unlink_locked(store, n)
                     store.drop_lock(n)  # nothing of the dataset is left behind
                     store.drop_placing(n)

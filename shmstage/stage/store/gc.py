@@ -1,11 +1,13 @@
 """``gc``: remove what killed and failed runs left under DEST, but nothing a live process owns.
 
-Partial trees, killed stagers' live views (views.py), source markers, ``.<name>.json.new``
-manifests, half-written records, lock and lease files of datasets that are gone, space
-reservations of dead stagers, records whose tree is gone, old trees in trash, ``placing/``
-locks nobody holds, the max_size claims of dead stagers and the "held for" marks of lease
-holders that are gone.  Each dataset's leftovers are removed only while holding its lock
-(taken without waiting: a dataset being staged is skipped), so gc is safe while others stage.
+Partial trees, killed stagers' live views and the views of datasets that are gone
+(views.py), source markers, ``.<name>.json.new`` manifests, half-written records, lock and
+lease files of datasets that are gone, space reservations of dead stagers, records whose tree
+is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size claims of dead
+stagers, the "held for" marks of lease holders that are gone, and the read counters
+(served.py) of dead jobs of datasets that are gone.  Each dataset's leftovers are removed
+only while holding its lock (taken without waiting: a dataset being staged is skipped), so
+gc is safe while others stage.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from shmstage.errors import RefusedError
-from shmstage.stage.store import inflight, leases, views
+from shmstage.stage.store import inflight, leases, served, views
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.locks import Busy, alive, running, trash_owner
 from shmstage.stage.store.names import check_name
@@ -63,7 +65,14 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
                 published = store.published(name) is not None
                 kept = False
                 for path, what in items:
-                    if published and what in ("record", "manifest", "used", "lease", "lock"):
+                    if published and what in (
+                        "record",
+                        "manifest",
+                        "used",
+                        "lease",
+                        "lock",
+                        "view",
+                    ):
                         continue  # the dataset's own bookkeeping
                     if what == "lock":
                         continue  # handled last, below
@@ -127,6 +136,17 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         removed.append(Leftover(path, "view leftover", 0))
         if not dry_run:
             _remove(path)
+    for s in served.files(store.book):  # the read counters of dead jobs of datasets gone
+        if (
+            alive(s.pid)
+            or store.published(s.name) is not None
+            or os.path.lexists(store.view_path(s.name))
+        ):
+            continue
+        removed.append(Leftover(s.path, "read counters", 0))
+        if not dry_run:
+            with suppress(OSError):  # another user's, in a store of ours: theirs to keep
+                os.unlink(s.path)
     dead, looked = inflight.reap_claims(store, dry_run=dry_run)
     removed += [Leftover(path, "max_size claim", 0) for path in dead]
     if not looked:
@@ -200,6 +220,8 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
     add(store.manifest_path(name), "manifest")
     add(os.path.join(store.meta_dir, f".{name}.used"), "used")
     add(leases.lease_path(store, name), "lease")
+    if view is not None and view.kind == views.PARTIAL:  # kept while its copy is published
+        found.append((view.path, "view"))
     # a stager reserves under the dataset's lock: with the lock ours, its stager is dead
     add(os.path.join(store.reservation_dir, name), "reservation")
     if lock:

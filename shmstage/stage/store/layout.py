@@ -23,7 +23,7 @@ from typing import Any
 from shmstage import system
 from shmstage.errors import RefusedError, ShmstageError
 from shmstage.libc import load_libc
-from shmstage.stage.store import access
+from shmstage.stage.store import access, served
 from shmstage.stage.store.checks import (
     check_dir,
     check_owner,
@@ -64,6 +64,11 @@ class Record:
     # charged there, so evicting it gives RAM back only to that cgroup and its ancestors
     # (make-room).  None in a record from before it was kept: counts as charged elsewhere.
     memcg: str | None = field(default_factory=system.memory_cgroup_id)
+    # ``stage --partial``: the whole dataset's bytes and files (``bytes``/``files`` are then the
+    # part in RAM, under DEST/<name>; the rest is read from the source, views/<name>); None:
+    # all of it is in RAM
+    total_bytes: int | None = None
+    total_files: int | None = None
 
 
 class Store:
@@ -132,6 +137,8 @@ class Store:
                 mkdir_checked(path, mode)
             elif os.path.lexists(path):
                 check_dir(path, "bookkeeping directory")
+        if create:  # where jobs count the bytes they read (NOTE [served] in served.py)
+            served.make_dir(self.book)
         return self
 
     def check_published(self, name: str) -> os.stat_result | None:
@@ -292,8 +299,9 @@ class Store:
         want = access.bookkeeping_access(self.path(name) if top is None else top)
         # The lease file too: only who may read the copy may lease it (leases.ensure_file).
         paths = [self.new_manifest_path(name), self.lease_path(name)]
-        if top is None:
+        if top is None:  # and a partial copy's view (views.py): it lists the files too
             paths += [self.manifest_path(name), self.meta_path(name)]
+            paths += [os.path.join(self.view_path(name), f) for f in ("files", "view.json")]
         for path in paths:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -551,9 +559,10 @@ _NULL_DEVICE = (1, 3)  # /dev/null's numbers: the LRU stamp (Store.ensure_stamp)
 
 def _record_of(data: dict[str, Any]) -> Record:
     """A record from its JSON; ``memcg`` may be missing (an older record): None, never the
-    reader's own cgroup."""
-    keys = [k for k in Record.__dataclass_fields__ if k != "memcg"]
-    return Record(**{k: data[k] for k in keys}, memcg=data.get("memcg"))
+    reader's own cgroup; ``total_*`` are only in a partial copy's."""
+    optional = ("memcg", "total_bytes", "total_files")
+    keys = [k for k in Record.__dataclass_fields__ if k not in optional]
+    return Record(**{k: data[k] for k in keys}, **{k: data.get(k) for k in optional})
 
 
 def _is_stamp(st: os.stat_result) -> bool:
