@@ -7,12 +7,14 @@ BIN := $(VENV)/bin
 # torch is pinned: 2.13.0 resolves to a local CPU wheel on our nodes; anything
 # else would download several GB of CUDA packages.
 TORCH ?= torch==2.13.0
-APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip binutils e2fsprogs
+APT_PACKAGES := rsync libjpeg62-turbo-dev zlib1g-dev util-linux tar gzip binutils e2fsprogs \
+	slurmctld slurmd slurm-client munge iproute2
+# (slurm*, munge, iproute2: tests/test_slurm.py runs a real Slurm; `make slurm` starts one)
 # and node + npm when npm is missing: tests/test_stage_objstores.py installs Azurite (the
 # Azure Blob emulator) with npm into .cache/azurite
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint deps clean docs
+.PHONY: demo test lint deps clean docs slurm
 
 $(BIN)/shmstage: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +45,11 @@ lint: $(BIN)/shmstage
 
 test: deps $(BIN)/shmstage lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# A real 4-node Slurm on this machine (root: namespaces, a bridge, loop devices, a user),
+# as tests/test_slurm.py runs it; it prints how to submit jobs, Ctrl-C stops and removes it.
+slurm: deps $(BIN)/shmstage
+	$(BIN)/python tests/slurmcluster.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .cache/azurite

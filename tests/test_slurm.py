@@ -1,0 +1,604 @@
+"""shmstage under a real Slurm (issue 24): the cluster of tests/slurmcluster.py (munge,
+slurmctld, 4 slurmd nodes in namespaces of their own, each with its own /dev/shm, store and
+loop device of the shared source), jobs submitted by a non-root user with sbatch/srun.  Every
+Slurm recipe in docs/ runs here as the docs print it (read from the docs, so they cannot
+drift), and each test checks what the recipe promises.  Long because issue 24 keeps the
+Slurm tests in one file: one section per page of docs/."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurmcluster import SlurmCluster, missing
+
+pytestmark = pytest.mark.root
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _dataset(root: Path, classes: int = 4, per_class: int = 24, big: int = 0) -> int:
+    """An ImageFolder-shaped tree of small files (and one of ``big`` bytes); its size."""
+    rng = random.Random(24)
+    total = 0
+    for c in range(classes):
+        d = root / f"class{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            data = rng.randbytes(rng.randint(1_000, 40_000))
+            (d / f"img{i:03}.jpg").write_bytes(data)
+            total += len(data)
+    if big:
+        (root / "class0" / "big.jpg").write_bytes(rng.randbytes(big))
+    return total + big
+
+
+def block(doc: str, line: str) -> str:
+    """The fenced code block of docs/``doc`` holding ``line``, exactly as printed."""
+    text = (ROOT / "docs" / doc).read_text()
+    for body in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
+        if line in body.splitlines() or any(line in b for b in body.splitlines()):
+            return body
+    raise AssertionError(f"docs/{doc} has no code block with {line!r}")
+
+
+def inline(doc: str, start: str) -> str:
+    """The `inline code` of docs/``doc`` that starts with ``start`` (lines joined)."""
+    text = " ".join((ROOT / "docs" / doc).read_text().split())
+    found = re.findall(r"`(" + re.escape(start) + r"[^`]*)`", text)
+    assert found, f"docs/{doc} has no `{start}...`"
+    return found[0]
+
+
+# The docs' site paths: the shared file system is the cluster's (each node's loop device)
+NFS = "/nfs/"
+
+# What a training script of the docs' recipes does here: reads every file of --data and says
+# what it saw, with the loader's defaults as the job sees them (run from the user's home).
+TRAIN = """\
+import argparse, json, os, subprocess
+from pathlib import Path
+from shmstage import system
+from shmstage.loader import default_num_workers, global_rank, loader_kwargs, local_ranks
+p = argparse.ArgumentParser()
+p.add_argument("--data")
+args, _ = p.parse_known_args()
+files = sorted(f for f in Path(args.data).rglob("*") if f.is_file())
+# the leases on --data's copy, as `shmstage list` shows them while the job runs
+listed = subprocess.run(["shmstage", "list", "--json"], capture_output=True, text=True).stdout
+leases = [d["leased_by"] for d in json.loads(listed or "[]") if d["path"] == args.data]
+# one file per process: many ranks' lines on one stdout may interleave
+out = Path(os.environ["HOME"], "trained", os.environ["SLURM_JOB_ID"])
+out.mkdir(parents=True, exist_ok=True)
+(out / f"{os.uname().nodename}-{os.getpid()}.json").write_text(json.dumps({
+    "host": os.uname().nodename, "uid": os.getuid(), "data": args.data,
+    "procid": os.environ.get("SLURM_PROCID"), "localid": os.environ.get("SLURM_LOCALID"),
+    "files": len(files), "bytes": sum(len(f.read_bytes()) for f in files),
+    "workers": default_num_workers(), "ranks": local_ranks(),
+    "loader_workers": loader_kwargs()["num_workers"], "cpus": len(os.sched_getaffinity(0)),
+    "container_cpus": system.cpu_set().container, "leases": leases,
+    "tasks_per_node": os.environ.get("SLURM_STEP_TASKS_PER_NODE"), "rank": global_rank(),
+    "torch_rank": os.environ.get("RANK"),
+}))
+"""
+
+
+def trained(c: SlurmCluster, job: str) -> list[dict]:
+    """What each training process of ``job`` saw, sorted by host then Slurm rank."""
+    files = (c.user_home / "trained" / job).glob("*.json")
+    rows = [json.loads(f.read_text()) for f in files]
+    return sorted(rows, key=lambda r: (r["host"], r["procid"] or "", r["localid"] or ""))
+
+
+def make_cluster(tmp_path_factory, service: bool = False, **kw) -> SlurmCluster:
+    """A started cluster with the docs' datasets on its "NFS", a node config and the docs'
+    install path on each node, a train.py in the user's home; ``service``: each node runs
+    `shmstage serve` as root (as the unit would), on a socket of the node's own."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    data = tmp_path_factory.mktemp("nfs")
+    # the docs' two source paths, under the cluster's "NFS" mount
+    sizes = {  # big enough that reading it once or 4 times differs by far more than metadata
+        "datasets/imagenet/train": _dataset(data / "datasets/imagenet/train", big=8 << 20),
+        "imagenet": _dataset(data / "imagenet" / "train"),
+    }
+    c = SlurmCluster(data, **kw)
+    c.sizes = sizes
+    c.dest = f"{c.store}/shmstage"
+    # the node config and the install the docs name, on every node (as a site's would be)
+    c.node_files["/etc/shmstage.yaml"] = (
+        f"version: 1\nshm: {{path: /dev/shm, size: 300M}}\ndest: {c.dest}\nreserve: 0\n"
+        f"datasets:\n  - {c.nfs}/datasets/imagenet/train\n"
+    )
+    if service:
+        run = c.base / "run"
+        run.mkdir()
+        c.node_files["/etc/shmstage.yaml"] += f"service: {{socket: {run}/shmstage.sock}}\n"
+        c.node_setup += (
+            f"\nmount -t tmpfs -o size=1M,mode=755 run-{{name}} {run}\n"
+            f"{c.bin}/shmstage serve --config /etc/shmstage.yaml >>{c.base}/log/serve-{{name}}.log 2>&1 &\n"
+            f"for _ in $(seq 200); do [ -S {run}/shmstage.sock ] && break; sleep 0.05; done\n"
+        )
+    c.node_files["/opt/shmstage/venv/bin/shmstage"] = f'#!/bin/sh\nexec {c.bin}/shmstage "$@"\n'
+    c.start()
+    train = c.user_home / "train.py"
+    train.write_text(TRAIN)
+    os.chown(train, c.uid, c.gid)
+    return c
+
+
+def stop_cluster(c: SlurmCluster) -> None:
+    pids = c.pids()
+    c.stop()
+    left = c.leftovers(pids)
+    assert not left, f"the Slurm cluster left {left} behind"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """One cluster for the module (it starts in seconds; jobs are what cost)."""
+    c = make_cluster(tmp_path_factory)
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def recipe(c: SlurmCluster, text: str) -> str:
+    """A docs recipe as this cluster runs it: only the shared file system's path differs."""
+    return text.replace(NFS, f"{c.nfs}/")
+
+
+def on_nodes(c: SlurmCluster, cmd: str) -> list[str]:
+    """``cmd`` (shell) as root on every node: its stdout, node by node."""
+    outs = []
+    for i in range(c.n):
+        r = c.on_node(
+            i, ["sh", "-c", cmd], env=c.env(PATH=f"{c.bin}:/usr/sbin:/usr/bin:/sbin:/bin")
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    return outs
+
+
+def wipe_stores(c: SlurmCluster) -> None:
+    on_nodes(c, f"rm -rf {c.store}/* {c.store}/.[!.]* /dev/shm/*")
+
+
+def _user_file(c: SlurmCluster, name: str, text: str) -> Path:
+    path = c.user_home / name
+    path.write_text(text)
+    os.chown(path, c.uid, c.gid)
+    return path
+
+
+# --- the cluster itself -----------------------------------------------------------------------
+
+
+def test_a_step_runs_as_the_user_on_four_nodes_that_share_no_dev_shm_and_no_store(slurm):
+    """A file each node's task writes to /dev/shm and to the store is seen on that node only,
+    and the step runs as the submitting user, not root."""
+    c = slurm
+    write = (
+        'echo "$(hostname)" > /dev/shm/mark-$SLURM_NODEID && '
+        f'echo "$(hostname)" > {c.store}/mark-$SLURM_NODEID && id -u'
+    )
+    out = c.as_user(["srun", "-N", "4", "--ntasks-per-node=1", "sh", "-c", write])
+    assert out.stdout.split() == [str(c.uid)] * 4
+    look = f'echo "$SLURM_NODEID $(hostname) $(ls /dev/shm | grep mark) $(ls {c.store})"'
+    out = c.as_user(["srun", "-N", "4", "--ntasks-per-node=1", "sh", "-c", look])
+    seen = sorted(line.split() for line in out.stdout.splitlines())
+    assert seen == [[str(r), f"node{r + 1}", f"mark-{r}", f"mark-{r}"] for r in range(4)]
+    c.as_user(["srun", "-N", "4", "--ntasks-per-node=1", "sh", "-c",
+               f"rm -f /dev/shm/mark-* {c.store}/mark-*"])  # fmt: skip
+
+
+def test_an_sbatch_job_reads_the_shared_source_through_each_nodes_own_device(slurm):
+    """sbatch as the user; the job's srun reads the source on every node: each node's loop
+    device is read (the bytes add up to about 4x the data)."""
+    c = slurm
+    before = c.read()
+    src = f"{c.nfs}/imagenet/train"
+    job = c.sbatch(f"srun --ntasks-per-node=1 sh -c 'cat {src}/*/* | wc -c'\n", "--nodes=4")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    assert c.output(job).split() == [str(c.sizes["imagenet"])] * 4
+    assert c.read() - before >= 4 * c.sizes["imagenet"]
+
+
+# --- docs/cluster.md: the Slurm prolog ------------------------------------------------------
+
+# The docs' job scripts ask for more than this cluster has (8 nodes, 8 tasks per node, 64
+# CPUs per task); sbatch's command line overrides #SBATCH lines, so the scripts run as printed
+# with the sizes scaled down.  `--gpus-per-node=8` stays: each node has 8 (stand-in) GPUs.
+
+
+def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(slurm):
+    """docs/cluster.md's job script, submitted by the user, on nodes root has prepared:
+    the in-job `prepare` (as the user) finds every node converged and changes nothing, and
+    every task trains on the node's copy, leased while it runs and released after."""
+    c = slurm
+    wipe_stores(c)
+    for out in on_nodes(c, "shmstage prepare --config /etc/shmstage.yaml --json"):
+        assert json.loads(out)["failed"] is False
+    script = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    assert "shmstage prepare --config /etc/shmstage.yaml" in script
+    job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    assert "Error" not in out and out.count("nothing changed") == 2, out
+    rows = trained(c, job)
+    copy = f"{c.dest}/train"
+    assert [(r["host"], r["data"], r["files"], r["bytes"], r["uid"]) for r in rows] == [
+        (host, copy, 97, c.sizes["datasets/imagenet/train"], c.uid)
+        for host in ("node1", "node1", "node2", "node2")
+    ]
+    assert all(r["leases"] and r["leases"][0] for r in rows), rows  # leased while it ran
+    for out in on_nodes(c, f"shmstage list --json --dest {c.dest}")[:2]:
+        (listed,) = json.loads(out)
+        assert listed["path"] == copy and listed["leased_by"] == [], listed  # and released
+
+
+def test_cluster_md_job_script_on_unprepared_nodes_fails_naming_the_root_step(slurm):
+    """The same script on nodes nobody prepared, with a config that resizes /dev/shm: the
+    user's `prepare` cannot, says so in one line per node, and the job fails before
+    training (the script's `set -e`)."""
+    c = slurm
+    wipe_stores(c)
+    on_nodes(c, "mount -o remount,size=256M /dev/shm")  # as the cluster started: not converged
+    script = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
+    assert c.wait_job(job) == "FAILED"
+    out = c.output(job)
+    errors = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 2 and all("cannot resize /dev/shm" in e for e in errors), out
+    assert "Traceback" not in out and not trained(c, job)
+
+
+@pytest.fixture(scope="module")
+def prolog_slurm(tmp_path_factory):
+    """A cluster whose slurm.conf runs docs/cluster.md's prolog, installed where it says, at
+    allocation (PrologFlags=Alloc, as the page suggests)."""
+    prolog = block("cluster.md", "# /etc/slurm/prolog.d/50-shmstage.sh")
+    c = make_cluster(
+        tmp_path_factory,
+        conf_extra=inline("cluster.md", "Prolog=") + "\n" + inline("cluster.md", "PrologFlags="),
+        node_files={"/etc/slurm/prolog.d/50-shmstage.sh": prolog},
+    )
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_cluster_md_prolog_prepares_each_allocated_node_as_root_before_the_job(prolog_slurm):
+    """The prolog of docs/cluster.md (Prolog=/etc/slurm/prolog.d/* in slurm.conf) stages the
+    config's dataset as root on each allocated node before the job (with PrologFlags=Alloc:
+    on every node before the batch script starts); the job's `run` finds it there, copies
+    nothing, leases it while the job runs; the lease is gone after."""
+    c = prolog_slurm
+    line = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    run = next(x for x in line.splitlines() if x.startswith("srun shmstage run"))
+    job = c.sbatch("echo START $(date +%s.%N)\n" + recipe(c, run + "\n"), "--nodes=2")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    start = float(re.search(r"^START (\S+)$", out, re.M)[1])
+    ends = on_nodes(c, "stat -c %.9Y /var/log/shmstage-prolog.log 2>/dev/null || echo inf")
+    assert all(float(t) < start for t in ends[:2]), (ends, start)  # both prologs, then the job
+    assert out.count("train is up to date") == 2 and "copied" not in out, out
+    rows = trained(c, job)
+    assert [(r["host"], r["files"], r["bytes"]) for r in rows] == [
+        (h, 97, c.sizes["datasets/imagenet/train"]) for h in ("node1", "node2")
+    ]
+    assert all(r["leases"] and r["leases"][0] for r in rows), rows
+    outs = on_nodes(c, f"cat /var/log/shmstage-prolog.log 2>/dev/null; echo @; stat -c %u "
+                    f"{c.dest}/train 2>/dev/null; echo @; shmstage list --json --dest {c.dest}")  # fmt: skip
+    for i, out in enumerate(outs):
+        log, owner, listed = out.split("@\n")
+        if i < 2:  # allocated: root prepared it before the job (root's copy); no lease left
+            assert re.search(r"^stage train +changed +copied", log, re.M), log
+            assert owner == "0\n" and json.loads(listed)[0]["leased_by"] == [], out
+        else:  # not allocated: the prolog never ran there
+            assert (log, json.loads(listed)) == ("", []), out
+
+
+def test_on_a_prolog_prepared_node_a_dataset_root_did_not_stage_is_refused_in_one_line(
+    prolog_slurm,
+):
+    """After the prolog, the store is root's: a job's `run --stage` of a dataset the node
+    config does not list cannot publish there without the node service, and says so in one
+    line per task, naming the way out (docs/cluster.md says it too)."""
+    c = prolog_slurm
+    job = c.sbatch(f"srun shmstage run --stage {c.nfs}/imagenet -- true\n", "--nodes=1")
+    assert c.wait_job(job) == "FAILED"
+    errors = [x for x in c.output(job).splitlines() if not x.startswith("srun: ")]
+    assert len(errors) == 1 and "Traceback" not in c.output(job), c.output(job)
+    assert re.fullmatch(
+        rf"Error: imagenet is not staged in {c.dest}; {c.dest} is managed by root and no "
+        r"shmstage service answers on .*: ask an admin to start it .* or stage into a "
+        r"directory of your own with --dest, .*",
+        errors[0],
+    )
+    doc = " ".join((ROOT / "docs" / "cluster.md").read_text().split())
+    assert "a job staging a dataset the config does not list needs the node service" in doc
+
+
+def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
+    """docs/cluster.md: "a prolog that exits non-zero drains the node".  A node whose dataset
+    source is missing is drained by Slurm with the prolog named, and the job does not run."""
+    c = prolog_slurm
+    bad = f"version: 1\ndest: {c.dest}\ndatasets:\n  - {c.nfs}/no/such/dataset\n"
+    r = c.on_node(2, ["sh", "-c", f"printf '{bad}' > /etc/shmstage.yaml"])
+    assert r.returncode == 0, r.stderr
+    job = c.sbatch("srun hostname\n", "--nodes=1", "-w", "node3")
+    try:
+        node = c.until(lambda: (n := c.show("node", "node3")) and "DRAIN" in n["State"] and n)
+        assert node["Reason"].startswith("Prolog error"), node
+        info = c.show("job", job)  # Slurm requeues it, held: it never ran on node3
+        assert (info["JobState"], info["Reason"]) == ("PENDING", "launch_failed_requeued_held")
+        assert c.output(job) == ""  # with PrologFlags=Alloc the batch script never started
+        log = c.on_node(2, ["cat", "/var/log/shmstage-prolog.log"]).stdout
+        assert re.search(r"^Error: .*no/such/dataset", log, re.M) and "Traceback" not in log, log
+    finally:
+        subprocess.run(["scancel", job], env=c.env(), check=False)
+        c.on_node(2, ["cp", str(c.base / "nodefiles/etc/shmstage.yaml"), "/etc/shmstage.yaml"])
+        subprocess.run(["scontrol", "update", "nodename=node3", "state=resume"], env=c.env())
+
+
+# --- docs/cluster-staging.md and docs/bench.md: one read of the source for N nodes -------------
+
+
+def digests(c: SlurmCluster, path: str, nodes: int) -> list[str]:
+    """Every node's sha1 of every file under ``path`` (one string per node)."""
+    cmd = f"cd {path} && find . -type f -print0 | sort -z | xargs -0 sha1sum"
+    return on_nodes(c, cmd)[:nodes]
+
+
+def test_cluster_staging_md_recipe_reads_the_source_once_across_four_nodes(slurm):
+    """docs/cluster-staging.md's Slurm recipe on 4 nodes: `stage --nodes` with the rank and
+    node 0 from Slurm's variables reads the source about once in all (the 4 loop devices
+    together), every node publishes the same copy, and the job's `run` copies nothing."""
+    c = slurm
+    wipe_stores(c)
+    script = block(
+        "cluster-staging.md", "srun --ntasks-per-node=1 --ntasks=$SLURM_JOB_NUM_NODES \\"
+    )
+    size = c.sizes["datasets/imagenet/train"]
+    before = c.read()
+    job = c.sbatch(recipe(c, script), "--nodes=4", "--ntasks-per-node=1")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    read = c.read() - before
+    out = c.output(job)
+    # once, plus what each node reads of the image's metadata; 4 separate copies read >= 4x
+    assert size <= read < 1.5 * size, (read, size, out)
+    assert out.count("train is up to date") == 4 and "Error" not in out, out
+    assert len(trained(c, job)) == 4
+    sums = digests(c, f"{c.dest}/train", 4)
+    assert len(set(sums)) == 1 and sums[0].count("\n") == 97
+
+
+def test_cluster_staging_md_prepare_nodes_reads_the_source_once(slurm):
+    """`srun --ntasks-per-node=1 shmstage prepare --nodes $SLURM_JOB_NUM_NODES` (same page),
+    as the user on nodes whose /dev/shm root sized already: the config's dataset is read about
+    once across the 4 nodes and published on each."""
+    c = slurm
+    wipe_stores(c)
+    on_nodes(c, "mount -o remount,size=300M /dev/shm")  # root's part of the config, done
+    line = inline("cluster-staging.md", "srun --ntasks-per-node=1 shmstage prepare --nodes")
+    size = c.sizes["datasets/imagenet/train"]
+    before = c.read()
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=4")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    read = c.read() - before
+    assert size <= read < 1.5 * size, (read, size, c.output(job))
+    sums = digests(c, f"{c.dest}/train", 4)
+    assert len(set(sums)) == 1 and sums[0].count("\n") == 97
+
+
+def test_bench_md_cluster_bench_runs_on_every_node(slurm):
+    """docs/bench.md's `srun ... shmstage bench stage ... --nodes $SLURM_JOB_NUM_NODES`: it
+    runs to the end on 2 nodes as the user and reports each mode's source bytes."""
+    c = slurm
+    script = block(
+        "bench.md", "# Slurm: rank and node 0's host from SLURM_NODEID / SLURM_JOB_NODELIST"
+    )
+    line = next(x for x in script.splitlines() if x.startswith("srun "))
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    naive = re.search(r"^naive \(each node alone\) .* ([\d.]+)x ", out, re.M)
+    once = re.search(r"^read-once \(--nodes\) .* ([\d.]+)x", out, re.M)
+    assert naive and once and "on 2 nodes" in out, out
+    assert float(naive[1]) > 1.5 > float(once[1]), out  # 2 nodes: 2x the source, or ~1x
+
+
+# --- issue 24 item 3: the loader's workers per task, from inside the job ----------------------
+
+
+def expected_workers(row: dict, tasks: int) -> int:
+    """The documented rule, from what Slurm gave the task: its own CPUs when srun bound it
+    (affinity narrower than the node's), else the node's CPUs shared by the step's tasks on
+    the node; one CPU stays with the rank's main process."""
+    cpus = row["cpus"] if row["cpus"] < row["container_cpus"] else row["cpus"] // tasks
+    return max(1, cpus - 1)
+
+
+@pytest.mark.parametrize("bind", ["", "--cpu-bind=none "])
+def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm, bind):
+    """`srun --ntasks-per-node=2 shmstage run ...` (the run.md form, 2 tasks per node here):
+    each task's loader counts the step's 2 tasks on its node (no torchrun variables) and its
+    own CPUs: bound to one each by default, sharing the node's with --cpu-bind=none."""
+    c = slurm
+    wipe_stores(c)
+    k = 2
+    cmd = f"srun {bind}--ntasks-per-node={k} shmstage run --stage {c.nfs}/imagenet -- "
+    job = c.sbatch(cmd + "python train.py --data {staged}\n", "--nodes=2", f"--ntasks-per-node={k}")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    rows = trained(c, job)
+    assert [(r["host"], r["localid"]) for r in rows] == [
+        (h, str(i)) for h in ("node1", "node2") for i in range(k)
+    ]
+    for r in rows:
+        assert (r["ranks"], r["tasks_per_node"]) == (k, f"{k}(x2)"), r
+        assert r["rank"] == int(r["procid"]), r  # loader.md: SLURM_PROCID without torchrun
+        assert r["cpus"] == (c.cpus // k if not bind else c.cpus), r  # what Slurm gave it
+        assert r["workers"] == r["loader_workers"] == expected_workers(r, k), r
+
+
+# --- docs/run.md and docs/quickstart.md: one `shmstage run` and one torchrun per node ----------
+
+
+def shell_lines(script: str) -> list[str]:
+    """A script's commands: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", script)
+    return [" ".join(x.split()) for x in joined.splitlines() if x.strip() and not x.startswith("#")]
+
+
+def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ranks(slurm):
+    """The torchrun recipe (#SBATCH ... --cpus-per-task=64, `head` from scontrol, srun
+    shmstage run -- torchrun --nproc-per-node 8 ...), on 2 nodes with 2 CPUs per task: every
+    node stages its copy, torchrun's 8 ranks per node read it, and each counts 8 local ranks
+    (torchrun's LOCAL_WORLD_SIZE) sharing the task's CPUs."""
+    c = slurm
+    wipe_stores(c)
+    head = 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
+    script = block("run.md", head)
+    # quickstart.md prints the same script, wrapped differently
+    assert shell_lines(block("quickstart.md", head)) == shell_lines(script)
+    assert "#SBATCH --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=64" in script
+    job = c.sbatch(recipe(c, script), "--nodes=2", f"--cpus-per-task={c.cpus}")
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    rows = trained(c, job)
+    assert sorted(r["host"] for r in rows) == ["node1"] * 8 + ["node2"] * 8, rows
+    for r in rows:
+        assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
+        assert r["ranks"] == 8 and r["cpus"] == c.cpus, r
+        assert r["workers"] == r["loader_workers"] == max(1, c.cpus // 8 - 1), r
+    assert sorted(r["rank"] for r in rows) == list(range(16))  # torchrun's RANK, not srun's
+    assert all(r["rank"] == int(r["torch_rank"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def wide_slurm(tmp_path_factory):
+    """Nodes that declare 8 CPUs (tasks unbound, sharing the machine's), so the docs' 8 tasks
+    per node fit."""
+    c = make_cluster(tmp_path_factory, cpus=8, task_plugin="task/none")
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_slurm):
+    """`srun --ntasks-per-node=8 shmstage run --stage /nfs/imagenet -- python train.py --data
+    {staged}` (quickstart.md; run.md prints it with the source elided): on each node one task
+    copies, the other 7 reuse that copy, and each task's loader counts 8 ranks sharing the
+    node's CPUs (no torchrun, so from SLURM_STEP_TASKS_PER_NODE)."""
+    c = wide_slurm
+    line = inline("quickstart.md", "srun --ntasks-per-node=8 shmstage run")
+    assert (
+        line
+        == "srun --ntasks-per-node=8 shmstage run --stage /nfs/imagenet -- python train.py --data {staged}"
+    )
+    short = inline("run.md", "srun --ntasks-per-node=8 shmstage run")
+    assert short == line.replace("/nfs/imagenet", "...")
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2", "--ntasks-per-node=8")
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    out = c.output(job)
+    assert out.count("staged imagenet:") == 2 and "Error" not in out, out  # one copy per node
+    assert len(re.findall(r"imagenet is up to date", out)) == 14, out
+    rows = trained(c, job)
+    assert [r["host"] for r in rows] == ["node1"] * 8 + ["node2"] * 8
+    machine = len(os.sched_getaffinity(0))
+    for r in rows:
+        assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
+        assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8(x2)", machine), r
+        assert r["workers"] == r["loader_workers"] == max(1, machine // 8 - 1), r
+
+
+# --- docs/service.md: the node service under Slurm ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def service_slurm(tmp_path_factory):
+    """One node running the node service (`shmstage serve` as root), as `prepare` would."""
+    c = make_cluster(tmp_path_factory, service=True, nodes=1, cpus=8, task_plugin="task/none")
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_service_md_job_stages_through_the_service_leased_until_the_batch_script_exits(
+    service_slurm,
+):
+    """docs/service.md's job: `DATA=$(shmstage stage /nfs/imagenet --lease-for $$ -q)` as
+    the user goes through the service (the store stays root's), torchrun's 8 ranks read $DATA,
+    the lease holds while the batch script runs and is gone once it exits."""
+    c = service_slurm
+    script = block("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+    job = c.sbatch(recipe(c, script))
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    rows = trained(c, job)
+    copy = f"{c.dest}/imagenet"
+    assert len(rows) == 8 and all(r["ranks"] == 8 for r in rows), rows
+    for r in rows:
+        assert (r["data"], r["files"], r["bytes"]) == (copy, 96, c.sizes["imagenet"]), r
+        assert r["leases"] and r["leases"][0], r  # the batch script's lease, while it ran
+    (out,) = on_nodes(c, f"stat -c %u {c.dest}; shmstage list --json --dest {c.dest}")
+    owner, listed = out.split("\n", 1)
+    assert owner == "0"  # the service published it: the store stays root's
+    (row,) = [d for d in json.loads(listed) if d["path"] == copy]
+    assert row["leased_by"] == []  # the batch script exited: its lease went with it
+    log = (c.base / "log" / "serve-node1.log").read_text()
+    assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
+
+
+# --- docs/run.md: Slurm's signals and `shmstage run` --------------------------------------------
+
+SIGJOB = """\
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1) or out.write_text(f"{len(got)}\\n"))
+out.write_text("0\\n")
+while not out.with_suffix(".stop").exists():
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize(
+    "form",
+    [("srun shmstage run --stage {src} -- python sigjob.py {out}", "--signal=USR1"),
+     ("exec shmstage run --stage {src} -- python sigjob.py {out}", "--batch --signal=USR1")],
+    ids=["step-wide", "batch-shell"],
+)  # fmt: skip
+def test_run_md_slurm_signals_reach_the_job_exactly_once(slurm, form):
+    """docs/run.md: `scancel --signal=USR1` signals every process of the step, the job
+    included, and shmstage does not forward it again; a batch script that `exec`s shmstage
+    gets `scancel -b`'s signal alone and forwards it.  Either way the job sees it once."""
+    c = slurm
+    script, flags = form
+    sigjob = c.user_home / "sigjob.py"
+    sigjob.write_text(SIGJOB)
+    out = c.user_home / f"sig-{len(flags)}.count"
+    out.unlink(missing_ok=True)
+    out.with_suffix(".stop").unlink(missing_ok=True)
+    job = c.sbatch(script.format(src=f"{c.nfs}/imagenet", out=out) + "\n", "--nodes=1")
+    try:
+        c.until(lambda: out.exists() and out.read_text() == "0\n", 120, "the job to start")
+        c.as_user(["scancel", *flags.split(), job])
+        c.until(lambda: out.read_text() != "0\n", 30, "the signal")
+        time.sleep(0.5)  # a second delivery (shmstage forwarding it again) would land by now
+        assert out.read_text() == "1\n"
+    finally:
+        out.with_suffix(".stop").touch()
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
