@@ -6,6 +6,7 @@ source bytes can be counted), and a non-root user who submits jobs.  Root only; 
 everything it started by PID and leaves nothing mounted, no user, no bridge.
 
 Run as a script (``make slurm``) it starts a cluster and waits: it prints how to use it.
+Long because a cluster is one object: its set-up, use and tear-down share every name.
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ def run_no_wait(src: Path, dest: Path, job: str) -> subprocess.CompletedProcess:
         [exe, "run", "--no-wait", "--no-service", "--dest", str(dest), "--stage", str(src),
          "--", sys.executable, "-c", job, "{staged}"],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.2"},
+        env={**os.environ, "SHMSTAGE_TEST_SLOW_COPY": "0.5"},  # the job starts before it ends
     )  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,7 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 ROWS = ("node", "inspect", "Pillow", "dataset", "staging", "original run", "staged run", "speed-up")
-ROWS += ("pays back", "loader settings", "next", "cleanup")
+ROWS += ("first step", "pays back", "loader settings", "next", "cleanup")
 
 
 def test_generate_is_deterministic_with_photo_like_sizes(tmp_path: Path) -> None:
@@ -47,6 +48,72 @@ def test_image_folder_reads_classes_with_imagenet_transform(tmp_path: Path) -> N
     x, y = ds[len(ds) - 1]
     assert x.shape == (3, 224, 224) and str(x.dtype) == "float32" and y == 1
     assert -3 < float(x.min()) < float(x.max()) < 3
+
+
+def test_image_folder_reads_through_a_files_object(tmp_path: Path) -> None:
+    """With ``files`` (DatasetFiles' API) ImageFolder takes its names from it, labels by the
+    first path component, and the transform gets the file object it opened, not a path."""
+    generate(tmp_path / "d", images=6, classes=2)
+    opened: list[str] = []
+
+    class Files:
+        names = sorted(
+            str(p.relative_to(tmp_path / "d")) for p in (tmp_path / "d").rglob("*.jpg")
+        ) + ["README", ".hidden/x.jpg"]
+
+        def open(self, name: str):  # noqa: ANN202
+            opened.append(name)
+            return open(tmp_path / "d" / name, "rb")
+
+    ds = ImageFolder("/nonexistent/staged", ImagenetTrain(64), files=Files())
+    assert ds.classes == ["class_000", "class_001"] and len(ds) == 6
+    x, y = ds[5]
+    assert x.shape == (3, 64, 64) and y == 1 and opened == ["class_001/img_000005.jpg"]
+    raw = ImageFolder("/nonexistent/staged", lambda f: f.read(), files=Files())[0][0]
+    assert raw == (tmp_path / "d" / "class_000" / "img_000000.jpg").read_bytes()
+
+
+def test_first_step_row_lists_each_run() -> None:
+    """The "first step" row gives each run's wait before its first step, --no-wait last when run."""
+    from types import SimpleNamespace as NS
+
+    from shmstage.cli.demo_cmd import _first_step_row
+
+    report = NS(
+        original=NS(first_step_s=2.04), staged=NS(first_step_s=15.61),
+        staging=NS(seconds=13.6), nowait=None,
+    )  # fmt: skip
+    assert _first_step_row(report) == (
+        "after 2.0 s reading the original; 15.6 s staging first (13.6 s of copy)"
+    )
+    report.nowait = NS(first_step_s=2.3)
+    assert _first_step_row(report).endswith("; 2.3 s with --no-wait")
+
+
+def _run_offers_no_wait(shmstage_bin) -> bool:
+    out = subprocess.run([*shmstage_bin, "run", "--help"], capture_output=True, text=True).stdout
+    return "--no-wait" in out.split()
+
+
+def test_demo_third_run_trains_while_staging(shmstage_bin, demo_dest: Path, tmp_path) -> None:
+    """With run --no-wait the demo trains a third time while the copy is made afresh: its row,
+    its command, its time to first step; the copy it made is complete (--keep)."""
+    if not _run_offers_no_wait(shmstage_bin) or not importlib.util.find_spec(
+        "shmstage.datasetfiles"
+    ):
+        pytest.skip("this tree has no run --no-wait or no DatasetFiles yet (issue 23)")
+    work = tmp_path / "work"
+    proc = _demo(shmstage_bin, demo_dest, "--workdir", str(work), "--keep", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    nowait = report["nowait"]
+    assert (
+        nowait["command"].startswith("shmstage run --stage ") and "--no-wait" in nowait["command"]
+    )
+    assert "--files" in nowait["command"] and nowait["result"]["images"] == 2 * 32
+    assert nowait["first_step_s"] > 0
+    staged = [p for p in (demo_dest / "shmstage").iterdir() if p.name.startswith("shmstage-demo-")]
+    assert len(staged) == 1 and len(list(staged[0].rglob("*.jpg"))) == 64
 
 
 def test_image_folder_without_images_is_a_clear_error(tmp_path: Path) -> None:
@@ -121,6 +188,9 @@ def test_demo_json_and_cleanup(shmstage_bin, demo_dest: Path) -> None:
         result = report[run]["result"]
         assert result["images"] == 2 * 32 and result["images_per_s"] > 0
         assert 0 <= result["stall_share"] <= 1
+        assert report[run]["first_step_s"] > 0
+    # the staged run's wait for its first step counts the staging before it
+    assert report["staged"]["first_step_s"] > report["staging"]["seconds"]
     assert report["original"]["command"].startswith("shmstage run -- python -m shmstage.demo.train")
     assert report["staged"]["command"].startswith("shmstage run --stage ")
     assert Path(report["staging"]["dest"]).is_relative_to(demo_dest)

@@ -241,7 +241,9 @@ def test_a_second_no_wait_run_starts_at_once_on_the_live_copy(tmpfs, tmp_path, s
         "--stage",
         str(src),
     ]
-    first = procs.start([*base, "--", "sleep", "30"], env=_env(0.1), stderr=subprocess.DEVNULL)
+    # slow enough that the copy is still under way once the second run (a Python start on a
+    # loaded machine) looks for it
+    first = procs.start([*base, "--", "sleep", "30"], env=_env(0.25), stderr=subprocess.DEVNULL)
     _wait(lambda: read_view(dest, "ds") is not None)
     out = tmp_path / "out.json"
     p = subprocess.run(

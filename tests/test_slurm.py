@@ -2,7 +2,8 @@
 slurmctld, 4 slurmd nodes in namespaces of their own, each with its own /dev/shm, store and
 loop device of the shared source), jobs submitted by a non-root user with sbatch/srun.  Every
 Slurm recipe in docs/ runs here as the docs print it (read from the docs, so they cannot
-drift), and each test checks what the recipe promises."""
+drift), and each test checks what the recipe promises.  Long because issue 24 keeps the
+Slurm tests in one file: one section per page of docs/."""
 
 from __future__ import annotations
 

@@ -31,6 +31,21 @@ def _payback_row(pb, staging_s: float) -> str:  # noqa: ANN001 (Payback)
     return f"staging {staging_s:.1f} s pays back after {pb.epochs:.1f} epochs ({epoch})"
 
 
+def _first_step_row(report) -> str:  # noqa: ANN001 (DemoReport)
+    """How long the GPU waited before its first step, run by run."""
+
+    def secs(run) -> str:  # noqa: ANN001 (DemoRun)
+        return "?" if run.first_step_s is None else f"{run.first_step_s:.1f} s"
+
+    text = (
+        f"after {secs(report.original)} reading the original; {secs(report.staged)} staging "
+        f"first ({report.staging.seconds:.1f} s of copy)"
+    )
+    if report.nowait is not None:
+        text += f"; {secs(report.nowait)} with --no-wait"
+    return text
+
+
 def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
     ds, node, st, pil = report.dataset, report.node, report.staging, report.pillow
     orig, staged = report.original.result, report.staged.result
@@ -103,6 +118,18 @@ def _rows(report) -> list[tuple[str, str]]:  # noqa: ANN001 (DemoReport)
         ("", f"$ {report.original.command}"),
         ("staged run", f"{run(staged)}; read from {st.dest_fstype}"),
         ("", f"$ {report.staged.command}"),
+    ]
+    if report.nowait is not None:
+        rows += [
+            (
+                "no-wait run",
+                f"{run(report.nowait.result)}; staged afresh while training: each file from "
+                f"{st.dest_fstype} once landed, the rest asked of the copy first",
+            ),
+            ("", f"$ {report.nowait.command}"),
+        ]
+    rows += [
+        ("first step", _first_step_row(report)),
         ("speed-up", f"{report.speedup:.2f}x images/s reading the staged copy"),
         ("pays back", _payback_row(report.payback, st.seconds)),
         (
@@ -126,8 +153,10 @@ def _render(report) -> None:  # noqa: ANN001 (DemoReport)
     orig = report.original.result
     click.echo(
         f"shmstage demo: {report.dataset.images:,} synthetic JPEGs; a tiny CNN trained "
-        f"{orig.steps} steps x {orig.batch_size} images, once from the original and once "
-        "from the staged copy.\n"
+        f"{orig.steps} steps x {orig.batch_size} images, once from the original, once "
+        "from the staged copy"
+        + (", once while staging (run --no-wait)" if report.nowait else "")
+        + ".\n"
         "data stall = the share of each training step spent waiting for the next batch.\n"
     )
     rows = _rows(report)
@@ -191,11 +220,13 @@ def demo_cmd(
     """Try the whole flow, measured, on a synthetic dataset.
 
     Generates a JPEG dataset on disk, inspects the node, stages the dataset
-    (into /dev/shm/shmstage when it fits), and trains a tiny CNN twice through
-    `shmstage run` with make_loader: once reading the original, once reading
-    the staged copy. Prints one table: staging rate, images/s and data stall of
-    each run, after how many epochs staging pays back, the loader settings
-    chosen, the Pillow build, and what to do next. As root the original is
+    (into /dev/shm/shmstage when it fits), and trains a tiny CNN three times
+    through `shmstage run` with make_loader: once reading the original, once
+    reading the staged copy, and once with `run --no-wait`, training while the
+    copy is made. Prints one table: staging rate, images/s and data stall of
+    each run, each run's time to its first step, after how many epochs staging
+    pays back, the loader settings chosen, the Pillow build, and what to do
+    next. As root the original is
     read through a cgroup read throttle (--slow-source), standing in for
     network storage. About a minute on 2 CPUs; needs torch, numpy and Pillow;
     works without root (unthrottled).

@@ -13,11 +13,11 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 from shmstage import system
 from shmstage.errors import ShmstageError
@@ -126,10 +126,21 @@ def generate(
 # --- reading ------------------------------------------------------------------
 
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str | BinaryIO) -> bytes:
     """The "none" transform: read the file, decode nothing (measures pure I/O)."""
+    if not isinstance(path, str):  # an open file (ImageFolder over DatasetFiles)
+        return path.read()
     with open(path, "rb") as f:
         return f.read()
+
+
+class Files(Protocol):
+    """What ImageFolder reads through instead of the file system: ``DatasetFiles``'s API."""
+
+    @property
+    def names(self) -> Sequence[str]: ...
+
+    def open(self, name: str) -> BinaryIO: ...
 
 
 class ImagenetTrain:
@@ -160,7 +171,7 @@ class ImagenetTrain:
         x, y = (width - side) // 2, (height - side) // 2
         return x, y, x + side, y + side
 
-    def __call__(self, path: str) -> Any:
+    def __call__(self, path: str | BinaryIO) -> Any:
         import numpy as np
         from PIL import Image
 
@@ -186,13 +197,23 @@ class ImageFolder:
     """A map-style dataset over ``root/<class>/<image>`` (like torchvision's ImageFolder).
 
     Items are ``(transform(path), class_index)``; the default collate turns the
-    numpy arrays into tensors, so this works with any DataLoader.
+    numpy arrays into tensors, so this works with any DataLoader.  With ``files``
+    (a ``shmstage.loader.DatasetFiles``: a copy still being staged) the names come
+    from it and the transform gets the file it opens, from RAM or from the source.
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], transform: Callable[[str], Any] | None = None
+        self,
+        root: str | os.PathLike[str],
+        transform: Callable[[Any], Any] | None = None,
+        files: Files | None = None,
     ) -> None:
         self.root = os.fspath(root)
+        self.files = files
+        self.transform = transform or ImagenetTrain()
+        if files is not None:
+            self._index(files.names)
+            return
         if not os.path.isdir(self.root):
             raise ShmstageError(
                 f"{self.root}: not a directory; pass a folder of class subfolders with images"
@@ -209,19 +230,34 @@ class ImageFolder:
                     for f in sorted(filenames)
                     if os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS
                 )
+        self._check()
+
+    def _index(self, names: Sequence[str]) -> None:
+        """Samples from relative names ``<class>/.../<image>``, in the file system's order."""
+        images = sorted(
+            n for n in names if "/" in n and os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS
+        )
+        self.classes = sorted({n.split("/", 1)[0] for n in images if not n.startswith(".")})
+        index = {name: i for i, name in enumerate(self.classes)}
+        self.samples = [(n, index[n.split("/", 1)[0]]) for n in images if not n.startswith(".")]
+        self._check()
+
+    def _check(self) -> None:
         if not self.samples:
             raise ShmstageError(
                 f"{self.root}: no images found; expected class subfolders with .jpg/.png files "
                 "(the ImageFolder layout, e.g. DIR/cat/001.jpg)"
             )
-        self.transform = transform or ImagenetTrain()
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         path, target = self.samples[index]
-        return self.transform(path), target
+        if self.files is None:
+            return self.transform(path), target
+        with self.files.open(path) as f:
+            return self.transform(f), target
 
 
 def make_transform(name: str, size: int = 224) -> Callable[[str], Any]:

@@ -26,6 +26,7 @@ class TrainResult:
     device_name: str  # the GPU's name, or "cpu"
     loss_first: float  # training loss of the first and last step
     loss_last: float
+    first_step_at: float = 0.0  # CLOCK_BOOTTIME s when the first step ended (callers time from it)
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,13 @@ class Payback:
 
 @dataclass(frozen=True)
 class DemoRun:
-    label: str  # "original" | "staged"
+    label: str  # "original" | "staged" | "no-wait"
     command: str  # the shmstage run command line, as a user would type it
     cached_share: float | None  # share of the data in the page cache just before the run
     result: TrainResult  # what the training job measured
+    # seconds until the first training step ended, from starting `shmstage run` (staged:
+    # from starting `shmstage stage`, so the staging counts): what the GPU waited
+    first_step_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class DemoReport:
     slow_source: SlowSource  # the read throttle on the original (staging and the original run)
     original: DemoRun  # training read the original
     staged: DemoRun  # training read the staged copy
+    nowait: DemoRun | None  # `run --no-wait`: training while the copy was made; None: not run
     speedup: float  # staged images/s / original images/s
     payback: Payback  # after how many epochs the staging time is won back
     notes: tuple[str, ...]  # what was skipped or changed, and why

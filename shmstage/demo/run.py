@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shmstage.bench.throttle import Throttle
 from shmstage.capacity import MEMORY_BACKED
 from shmstage.demo.pagecache import cached_share, evict_from_page_cache
-from shmstage.demo.report import DemoReport, DemoRun, busy_note, payback, suggest_next_steps
+from shmstage.demo.report import (
+    DemoReport,
+    DemoRun,
+    TrainResult,
+    busy_note,
+    payback,
+    suggest_next_steps,
+)
 from shmstage.demo.steps import (
     MARKER,
     MB,
@@ -25,6 +35,7 @@ from shmstage.demo.steps import (
     node_facts,
     pillow_facts,
     prepare_dataset,
+    run_offers,
     signals_unwind,
     slow_source_throttle,
     stage_through_cli,
@@ -104,7 +115,8 @@ def run_demo(
             dataset = prepare_dataset(workdir, images, log)
             owned += [dataset.path, os.path.join(workdir, MARKER)]
             owned += [
-                os.path.join(workdir, f"train-{label}.json") for label in ("original", "staged")
+                os.path.join(workdir, f"train-{label}.json")
+                for label in ("original", "staged", "no-wait")
             ]
             log(
                 f"demo: inspecting the node and the dataset (shmstage inspect --dataset {dataset.path})"
@@ -135,18 +147,15 @@ def run_demo(
                 )
                 evict_from_page_cache(files)
             cached = cached_share(files)
-            shown, original = train_through_run(
-                dataset.path,
-                label="original",
-                stage_spec=None,
-                steps=steps,
-                batch_size=batch_size,
-                out_dir=out_dir,
-                env=env,
+            # every run: the same job, steps and log; env is read at each call (DEST set below)
+            train = functools.partial(
+                train_through_run, steps=steps, batch_size=batch_size, out_dir=out_dir, env=env,
                 log=log,
-                throttle=throttle,
+            )  # fmt: skip
+            shown, original, original_first = train(
+                dataset.path, label="original", stage_spec=None, throttle=throttle
             )
-            original_run = DemoRun("original", shown, cached, original)
+            original_run = DemoRun("original", shown, cached, original, original_first)
             load = os.getloadavg()[0]
 
             staged_root, fallback = choose_dest(dataset.bytes, workdir)
@@ -162,6 +171,7 @@ def run_demo(
                 else ""
             )
             log(f"demo: staging {format_size(dataset.bytes)} into {staged_root}{eta}")
+            stage_start = time.monotonic()
             staging = stage_through_cli(
                 dataset.path,
                 name=staged_name,
@@ -170,23 +180,28 @@ def run_demo(
                 env=env,
                 preexec=preexec,
             )
+            stage_wall = time.monotonic() - stage_start
             env["SHMSTAGE_DEST"] = staged_root  # `shmstage run` finds the copy just made
-            shown, staged = train_through_run(
-                "{staged}",
-                label="staged",
-                stage_spec=f"{dataset.path}={staged_name}",
-                steps=steps,
-                batch_size=batch_size,
-                out_dir=out_dir,
-                env=env,
-                log=log,
+            shown, staged, staged_first = train(
+                "{staged}", label="staged", stage_spec=f"{dataset.path}={staged_name}"
             )
             staged_run = DemoRun(
                 "staged",
                 shown,
                 cached_share([str(p) for p in Path(staging.dest).rglob("*.jpg")]),
                 staged,
+                stage_wall + staged_first,
             )
+            nowait_run = None
+            # the job reads a live copy through DatasetFiles: both halves of issue 23 needed
+            if run_offers("--no-wait", env) and importlib.util.find_spec("shmstage.datasetfiles"):
+                nowait_run = _train_while_staging(
+                    train, dataset.path, staged_root, staged_name, files, throttle, cold
+                )
+            else:
+                notes.append(
+                    "this shmstage has no run --no-wait or no DatasetFiles, so no third run"
+                )
             speedup = (
                 staged.images_per_s / original.images_per_s if original.images_per_s > 0 else 0.0
             )
@@ -212,6 +227,7 @@ def run_demo(
                 slow_source=slow,
                 original=original_run,
                 staged=staged_run,
+                nowait=nowait_run,
                 speedup=speedup,
                 payback=payback(dataset.images, original, staged, staging.seconds),
                 notes=tuple(notes),
@@ -230,6 +246,28 @@ def run_demo(
         finally:
             if not keep:
                 _cleanup(workdir, created, staged_root, staged_name, owned, log)
+
+
+def _train_while_staging(
+    train: Callable[..., tuple[str, TrainResult, float]],
+    source: str,
+    dest: str,
+    name: str,
+    files: list[str],
+    throttle: Throttle | None,
+    cold: bool,
+) -> DemoRun:
+    """The third run: the copy made afresh by ``run --no-wait`` while the job trains on it."""
+    from shmstage.stage import evict
+
+    evict(name, dest=dest)  # else run finds the copy the staged run read
+    if cold:
+        evict_from_page_cache(files)
+    cached = cached_share(files)
+    shown, result, first = train(
+        "{staged}", label="no-wait", stage_spec=f"{source}={name}", throttle=throttle, no_wait=True
+    )
+    return DemoRun("no-wait", shown, cached, result, first)
 
 
 def _cleanup(

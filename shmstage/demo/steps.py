@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from shmstage import system
@@ -170,30 +171,44 @@ def train_through_run(
     env: dict[str, str],
     log: Callable[[str], None],
     throttle: Throttle | None = None,
-) -> tuple[str, TrainResult]:
-    """Run the demo trainer under ``shmstage run`` in a subprocess; its measured result.
+    no_wait: bool = False,
+) -> tuple[str, TrainResult, float]:
+    """Run the demo trainer under ``shmstage run`` in a subprocess; its measured result and
+    the seconds from starting ``shmstage run`` to the end of the job's first step.
 
-    With ``throttle`` the trainer joins its cgroup once started (its loader workers with it).
+    With ``throttle`` the trainer joins its cgroup once started (its loader workers with it);
+    with ``no_wait`` as well, ``run --no-wait`` and all it starts read inside the group (the
+    stager's copy is what the throttle is for), and the trainer reads through DatasetFiles.
     """
     json_out = os.path.join(out_dir, f"train-{label}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(json_out)  # a kept workdir may hold the last run's result
     run_args = ["run"] + (["--stage", stage_spec] if stage_spec else [])
+    run_args += ["--no-wait"] if no_wait else []
     job = [sys.executable, "-m", "shmstage.demo.train", "--data", data_arg, "--steps", str(steps)]
-    job += ["--batch-size", str(batch_size)]
+    job += ["--batch-size", str(batch_size)] + (["--files"] if no_wait else [])
     shown = _shown([*_shmstage_cmd(), *run_args, "--", *job])
     job += ["--json-out", json_out]  # implementation details, not shown
-    job += ["--join-cgroup", str(throttle.cgroup)] if throttle else []
+    job += ["--join-cgroup", str(throttle.cgroup)] if throttle and not no_wait else []
     argv = [*_shmstage_cmd(), *run_args, "--", *job]
     log(f"demo: training on the {label} data: {shown}")
-    proc = _run_captured(argv, env)
+    start = time.clock_gettime(time.CLOCK_BOOTTIME)
+    proc = _run_captured(argv, env, throttle.enter if throttle and no_wait else None)
     if proc.returncode != 0 or not os.path.exists(json_out):
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         raise ShmstageError(
             f"the {label} training run failed (exit {proc.returncode}): {tail or 'no output'}"
         )
     with open(json_out) as f:
-        return shown, TrainResult(**json.load(f))
+        result = TrainResult(**json.load(f))
+    return shown, result, max(0.0, result.first_step_at - start)
+
+
+def run_offers(flag: str, env: dict[str, str]) -> bool:
+    """Does this shmstage's ``run`` take ``flag`` (e.g. ``--no-wait``)?  Asked of the CLI
+    the demo runs, as a user's would be."""
+    proc = _run_captured([*_shmstage_cmd(), "run", "--help"], env)
+    return proc.returncode == 0 and flag in proc.stdout.split()
 
 
 def stage_through_cli(

@@ -45,6 +45,7 @@ def train(
     warmup: int = 3,
     image_size: int = 224,
     join_cgroup: str | None = None,
+    files: bool = False,
 ) -> TrainResult:
     import torch
 
@@ -55,7 +56,12 @@ def train(
     # workers get the rest (as on a GPU node, where the CPU only feeds data).
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dataset = ImageFolder(data, ImagenetTrain(image_size))
+    if files:  # `run --no-wait`: the copy is still landing; read what has landed from RAM
+        from shmstage.loader import DatasetFiles
+
+        dataset = ImageFolder(data, ImagenetTrain(image_size), files=DatasetFiles(data))
+    else:
+        dataset = ImageFolder(data, ImagenetTrain(image_size))
     # The dataset never changes between epochs: keep the workers (make_loader's default
     # restarts them each epoch, which the stall share would then count).
     loader = make_loader(
@@ -77,6 +83,7 @@ def train(
     wait = busy = 0.0
     images = 0
     losses: list[float] = []
+    first_step_at = 0.0
     for step in range(warmup + steps):
         t0 = time.perf_counter()
         try:
@@ -93,6 +100,8 @@ def train(
         optimizer.step()
         losses.append(loss.item())  # .item() waits for the device, so the step is really done
         t2 = time.perf_counter()
+        if step == 0:  # the caller times "until the first step" from its own start
+            first_step_at = time.clock_gettime(time.CLOCK_BOOTTIME)
         if step >= warmup:  # the first batches pay for worker start-up
             wait += t1 - t0
             busy += t2 - t0
@@ -114,6 +123,7 @@ def train(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         loss_first=losses[0],
         loss_last=losses[-1],
+        first_step_at=first_step_at,
     )
 
 
@@ -159,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="move into this cgroup (a read throttle) before the first batch, after start-up",
     )
+    parser.add_argument(
+        "--files",
+        action="store_true",
+        help="read through shmstage.loader.DatasetFiles (a copy still being staged: run --no-wait)",
+    )
     args = parser.parse_args(argv)
     if not args.data:
         parser.error("--data is required (or set SHMSTAGE_DATA)")
@@ -174,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             image_size=args.image_size,
             join_cgroup=args.join_cgroup,
+            files=args.files,
         )
     except ShmstageError as e:
         print(f"Error: {e}", file=sys.stderr)

@@ -46,22 +46,8 @@ def fill(
 ) -> None:
     """Copy ``wants`` from the directory into ``root``: the forked copier, or the cluster
     exchange with peers; then :func:`settle`."""
-    src, dst = source.prefix, root + "/"
-    # what the walk found at each path: the copier refuses another file (0: unchecked)
-    ident = ((source.tree.idents if source.tree is not None else None) or {}).get
-    jobs: list[Job] = [
-        (
-            src + w.path,
-            dst + w.path,
-            w.size,
-            w.mtime_ns,
-            w.atime_ns,
-            w.mode,
-            w.path,
-            ident(w.path, 0),
-        )
-        for w in wants  # plain concatenation: 1M joins cost seconds
-    ]
+    src = source.prefix
+    jobs = jobs_of(source, wants, root)
     old_umask = os.umask(0)
     try:
         tasks, chunked = copier.make_tasks(jobs)
@@ -78,6 +64,26 @@ def fill(
     else:
         copier.run(jobs, tasks, nworkers, tick, meanwhile, tops={src: source.top()})
     settle(source, jobs, [jobs[i] for i in chunked], checksum, nworkers)
+
+
+def jobs_of(source: DirSource, wants: Sequence[Want], root: str) -> list[Job]:
+    """The copier's jobs for ``wants``, from the directory into ``root``."""
+    src, dst = source.prefix, root + "/"
+    # what the walk found at each path: the copier refuses another file (0: unchecked)
+    ident = ((source.tree.idents if source.tree is not None else None) or {}).get
+    return [
+        (
+            src + w.path,
+            dst + w.path,
+            w.size,
+            w.mtime_ns,
+            w.atime_ns,
+            w.mode,
+            w.path,
+            ident(w.path, 0),
+        )
+        for w in wants  # plain concatenation: 1M joins cost seconds
+    ]
 
 
 def settle(

@@ -20,10 +20,10 @@ from typing import Any
 
 from shmstage.stage.build import copier
 from shmstage.stage.build.chown import copy_group, copy_owner
-from shmstage.stage.build.copypipe import Job, check_alive
+from shmstage.stage.build.copypipe import check_alive
 from shmstage.stage.build.demand import DemandServer
 from shmstage.stage.build.estimate import page_size
-from shmstage.stage.build.fromdir import settle
+from shmstage.stage.build.fromdir import jobs_of, settle
 from shmstage.stage.sources.base import Tick, Want
 from shmstage.stage.sources.directory import DirSource
 from shmstage.stage.store import Store
@@ -149,7 +149,7 @@ def fill_live(
         live.failed()  # jobs see EOF now, and read what did not land from the source
         raise
     hard.clear()  # every link made as its file landed
-    settle(source, _jobs(source, wants, part), [], checksum, workers or copier.default_workers())
+    settle(source, jobs_of(source, wants, part), [], checksum, workers or copier.default_workers())
 
 
 def _as_file(link: list[Any], entries: list[Any]) -> list[Any]:
@@ -184,24 +184,6 @@ def _open_tree(
         os.chmod(path, stat.S_IMODE(mode) | stat.S_IRWXU)
 
 
-def _jobs(source: DirSource, wants: Sequence[Want], part: str) -> list[Job]:
-    src, dst = source.prefix, part + "/"
-    ident = ((source.tree.idents if source.tree is not None else None) or {}).get
-    return [
-        (
-            src + w.path,
-            dst + w.path,
-            w.size,
-            w.mtime_ns,
-            w.atime_ns,
-            w.mode,
-            w.path,
-            ident(w.path, 0),
-        )
-        for w in wants
-    ]
-
-
 def _wait(results: int, server: DemandServer) -> tuple[list[int], list[int]]:
     """poll(2), not select: a job's DataLoader workers each connect, and fds past 1023 are
     fine.  (readable, writable) after at most 0.2 s."""
@@ -233,7 +215,7 @@ class _Copy:
         self.live, self.source, self.part = live, source, part
         self.tick = tick
         self.workers = workers or copier.default_workers()
-        self.jobs = _jobs(source, wants, part)
+        self.jobs = jobs_of(source, wants, part)
         self.index = index
         self.links = links
         self.job_of = {index[job[6]]: j for j, job in enumerate(self.jobs)}
