@@ -295,6 +295,11 @@ def run(
     Everything that can be refused (placeholders, a missing command, a bad node config, a
     failed staging) is refused before the job starts.
     """
+    if partial and no_wait:
+        raise RefusedError(
+            "--partial and --no-wait do not combine: --partial publishes the part that fits "
+            "before the job starts, --no-wait copies all of it while the job runs; drop one"
+        )
     requests = [r if isinstance(r, StageRequest) else StageRequest.parse(r) for r in stage]
     names = [stage_name(r) for r in requests]
     known = [n for n in names if n is not None]

@@ -17,6 +17,7 @@ from shmstage.cli.params import (
     no_service_option,
 )
 from shmstage.config import configured, node_reserve
+from shmstage.errors import CapacityError
 from shmstage.sizes import format_size
 from shmstage.stage import (
     DEFAULT_DEST,
@@ -24,6 +25,7 @@ from shmstage.stage import (
     Plan,
     Progress,
     check_lease_for,
+    resident,
     summary,
 )
 from shmstage.stage.cache.tiers import refusal
@@ -211,9 +213,14 @@ def stage_cmd(
             src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
             force=force, strip_components=strip_components, service=not no_service,
         )  # fmt: skip
+        why = refusal(p.name, p.skipped) if p.tier is None else None
+        if partial and isinstance(why, CapacityError):  # what a real --partial would keep
+            part = resident.preview(src, name=name, dest=dest, reserve=reserve, policies=policies)
+            click.echo(dumps(part) if as_json else _render_partial(part, p.name))
+            return
         click.echo(dumps(p) if as_json else _render_plan(p))
-        if p.tier is None:  # what the real run would say
-            raise api.refused(refusal(p.name, p.skipped), dest, not no_service)
+        if why is not None:  # what the real run would say
+            raise api.refused(why, dest, not no_service)
         return
     if spec is not None and not no_service and not quiet:
         conn = api.service_for(dest)
@@ -272,6 +279,15 @@ def _placement(ds: Placed, dest: str) -> list[str]:
     if "," in dest:
         lines.append(f"tier {ds.tier_index + 1} of {dest.count(',') + 1}: {ds.tier}")
     return lines
+
+
+def _render_partial(part: resident.PartialPlan, name: str) -> str:
+    share = 100 * part.bytes // part.total_bytes if part.total_bytes else 100
+    return (
+        f"{name} does not fit: --partial would keep {format_size(part.bytes)} "
+        f"({part.files} of {part.total_files} files, {share}% of {format_size(part.total_bytes)}) "
+        f"in RAM at {part.tier}; jobs read the rest from the source"
+    )
 
 
 def _render_plan(p: Plan) -> str:

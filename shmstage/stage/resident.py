@@ -10,13 +10,15 @@ it takes the room that is free (make-room would trade whole datasets for a fract
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
-from dataclasses import astuple, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 from shmstage.capacity import check_fit
 from shmstage.errors import CapacityError, RefusedError
 from shmstage.stage import engine, staging
+from shmstage.stage.build import estimate
 from shmstage.stage.build.estimate import page_size, rounded
 from shmstage.stage.cache import makeroom
 from shmstage.stage.cache.makeroom import CachePolicy
@@ -28,7 +30,7 @@ from shmstage.stage.store.layout import Record, Store
 from shmstage.stage.store.reserve import pending
 from shmstage.stage.store.views import PARTIAL, read_view, remove_view, write_view
 
-_SLACK_PAGES = 64  # kept free beyond the reserve: long symlinks' pages, rounding
+_SLACK_PAGES = 16  # kept free beyond the reserve: rounding
 
 
 def stage(
@@ -71,8 +73,7 @@ def stage(
         why = refusal(name, plan.skipped)
         if not isinstance(why, CapacityError):
             raise why  # not a question of room
-    home = holding(name, joined(tiers))
-    tier = home or next((t for t in tiers if why_not_ours(t, name) is None), tiers[0])
+    tier = _tier(tiers, name)
     subset = Subset(source, reserve, policies.get(tier))
     ds = staging.stage(src, name=name, dest=tier, reserve=reserve, subset=subset, **kw)
     if ds.changed:
@@ -80,6 +81,44 @@ def stage(
     else:
         counters.add(tier, hits=1)
     return Placed(**ds.__dict__, tier=tier, tier_index=tiers.index(tier))
+
+
+@dataclass(frozen=True)
+class PartialPlan:
+    """What ``stage --partial`` would keep in RAM of a directory that does not fit
+    (``stage --partial --dry-run``)."""
+
+    tier: str
+    bytes: int  # in RAM
+    files: int
+    total_bytes: int  # the whole dataset
+    total_files: int
+
+
+def preview(
+    src: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    dest: str | os.PathLike[str] | None = None,
+    reserve: int | str | None = None,
+    policies: Mapping[str, CachePolicy] | None = None,
+) -> PartialPlan:
+    """Read-only: the part :func:`stage` would keep of ``src`` (a directory that fits no
+    tier), chosen as a real run chooses it now (its walk included)."""
+    tiers, policies, name = check_request(src, name, dest, policies, None)
+    kind, source = sources.resolve(os.fspath(src), None)
+    if kind != "dir":
+        raise RefusedError(f"--partial stages directories, and {src} is not one")
+    tier = _tier(tiers, name)
+    listing = sources.open_source(kind, source, 0, None, None, None).listing()
+    part = Subset(source, reserve, policies.get(tier)).select(listing, Store(tier), name)
+    return PartialPlan(tier, part.bytes, part.files, listing.bytes, listing.files)
+
+
+def _tier(tiers: tuple[str, ...], name: str) -> str:
+    """The tier a partial copy goes to: the one holding it, else the fastest that may."""
+    home = holding(name, joined(tiers))
+    return home or next((t for t in tiers if why_not_ours(t, name) is None), tiers[0])
 
 
 class Subset:
@@ -94,22 +133,22 @@ class Subset:
         self.total: tuple[int, int] | None = None  # (bytes, files) of it all; None: all in RAM
 
     def select(self, listing: Listing, store: Store, name: str) -> Listing:
-        """The part of ``listing`` to copy: the files in RAM now that did not change (they
-        cost nothing more: linked), then the largest files first while they fit."""
+        """The part of ``listing`` to copy: the files the current copy holds that did not
+        change (they cost nothing more: linked, whole copy or partial), then the largest
+        files first while they fit; directories and symlinks first, at their pages (the
+        fit check's estimator)."""
         page = page_size(store.dest)
-        before = read_view(store.dest, name) if store.published(name) is not None else None
-        listed = before.files() if before is not None and before.kind == PARTIAL else None
-        kept_before = (
-            {n: (s, m) for n, s, m, r in zip(*astuple(listed)) if r} if listed is not None else {}
-        )
         room, cap = self._room(store, name)
         entries = listing.entries
+        tree = _held(store, name, listing)
+        fixed = estimate.of_entries("", [e for e in entries if e[1] in ("d", "l")], page)
+        room -= fixed.page_bytes
+        total_pages = fixed.page_bytes
         files = [i for i, e in enumerate(entries) if e[1] == "f"]
         chosen: set[str] = set()
-        total_pages = 0
         for i in files:
             rel, _, size, mtime = entries[i][:4]
-            if kept_before.get(rel) == (size, mtime):
+            if tree.get(rel) == (size, mtime):
                 chosen.add(rel)
                 total_pages += rounded(size, page)
         for i in sorted(files, key=lambda i: (-entries[i][2], entries[i][0])):
@@ -155,26 +194,54 @@ class Subset:
             cap -= makeroom.cached_bytes(store, exclude=name) + inflight.in_flight(store, name)
         return max(0, room), None if cap is None else max(0, cap)
 
-    def publishing(self, store: Store, name: str, record: Record, top: str = "") -> Record:
-        """Before the part is published (``top``: its tree, partial/<name> by default): its
-        view, and the record that says it is partial."""
-        view = read_view(store.dest, name)
+    def publishing(self, store: Store, name: str, record: Record) -> Record:
+        """Before the part (partial/<name>) is published: the view of that tree, valid from
+        the exchange on (NOTE [partial view]), and the record that says it is partial."""
         if self.total is None:
-            if view is not None and view.kind == PARTIAL:
-                remove_view(store, name)  # all of it is in RAM now
             return replace(record, total_bytes=None, total_files=None)
-        listed = view.files() if view is not None and view.kind == PARTIAL else None
-        same = listed is not None and list(zip(*astuple(listed))) == self.files
-        if not same or view.source != self.source:  # type: ignore[union-attr]
-            write_view(
-                store, name, kind=PARTIAL, source=self.source, root=store.path(name),
-                socket=None, files=self.files, top=top or store.partial(name),
-            )  # fmt: skip
+        write_view(
+            store, name, kind=PARTIAL, source=self.source, root=store.path(name),
+            socket=None, files=self.files, top=store.partial(name), pending=True,
+        )  # fmt: skip
         return replace(record, total_bytes=self.total[0], total_files=self.total[1])
 
     def current(self, store: Store, name: str, record: Record) -> None:
         """The part in RAM is current: the view (what is not in RAM may have changed) and
-        the record's totals brought up to date; nothing rewritten when nothing changed."""
-        new = self.publishing(store, name, record, top=store.path(name))
+        the record's totals brought up to date; nothing rewritten when nothing changed.
+        The view is swapped in one step (never a moment without one)."""
+        view = read_view(store.dest, name)
+        if self.total is None:  # all of it is in RAM: a whole copy has no view
+            if view is not None:
+                remove_view(store, name)
+            new = replace(record, total_bytes=None, total_files=None)
+        else:
+            listed = view.files() if view is not None and view.kind == PARTIAL else None
+            same = listed is not None and list(zip(*astuple(listed))) == self.files
+            if not same or view.source != self.source:  # type: ignore[union-attr]
+                write_view(
+                    store, name, kind=PARTIAL, source=self.source, root=store.path(name),
+                    socket=None, files=self.files, top=store.path(name),
+                )  # fmt: skip
+            new = replace(record, total_bytes=self.total[0], total_files=self.total[1])
         if new != record:
             store.write_record(new)
+
+
+def _held(store: Store, name: str, listing: Listing) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of the listed files the published copy of ``name`` holds now, a
+    whole copy's or a partial one's (a restage links them: no new pages), whatever its view
+    says (a kill may have left none)."""
+    if store.published(name) is None:
+        return {}
+    top = store.path(name)
+    held = {}
+    for e in listing.entries:
+        if e[1] != "f":
+            continue
+        try:
+            st = os.lstat(os.path.join(top, e[0]))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (e[2], e[3]):
+            held[e[0]] = (e[2], e[3])
+    return held

@@ -232,6 +232,7 @@ def _stage_locked(
     store.check_published(name)  # DEST/<name> must be our own directory if it exists
     store.recover(name)  # finish a publish a kill interrupted
     views.remove_dead_view(store, name)  # a killed live stager's (run --no-wait)
+    views.settle(store, name)  # what a kill left of a partial view
     clear_dead_trash(store, name)  # an old version whose remover was killed
     record = store.published(name)
     manifest = store.manifest_for(record) if record else None
@@ -329,9 +330,7 @@ def _stage_locked(
             _publish(store, name, new, marker)
         if live is not None:
             live.published()
-        old_view = views.read_view(store.dest, name) if subset is None else None
-        if old_view is not None and old_view.kind == views.PARTIAL:
-            views.remove_view(store, name)  # a --partial copy, whole now: after the publish
+        views.settle(store, name)  # NOTE [partial view]: the new tree's view, or none
         return dataset_of(new, store, changed=True, copied_bytes=built.copied, seconds=seconds)
     except BaseException as e:
         # Ctrl-C, SIGTERM, a failed copy: never leave a half tree (in RAM) behind.
@@ -418,6 +417,16 @@ def restage_need(
     )
     return need
 
+
+# NOTE [partial view]: a --partial copy and its view change in one step.
+#
+#   A partial view names the tree it describes (its root inode); ``read_view`` takes no
+#   view over another tree.  A restage writes the new tree's view to views/.<name>.next.view
+#   before the publish; the exchange of the trees makes it the valid one (read_view looks
+#   there too), and ``views.settle`` then swaps it into views/<name> (RENAME_EXCHANGE).  A
+#   kill anywhere leaves the old copy with its view, or the new copy with its own; an old
+#   partial view over a whole copy is none, and the next stage or gc removes what is left.
+#   An up-to-date restage whose unlisted files changed swaps the view in one step too.
 
 # NOTE [publish]: publish and record are one step a kill cannot split.
 #

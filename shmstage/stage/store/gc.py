@@ -61,6 +61,7 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
             with store.lock(name, wait=False):
                 if not dry_run:
                     store.recover(name)
+                    views.settle(store, name)  # a kill between a copy and its view
                 items = _items(store, name)  # after recovery
                 published = store.published(name) is not None
                 kept = False
@@ -222,6 +223,9 @@ def _items(store: Store, name: str, *, lock: bool = True) -> list[tuple[str, str
     add(leases.lease_path(store, name), "lease")
     if view is not None and view.kind == views.PARTIAL:  # kept while its copy is published
         found.append((view.path, "view"))
+    for path in (store.view_path(name), views.next_path(store, name)):
+        if os.path.lexists(path) and (view is None or view.path != path):
+            found.append((path, "stale view"))  # over no tree it describes (a kill's)
     # a stager reserves under the dataset's lock: with the lock ours, its stager is dead
     add(os.path.join(store.reservation_dir, name), "reservation")
     if lock:

@@ -667,6 +667,12 @@ def _movable(path: str, *, restore: bool) -> Iterator[None]:
 _libc: Any = None
 
 
+def exchange(src: str, dst: str) -> bool:
+    """Swap two existing paths in one step (renameat2 RENAME_EXCHANGE); False where the
+    kernel or file system cannot (the caller falls back to a remove and a rename)."""
+    return _renameat2(src, dst, _RENAME_EXCHANGE)
+
+
 def _renameat2(src: str, dst: str, flags: int) -> bool:
     """renameat2(2); False where the kernel or file system lacks it (caller falls back)."""
     global _libc

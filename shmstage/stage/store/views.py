@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shmstage.errors import ShmstageError
 from shmstage.stage.store import access
 from shmstage.stage.store.checks import mkdir_checked, os_error
-from shmstage.stage.store.layout import Store
+from shmstage.stage.store.layout import Store, exchange
 from shmstage.stage.store.locks import alive, running, start_time
 from shmstage.stage.store.trees import rmtree
 
@@ -32,6 +32,11 @@ KINDS = (LIVE, PARTIAL)
 VIEW_JSON = "view.json"
 FILES = "files"
 LANDED = "landed"
+# A partial view names the tree it describes (``tree``: the root inode of DEST/<name>, kept
+# by the publish's exchange): a view over another tree is no view.  A restage writes the
+# next tree's view here first; the exchange of the trees makes it the valid one, and the
+# stager then moves it into views/<name> (see NOTE [partial view]).
+NEXT = ".{name}.next.view"
 
 # The demand protocol on a live view's socket: the job sends REQUEST (a file's index), the
 # stager answers ANSWER (index, status) once the file landed (LANDED_OK), or PUBLISHED
@@ -91,6 +96,7 @@ class View:
     pid: int
     pid_start: int | None  # /proc/PID/stat field 22 of the stager; None for a partial view
     path: str  # the view's directory
+    tree: int | None = None  # partial: the root inode of the tree it describes
 
     def alive(self) -> bool:
         """Whether the stager that wrote a live view still runs (a partial view: always)."""
@@ -162,7 +168,25 @@ def format_files(files: Iterable[tuple[str, int, int, bool]]) -> bytes:
 def read_view(dest: str | os.PathLike[str], name: str) -> View | None:
     """The view of ``name`` in the store at ``dest``; None when there is none (published,
     never written, or unreadable to this user: its files are as private as the copy)."""
-    path = Store(dest).view_path(name)
+    store = Store(dest)
+    view = _load(store.view_path(name), name)
+    if view is not None and view.kind == LIVE:
+        return view
+    try:
+        st = os.lstat(store.path(name))
+    except OSError:
+        return None
+    for v in (view, _load(next_path(store, name), name)):
+        if v is not None and v.kind == PARTIAL and v.tree == st.st_ino:
+            return v  # the view of the tree published now
+    return None  # a view over another tree (a kill between the two): no view
+
+
+def next_path(store: Store, name: str) -> str:
+    return os.path.join(store.views_dir, NEXT.format(name=name))
+
+
+def _load(path: str, name: str) -> View | None:
     try:
         with open(os.path.join(path, VIEW_JSON), "rb") as f:
             data = json.load(f)
@@ -171,6 +195,7 @@ def read_view(dest: str | os.PathLike[str], name: str) -> View | None:
     try:
         if data["format"] != FORMAT or data["kind"] not in KINDS or data["name"] != name:
             return None
+        tree = data.get("tree")
         start = data.get("pid_start")
         return View(
             kind=data["kind"],
@@ -182,6 +207,7 @@ def read_view(dest: str | os.PathLike[str], name: str) -> View | None:
             pid=int(data["pid"]),
             pid_start=None if start is None else int(start),
             path=path,
+            tree=None if tree is None else int(tree),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -197,12 +223,15 @@ def write_view(
     socket: str | None,
     files: Iterable[tuple[str, int, int, bool]],
     top: str,
+    pending: bool = False,
 ) -> View:
     """Write ``name``'s view at once (a directory renamed into place), replacing an old one.
     Its files get the access of ``top`` (the copy's top: who may read the copy may read the
-    view, as the manifests).  Call holding ``name``'s lock."""
+    view, as the manifests).  A partial view names ``top``'s tree (its root inode); with
+    ``pending`` it is the next tree's, about to be published (:func:`promote` after the
+    publish).  Call holding ``name``'s lock."""
     mkdir_checked(store.views_dir, 0o755)
-    path = store.view_path(name)
+    path = next_path(store, name) if pending else store.view_path(name)
     tmp = os.path.join(store.views_dir, f".{name}.{os.getpid()}.tmp")
     pid = os.getpid()
     data = {
@@ -216,6 +245,8 @@ def write_view(
         "pid": pid,
         "pid_start": start_time(pid) if kind == LIVE else None,
     }
+    if kind == PARTIAL:
+        data["tree"] = os.lstat(top).st_ino
     want = access.bookkeeping_access(top)
     try:
         with suppress(FileNotFoundError):
@@ -230,16 +261,60 @@ def write_view(
         for file, raw in contents.items():
             _write_shared(os.path.join(tmp, file), raw, want)
         os.chmod(tmp, 0o755)  # its files say who may read them
-        remove_view(store, name)
-        os.rename(tmp, path)
+        _replace(store, name, tmp, path)
     except OSError as e:
         with suppress(OSError):
             rmtree(tmp)
         raise os_error(e, f"cannot write the view {path}") from None
-    view = read_view(store.dest, name)
+    view = _load(path, name)
     if view is None:
         raise ShmstageError(f"cannot read back the view {path}")
     return view
+
+
+def _replace(store: Store, name: str, new: str, path: str) -> None:
+    """Put the directory ``new`` at ``path`` in one step: readers see the old view or the
+    new one, never none (a kill in between included)."""
+    if os.path.lexists(path) and exchange(new, path):
+        rmtree(new)  # the old one, swapped out
+        return
+    if path == store.view_path(name):
+        remove_view(store, name, pending=False)  # no RENAME_EXCHANGE: an instant with none
+    else:
+        with suppress(FileNotFoundError):
+            rmtree(path)
+    os.rename(new, path)
+
+
+def promote(store: Store, name: str) -> None:
+    """After the publish: the next tree's view (``write_view(pending=True)``), valid since
+    the exchange, becomes views/<name>.  Call holding ``name``'s lock."""
+    pending = next_path(store, name)
+    if not os.path.lexists(pending):
+        return
+    try:
+        _replace(store, name, pending, store.view_path(name))
+    except OSError as e:
+        raise os_error(e, f"cannot write the view {store.view_path(name)}") from None
+
+
+def settle(store: Store, name: str) -> None:
+    """Before a stage or by gc (holding ``name``'s lock): finish what a kill left of a
+    partial view: the next tree's view published (promote), or dropped when its tree never
+    was; a partial view over a tree it does not describe removed (a whole copy's)."""
+    try:
+        ino: int | None = os.lstat(store.path(name)).st_ino
+    except OSError:
+        ino = None
+    pending = _load(next_path(store, name), name)
+    if pending is not None and pending.tree == ino:
+        promote(store, name)
+    elif os.path.lexists(next_path(store, name)):
+        with suppress(FileNotFoundError):
+            rmtree(next_path(store, name))
+    view = _load(store.view_path(name), name)
+    if view is not None and view.kind == PARTIAL and view.tree != ino:
+        remove_view(store, name)
 
 
 def _write_shared(path: str, raw: bytes, want: access.Access) -> None:
@@ -275,11 +350,15 @@ class LandedLog:
             self.fd = -1
 
 
-def remove_view(store: Store, name: str) -> None:
+def remove_view(store: Store, name: str, *, pending: bool = True) -> None:
     """Remove ``name``'s view, at once for its readers (renamed away, then removed), and its
-    stager's demand socket (a killed stager's is left behind)."""
+    stager's demand socket (a killed stager's is left behind); with ``pending`` the next
+    tree's partial view too."""
     path = store.view_path(name)
-    view = read_view(store.dest, name)
+    if pending:
+        with suppress(FileNotFoundError):
+            rmtree(next_path(store, name))
+    view = _load(path, name)
     if view is not None and view.socket and os.path.dirname(view.socket) == store.views_dir:
         with suppress(FileNotFoundError):
             os.unlink(view.socket)
