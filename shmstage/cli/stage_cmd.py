@@ -282,10 +282,10 @@ def _placement(ds: Placed, dest: str) -> list[str]:
 
 
 def _render_partial(part: resident.PartialPlan, name: str) -> str:
-    share = 100 * part.bytes // part.total_bytes if part.total_bytes else 100
+    share = part.bytes / part.total_bytes if part.total_bytes else 1.0
     return (
         f"{name} does not fit: --partial would keep {format_size(part.bytes)} "
-        f"({part.files} of {part.total_files} files, {share}% of {format_size(part.total_bytes)}) "
+        f"({part.files} of {part.total_files} files, {share:.0%} of {format_size(part.total_bytes)}) "
         f"in RAM at {part.tier}; jobs read the rest from the source"
     )
 

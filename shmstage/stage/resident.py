@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass, replace
 from typing import Any
@@ -31,6 +32,8 @@ from shmstage.stage.store.reserve import pending
 from shmstage.stage.store.views import PARTIAL, read_view, remove_view, write_view
 
 _SLACK_PAGES = 16  # kept free beyond the reserve: rounding
+_TRIES = 5  # choices made again after another stager took the room (then: its refusal)
+_POLL = 0.05
 
 
 def stage(
@@ -74,8 +77,18 @@ def stage(
         if not isinstance(why, CapacityError):
             raise why  # not a question of room
     tier = _tier(tiers, name)
-    subset = Subset(source, reserve, policies.get(tier))
-    ds = staging.stage(src, name=name, dest=tier, reserve=reserve, subset=subset, **kw)
+    book = Store(tier).book
+    for attempt in range(_TRIES):
+        subset = Subset(source, reserve, policies.get(tier))
+        try:
+            ds = staging.stage(src, name=name, dest=tier, reserve=reserve, subset=subset, **kw)
+            break
+        except CapacityError:
+            # Another stager claimed room after our choice (two --partial at once): wait
+            # for it to finish, then choose again against what it left (nothing was written).
+            if attempt + 1 == _TRIES or not pending(book):
+                raise
+            _await_claims(book)
     if ds.changed:
         counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
     else:
@@ -113,6 +126,12 @@ def preview(
     listing = sources.open_source(kind, source, 0, None, None, None).listing()
     part = Subset(source, reserve, policies.get(tier)).select(listing, Store(tier), name)
     return PartialPlan(tier, part.bytes, part.files, listing.bytes, listing.files)
+
+
+def _await_claims(book: str) -> None:
+    """Until no live stager of this store claims room (a wait on the others' copies)."""
+    while pending(book):
+        time.sleep(_POLL)
 
 
 def _tier(tiers: tuple[str, ...], name: str) -> str:
