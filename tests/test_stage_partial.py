@@ -205,3 +205,203 @@ def test_a_partial_copy_made_whole_loses_its_view_and_staged_path_says_partial(t
     assert not (shm / ".shmstage" / "views" / "src").exists()
     files = DatasetFiles(shm / "src")
     assert files.kind == "copy" and len(files.names) == 12
+
+
+# --- hostile review 23-B: a view and its copy change together; the resident set's choice ---
+
+
+def _consistent(dest: Path, name: str = "src") -> None:
+    """The published copy and its view agree: a partial record has the view of exactly
+    that tree (each resident file in it, as listed), a whole one has none."""
+    from shmstage.stage.store.layout import Store
+    from shmstage.stage.store.views import read_view
+
+    record = Store(dest).published(name)
+    view = read_view(dest, name)
+    assert record is not None
+    assert (view is not None) == (record.total_bytes is not None), (record, view)
+    if view is not None:
+        listed = view.files()
+        for rel, size, mtime, res in zip(
+            *(listed.names, listed.sizes, listed.mtimes, listed.resident)
+        ):
+            if res:
+                st = os.lstat(dest / name / rel)
+                assert (st.st_size, st.st_mtime_ns) == (size, mtime), rel
+
+
+@pytest.mark.parametrize("step", ["record", "exchange", "final"])
+def test_a_kill_during_a_restage_leaves_the_copy_its_own_view(tmpfs, tmp_path, step):
+    """A whole copy restaged --partial (a file changed, the source grew) and a partial copy
+    made whole, each SIGKILLed at a publish step: the copy then published has the view of
+    that very tree, or none when whole; gc and the next stage keep it so."""
+    shm = tmpfs("8M")
+    src = tmp_path / "src"
+    data = make_src(src, files=16)  # 4 MiB: fits whole
+    args = ("stage", str(src), "--dest", str(shm), "--reserve", "1M", "-q")
+    assert sh(*args).returncode == 0
+    first = sorted(data)[0]
+    (src / first).write_bytes(os.urandom(FILE))  # a file in RAM changes
+    make_src(src / "more", files=16)  # the source outgrows the tmpfs
+    env = {**os.environ, "SHMSTAGE_TEST_KILL_AT": step}
+    assert sh(*args, "--partial", env=env).returncode == -9
+    _consistent(shm)
+    assert sh("gc", "--dest", str(shm)).returncode == 0
+    _consistent(shm)
+    assert sh(*args, "--partial").returncode == 0
+    _consistent(shm)
+    files = DatasetFiles(shm / "src")
+    assert files.kind == "partial" and files.read(first) == (src / first).read_bytes()
+    # partial -> whole, killed: never the old partial view over the whole copy
+    subprocess.run(["rm", "-rf", str(src / "more"), str(src / sorted(data)[1])], check=True)
+    assert sh(*args, env=env).returncode == -9
+    _consistent(shm)
+    assert sh(*args).returncode == 0
+    _consistent(shm)
+    files = DatasetFiles(shm / "src")
+    assert files.kind == "copy" and set(files.names) == set(data) - {sorted(data)[1]}
+
+
+_POLL_VIEW = """
+import sys
+from shmstage.stage.store.views import read_view
+print("ready", flush=True)
+seen = missing = 0
+while sys.stdin.readline().strip() != "stop":
+    for _ in range(50):
+        seen += 1
+        missing += read_view(sys.argv[1], "src") is None
+    print("ok", flush=True)
+print(seen, missing, flush=True)
+"""
+
+
+def test_a_view_rewritten_in_place_is_never_missing(tmpfs, tmp_path):
+    """An up-to-date restage whose non-resident files changed rewrites the view: a reader
+    polling meanwhile always finds one (the old or the new, swapped in one step)."""
+    from shmstage.stage.resident import Subset
+    from shmstage.stage.store.layout import Store
+    from shmstage.stage.store.views import read_view
+
+    shm = tmpfs("8M")
+    src = tmp_path / "src"
+    make_src(src)
+    assert (
+        sh("stage", str(src), "--dest", str(shm), "--partial", "--reserve", "1M", "-q").returncode
+        == 0
+    )
+    store = Store(shm)
+    view = read_view(shm, "src")
+    listed = view.files()
+    rows = list(zip(listed.names, listed.sizes, listed.mtimes, listed.resident))
+    poll = subprocess.Popen(
+        [sys.executable, "-c", _POLL_VIEW, str(shm)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert poll.stdout.readline().strip() == "ready"
+    subset = Subset(str(src), "1M", None)
+    subset.total = (1, 1)
+    for i in range(40):
+        subset.files = [
+            (n, s, m + (i + 1) * (not r), r) for n, s, m, r in rows
+        ]  # outside RAM: new mtimes
+        record = store.published("src")
+        subset.current(store, "src", record)
+        poll.stdin.write("go\n")
+        poll.stdin.flush()
+        assert poll.stdout.readline().strip() == "ok"
+    out, _ = poll.communicate("stop\n", timeout=60)
+    seen, missing = map(int, out.split())
+    assert seen >= 2000 and missing == 0
+    assert read_view(shm, "src").files().mtimes != listed.mtimes
+
+
+def test_a_restage_counts_the_copy_in_ram_as_its_own_room(tmpfs, tmp_path):
+    """A whole copy whose source outgrows the tmpfs keeps every file it holds (the restage
+    links them: no new pages), as much as the same source into an empty tmpfs, and the next
+    identical restage copies nothing."""
+    shm, empty = tmpfs("8M"), tmpfs("8M")
+    src = tmp_path / "src"
+    make_src(src, files=20)  # 5 MiB
+    args = ("--reserve", "1M", "--json")
+    assert sh("stage", str(src), "--dest", str(shm), *args).returncode == 0
+    held = resident_files(shm / "src")
+    make_src(src / "more", files=12)
+    r = sh("stage", str(src), "--dest", str(shm), "--partial", *args)
+    assert r.returncode == 0, r.stderr
+    ds = json.loads(r.stdout)
+    assert set(held) <= set(resident_files(shm / "src"))
+    fresh = json.loads(sh("stage", str(src), "--dest", str(empty), "--partial", *args).stdout)
+    assert ds["bytes"] >= fresh["bytes"] and ds["total_bytes"] == fresh["total_bytes"]
+    again = json.loads(sh("stage", str(src), "--dest", str(shm), "--partial", *args).stdout)
+    assert again["copied_bytes"] == 0 and again["bytes"] == ds["bytes"]
+
+
+def test_a_partial_view_follows_the_copy_top_made_private(tmpfs, open_tmp_path):
+    shm = tmpfs("8M")
+    src = open_tmp_path / "src"
+    make_src(src)
+    src.chmod(0o755)
+    args = ("stage", str(src), "--dest", str(shm), "--partial", "--reserve", "1M", "-q")
+    assert sh(*args).returncode == 0
+    view = shm / ".shmstage" / "views" / "src"
+    assert (view / "files").stat().st_mode & 0o004
+    src.chmod(0o700)
+    assert sh(*args).returncode == 0
+    assert (shm / "src").stat().st_mode & 0o077 == 0
+    for f in ("files", "view.json"):
+        assert (view / f).stat().st_mode & 0o077 == 0, f
+
+
+def test_partial_prices_symlinks_and_keeps_a_part(tmpfs, tmp_path):
+    """Long symlinks take a tmpfs page each: the choice counts them, so --partial keeps a
+    part instead of the fit check refusing it all."""
+    shm = tmpfs("8M")
+    src = tmp_path / "src"
+    make_src(src, files=32)  # 8 MiB
+    (src / "links").mkdir()
+    target = "../" + "x" * 200
+    for i in range(1500):  # ~6 MiB of pages on 4 KiB pages
+        os.symlink(target + str(i), src / "links" / f"l{i}")
+    r = sh("stage", str(src), "--dest", str(shm), "--partial", "--reserve", "1M", "--json")
+    assert r.returncode == 0, r.stderr
+    assert 0 < json.loads(r.stdout)["resident"] < 1
+
+
+def test_partial_with_no_wait_is_refused_in_one_line(tmpfs, tmp_path):
+    shm = tmpfs("8M")
+    make_src(tmp_path / "src", files=2)
+    r = sh(
+        "run",
+        "--stage",
+        str(tmp_path / "src"),
+        "--dest",
+        str(shm),
+        "--partial",
+        "--no-wait",
+        "--",
+        "true",
+    )
+    assert r.returncode == 2 and "--partial and --no-wait do not combine" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (shm / "src").exists()
+
+
+def test_partial_dry_run_says_the_part_a_real_run_keeps(tmpfs, tmp_path):
+    shm = tmpfs("8M")
+    src = tmp_path / "src"
+    make_src(src)
+    args = ("stage", str(src), "--dest", str(shm), "--partial", "--reserve", "1M")
+    r = sh(*args, "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    text = sh(*args, "--dry-run")
+    assert text.returncode == 0 and "--partial would keep" in text.stdout
+    assert not (shm / "src").exists()
+    ds = json.loads(sh(*args, "--json").stdout)
+    assert (plan["bytes"], plan["files"], plan["total_bytes"]) == (
+        ds["bytes"],
+        ds["files"],
+        ds["total_bytes"],
+    )
