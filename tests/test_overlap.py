@@ -461,3 +461,56 @@ def test_no_bulk_work_is_handed_out_while_a_demand_waits():
     del server.waiting[99]  # it landed: the bulk copy goes on
     copy._feed()
     assert len(handed) == 2 * (8 + ondemand.QUEUED)
+
+
+def _top_mode(path: Path) -> int:
+    return os.lstat(path).st_mode & 0o7777
+
+
+@pytest.mark.parametrize("step", ["build", "manifest"])
+def test_an_in_flight_tree_is_closed_to_others_at_every_kill_step(
+    open_tmpfs, open_tmp_path, shmstage_bin, step
+):
+    """partial/ is 0711 (a live tree is entered by its readers): a plain stage's in-flight
+    tree keeps its top 0700 until the publish, so a stager killed at any step (first copy
+    or restage) leaves nothing others can read; the published copy gets the source's 0755."""
+    src = open_tmp_path / "ds"
+    _tree(src, 6)
+    src.chmod(0o755)
+    dest = open_tmpfs("16M")
+    part = dest / ".shmstage" / "partial" / "ds"
+    stage = [*shmstage_bin, "stage", "--no-service", "--dest", str(dest), str(src)]
+    kill = {**os.environ, "SHMSTAGE_TEST_KILL_AT": step}
+    r = subprocess.run(stage, env=kill, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _top_mode(part) & 0o077 == 0, oct(_top_mode(part))  # a first copy
+    r = subprocess.run(stage, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _top_mode(dest / "ds") == 0o755
+    (src / "d0" / "f0000.bin").write_bytes(b"changed")
+    r = subprocess.run(stage, env=kill, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _top_mode(part) & 0o077 == 0, oct(_top_mode(part))  # a restage
+    r = subprocess.run(stage, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _top_mode(dest / "ds") == 0o755
+    assert (dest / "ds" / "d0" / "f0000.bin").read_bytes() == b"changed"
+
+
+def test_a_live_tree_top_has_the_copy_access_never_more(open_tmpfs, tmp_path, shmstage_bin, procs):
+    """A live tree is open to readers while in flight, but only as its copy will be: under
+    root's 0700 tmp_path (others are denied the source) its top is 0700 from the view on,
+    and stays so when the stager is killed."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    src.chmod(0o755)
+    dest = open_tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "1"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
+    os.kill(view.pid, signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
