@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.cluster import first_host, resolve
+from shmstage.cluster import first_host, resolve, slurm_port
 from shmstage.cluster.plan import CRC, make_plan
 from shmstage.errors import RefusedError
 
@@ -73,6 +73,111 @@ def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
     assert first_host("n1,n2") == "n1" and first_host("a[3]") == "a3"
     slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
     assert resolve(4, 1, "h", environ=slurm).job == "Slurm job 7 step 0"
+
+
+# A task of `srun -N 4 --ntasks-per-node=1` on nodes gpu[07-10] (job 7, step 2), node 1.
+_STEP = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_ID": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[05-10]",
+    "SLURM_STEP_NODELIST": "gpu[07-10]",
+    "SLURM_STEP_NUM_NODES": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "nodes"),
+    [
+        ({}, 4),  # one task per node on 4 nodes: all 4 stage together
+        ({"SLURM_STEP_NUM_TASKS": None}, 4),  # the per-node count alone says 1
+        ({"SLURM_STEP_NUM_TASKS": "32", "SLURM_STEP_TASKS_PER_NODE": "8(x4)"}, None),  # run --stage
+        ({"SLURM_STEP_NUM_TASKS": "5", "SLURM_STEP_TASKS_PER_NODE": "2,1(x3)"}, None),
+        ({"SLURM_STEP_NUM_TASKS": None, "SLURM_STEP_TASKS_PER_NODE": "2,1(x3)"}, None),
+        ({"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1"}, None),  # one node
+        ({"SLURM_STEP_ID": None}, None),  # a batch script's shell (no step)
+        ({"SLURM_STEP_ID": "batch"}, None),
+        ({"SLURM_STEP_ID": "interactive"}, None),  # salloc's interactive step
+    ],
+)
+def test_nodes_default_to_a_slurm_step_with_one_task_per_node(change, nodes) -> None:
+    """--nodes unset: a step's one task per node on several nodes stages together, ranked
+    and met by the step's list; anything else (several tasks on a node, a batch script's
+    shell, one node) stages alone as without Slurm."""
+    env = {k: v for k, v in {**_STEP, **change}.items() if v is not None}
+    spec = resolve(None, None, None, environ=env)
+    if nodes is None:
+        assert spec is None
+        return
+    assert (spec.nodes, spec.rank, spec.host) == (nodes, 1, "gpu07")  # the step's node 0
+    assert spec.port == slurm_port(env) == 30000 + (7 * 16 + 2) % 2048
+    assert spec.job == "Slurm job 7 step 2"
+
+
+def test_slurm_defaults_yield_to_the_flags() -> None:
+    """--nodes 1 stages alone in a step; given flags win over Slurm's variables; a port
+    given wins over the job's; the port differs between jobs and between steps."""
+    assert resolve(1, None, None, environ=_STEP) is None
+    spec = resolve(2, 0, "head", environ=_STEP)
+    assert (spec.nodes, spec.rank, spec.host) == (2, 0, "head")
+    assert resolve(None, None, "head:1234", environ=_STEP).port == 1234
+    assert resolve(None, 3, None, environ=_STEP).rank == 3
+    ports = {slurm_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": str(s)})
+             for j in range(100, 228) for s in range(16)}  # fmt: skip
+    assert len(ports) == 2048 and min(ports) >= 30000 and max(ports) < 32768
+    # a batch script's --nodes (no step): the job's list, the job's port (step 0)
+    batch = {k: v for k, v in _STEP.items() if not k.startswith("SLURM_STEP")}
+    spec = resolve(6, None, None, environ=batch)
+    assert (spec.host, spec.port) == ("gpu05", 30000 + 7 * 16)
+
+
+def test_a_slurm_node_count_yields_to_the_nodes_service(monkeypatch) -> None:
+    """stage/run: a node count only the step gave stages through a service that answers
+    (each node alone, as the job's user could not write root's store in-process); a
+    --nodes given, or --no-service, still stages together."""
+    from shmstage.cli.params import cluster_spec
+    from shmstage.service import api
+
+    for k, v in _STEP.items():
+        monkeypatch.setenv(k, v)
+    answers = {"yes": True}
+    monkeypatch.setattr(
+        api, "service_for", lambda dest, service: "conn" if answers["yes"] and service else None
+    )
+    assert cluster_spec(None, None, None, 60.0, 1 << 20, None, True) is None
+    assert cluster_spec(4, None, None, 60.0, 1 << 20, None, True).nodes == 4
+    assert cluster_spec(None, None, None, 60.0, 1 << 20, None, False).nodes == 4
+    answers["yes"] = False
+    assert cluster_spec(None, None, None, 60.0, 1 << 20, "/d", True).nodes == 4
+
+
+def test_run_takes_a_slurm_node_count_only_to_stage_and_not_for_no_wait(
+    monkeypatch, runner, cli
+) -> None:
+    """`run --stage` in a step of one task per node stages together; `run` with nothing to
+    stage, and `run --no-wait` (its job reads the copy as it is made), only with --nodes."""
+    from types import SimpleNamespace
+
+    from shmstage import launch
+    from shmstage.service import api
+
+    for k, v in _STEP.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(api, "service_for", lambda dest, service: None)
+    seen = []
+
+    def run(command, **kw):
+        seen.append(kw["cluster"].nodes if kw["cluster"] is not None else None)
+        return SimpleNamespace(signal=None, returncode=0)
+
+    monkeypatch.setattr(launch, "run", run)
+    for args in (["--stage", "/src"], ["--stage", "/src", "--no-wait"], [],
+                 ["--stage", "/src", "--no-wait", "--nodes", "2", "--node-rank", "1"]):  # fmt: skip
+        result = runner.invoke(cli, ["run", *args, "--", "true"])
+        assert result.exit_code == 0, result.output
+    assert seen == [4, None, None, 2]
 
 
 def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:

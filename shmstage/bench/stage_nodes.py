@@ -147,6 +147,8 @@ def run_nodes_benchmark(
                         "--rendezvous", f"{spec.host}:{starts[0]}",
                         "--timeout", f"{spec.timeout:g}", "--inflight", str(spec.inflight),
                     ]  # fmt: skip
+                else:  # alone, also in a Slurm step of one task per node (which means --nodes N)
+                    argv += ["--nodes", "1"]
                 try:
                     mine = _stage_once(argv, work / name, summary, mode)
                 finally:

@@ -1,4 +1,5 @@
-"""Click parameter types shared by commands (modelled on Flask's CertParamType)."""
+"""Click parameter types and option groups shared by commands (modelled on Flask's
+CertParamType), and what the cluster options resolve to."""
 
 from __future__ import annotations
 
@@ -84,17 +85,27 @@ def config_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     )
 
 
-def cluster_options(f: Any) -> Any:
+def cluster_options(f: Any = None, *, slurm_nodes: bool = True) -> Any:
     """``--nodes/--node-rank/--rendezvous/--timeout/--inflight``: stage one source with
-    several nodes, each reading a share (``stage``, ``run`` and ``prepare`` take them)."""
-    from shmstage.cluster import DEFAULT_PORT
+    several nodes, each reading a share (``stage``, ``run`` and ``prepare`` take them).
+    ``slurm_nodes``: the help says --nodes defaults to a Slurm step's node count (``prepare``
+    takes it only when given: see prepare_cmd)."""
+    if f is None:
+        return lambda g: cluster_options(g, slurm_nodes=slurm_nodes)
+    from shmstage.cluster import DEFAULT_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN
 
+    default = (
+        "Default: 1, alone; in a Slurm step with one task per node on several nodes (srun -N 4 "
+        "--ntasks-per-node=1), $SLURM_STEP_NUM_NODES. --nodes 1 stages alone."
+        if slurm_nodes
+        else "Default: 1, alone (also under Slurm)."
+    )
     options = [
         click.option(
             "--nodes",
             type=click.IntRange(min=1),
             help="Stage together with this many nodes (one shmstage per node): each reads 1/N "
-            "of SRC and they exchange the rest over torch.distributed (gloo). Default: 1, alone.",
+            f"of SRC and they exchange the rest over torch.distributed (gloo). {default}",
         ),
         click.option(
             "--node-rank",
@@ -104,8 +115,10 @@ def cluster_options(f: Any) -> Any:
         click.option(
             "--rendezvous",
             metavar="HOST[:PORT]",
-            help=f"Node 0's address for the rendezvous (port default {DEFAULT_PORT}). "
-            "Default: the first host of $SLURM_JOB_NODELIST.",
+            help=f"Node 0's address for the rendezvous. Default: the first host of "
+            "$SLURM_STEP_NODELIST in a Slurm step, else of $SLURM_JOB_NODELIST. Port default "
+            f"{DEFAULT_PORT}; under Slurm {SLURM_PORT_BASE} + ($SLURM_JOB_ID * 16 + "
+            f"$SLURM_STEP_ID) mod {SLURM_PORT_SPAN}, so that jobs sharing node 0 do not meet.",
         ),
         click.option(
             "--timeout",
@@ -125,6 +138,29 @@ def cluster_options(f: Any) -> Any:
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def cluster_spec(
+    nodes: int | None,
+    node_rank: int | None,
+    rendezvous: str | None,
+    timeout: float,
+    inflight: int,
+    dest: str | None,
+    service: bool,
+) -> Any:
+    """The cluster options resolved (``shmstage.cluster.resolve``) for a command that stages
+    through the node's service when one answers (``stage``, ``run``).  A node count that
+    only Slurm's step gave (no ``--nodes``) yields to that service: cluster staging runs in
+    this process, as the job's user, and would refuse a store that root's service manages,
+    where staging through the service alone works as it did before Slurm was asked."""
+    from shmstage.cluster import resolve
+    from shmstage.service import api
+
+    spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
+    if spec is not None and nodes is None and api.service_for(dest, service) is not None:
+        return None
+    return spec
 
 
 def no_service_option(f: Any) -> Any:

@@ -52,7 +52,7 @@ def render(report: PrepareReport) -> None:
     show_default=True,
     help="Where the node service's unit and slice are written (config `service.enabled`).",
 )
-@cluster_options
+@cluster_options(slurm_nodes=False)
 @json_option
 def prepare_cmd(
     config_path: str | None,
@@ -89,7 +89,11 @@ def prepare_cmd(
         return
     from shmstage.cluster import Peers, resolve
 
-    spec = None if dry_run else resolve(nodes, node_rank, rendezvous, timeout, inflight)
+    # Only a --nodes given: prepare's root steps (remount, store tmpfs) may fail on one node
+    # before any staging, and nodes that took their count from Slurm would wait --timeout
+    # for it at the rendezvous.
+    skip = dry_run or nodes is None
+    spec = None if skip else resolve(nodes, node_rank, rendezvous, timeout, inflight)
     with Peers(spec) if spec is not None else nullcontext() as peers:
         report = prepare(
             config,

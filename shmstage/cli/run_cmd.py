@@ -8,7 +8,13 @@ from typing import Any
 import click
 
 from shmstage.cli.output import log
-from shmstage.cli.params import RESERVE, cluster_options, config_option, no_service_option
+from shmstage.cli.params import (
+    RESERVE,
+    cluster_options,
+    cluster_spec,
+    config_option,
+    no_service_option,
+)
 
 
 def _log(message: str) -> None:
@@ -183,9 +189,16 @@ def run_cmd(
       shmstage run --stage /nfs/imagenet -- torchrun --nproc-per-node 8 train.py --data {staged}
       shmstage run --stage /nfs/a --name a --stage /nfs/b.tar --name b -- train.py {staged:a} {staged:b}
     """
-    from shmstage.cluster import resolve
     from shmstage.launch import JobKilled, run
 
+    cluster = None
+    # Nothing to stage meets no other node, also in a Slurm step; and --no-wait asked for a
+    # copy the job reads while it goes on, which a count only Slurm gave must not turn into a
+    # cluster stage (whose files are complete only at its end).
+    if stages and not (no_wait and nodes is None):
+        cluster = cluster_spec(
+            nodes, node_rank, rendezvous, timeout, inflight, dest, not no_service
+        )
     result = run(
         command,
         stage=_requests(ctx, stages, names),
@@ -198,7 +211,7 @@ def run_cmd(
         make_room=make_room,
         config_path=config_path,
         log=_log,
-        cluster=resolve(nodes, node_rank, rendezvous, timeout, inflight),
+        cluster=cluster,
         service=not no_service,
         partial=partial,
         no_wait=no_wait,

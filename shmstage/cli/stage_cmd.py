@@ -9,7 +9,13 @@ import click
 
 from shmstage.capacity import disk_note
 from shmstage.cli.output import dumps, log, stderr_is_tty
-from shmstage.cli.params import RESERVE, cluster_options, config_option, no_service_option
+from shmstage.cli.params import (
+    RESERVE,
+    cluster_options,
+    cluster_spec,
+    config_option,
+    no_service_option,
+)
 from shmstage.config import configured, node_reserve
 from shmstage.sizes import format_size
 from shmstage.stage import (
@@ -191,10 +197,10 @@ def stage_cmd(
     With --nodes N (one shmstage per node), the nodes read SRC once between
     them and exchange the rest; every node publishes, or none.
     """
-    from shmstage.cluster import Peers, resolve
+    from shmstage.cluster import Peers
     from shmstage.service import api
 
-    spec = resolve(nodes, node_rank, rendezvous, timeout, inflight)
+    spec = cluster_spec(nodes, node_rank, rendezvous, timeout, inflight, dest, not no_service)
     dest, policies = configured(dest, config_path)
     if reserve is None:  # the option and its variable win over the node config
         reserve = node_reserve(config_path)

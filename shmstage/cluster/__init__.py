@@ -2,6 +2,7 @@
 
     from shmstage.cluster import Peers, resolve
     spec = resolve(nodes=4, rank=None, rendezvous=None)   # rank/host from Slurm if unset
+    spec = resolve(None, None, None)  # in `srun -N 4 --ntasks-per-node=1`: all from Slurm
     with Peers(spec) as peers:
         stage("/nfs/imagenet", peers=peers)
 
@@ -26,9 +27,10 @@ if TYPE_CHECKING:
     from shmstage.cluster.rendezvous import PeerLost
 
 DEFAULT_PORT = 29450  # not torchrun's 29400: `shmstage run` may stage, then start torchrun
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 30000, 2048  # under Slurm: one port per job and step
 
-__all__ = ["DEFAULT_INFLIGHT", "DEFAULT_PORT", "DEFAULT_TIMEOUT", "ClusterSpec", "PeerLost", "Peers",
-           "first_host", "resolve"]  # fmt: skip
+__all__ = ["DEFAULT_INFLIGHT", "DEFAULT_PORT", "DEFAULT_TIMEOUT", "SLURM_PORT_BASE", "SLURM_PORT_SPAN",
+           "ClusterSpec", "PeerLost", "Peers", "first_host", "resolve", "slurm_nodes", "slurm_port"]  # fmt: skip
 
 # Loaded on first use: every command's --help names DEFAULT_PORT, few stage with --nodes.
 _LAZY = {"Peers": "peers", "ClusterSpec": "peers", "DEFAULT_INFLIGHT": "peers",
@@ -49,17 +51,20 @@ def resolve(
     inflight: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ClusterSpec | None:
-    """This node's place from the flags, the rank and host falling back to Slurm's
-    variables (SLURM_NODEID, the first host of SLURM_JOB_NODELIST); None for one node."""
+    """This node's place from the flags, each unset one falling back to Slurm's variables
+    (``slurm_nodes``, SLURM_NODEID, the first host of the step's or the job's node list, a
+    port derived from the job: ``slurm_port``); None for one node."""
     from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec
 
     env = os.environ if environ is None else environ
+    if nodes is None:
+        nodes = slurm_nodes(env)
     if nodes is None or nodes == 1:
         return None
     if nodes < 1:
         raise RefusedError(f"invalid --nodes {nodes}: must be at least 1")
     if rank is None and env.get("SLURM_NODEID", "").isdigit():
-        rank = int(env["SLURM_NODEID"])
+        rank = int(env["SLURM_NODEID"])  # in a step: this node's index among the step's nodes
     if rank is None:
         raise RefusedError(
             f"--nodes {nodes} needs this node's --node-rank (0 to {nodes - 1}); under Slurm it "
@@ -69,14 +74,17 @@ def resolve(
         raise RefusedError(
             f"invalid --node-rank {rank}: must be 0 to {nodes - 1} for --nodes {nodes}"
         )
-    if rendezvous is None and env.get("SLURM_JOB_NODELIST"):
-        rendezvous = first_host(env["SLURM_JOB_NODELIST"])
+    # A step's node 0 (SLURM_NODEID counts the step's nodes) is the first of the step's list,
+    # which is not the job's first node when the step runs on part of the allocation.
+    nodelist = env.get("SLURM_STEP_NODELIST") if _in_step(env) else None
+    if rendezvous is None and (nodelist or env.get("SLURM_JOB_NODELIST")):
+        rendezvous = first_host(nodelist or env["SLURM_JOB_NODELIST"])
     if not rendezvous:
         raise RefusedError(
             f"--nodes {nodes} needs --rendezvous HOST[:PORT], node 0's address (under Slurm: "
             "the first host of SLURM_JOB_NODELIST)"
         )
-    host, port = _host_port(rendezvous)
+    host, port = _host_port(rendezvous, slurm_port(env) or DEFAULT_PORT)
     return ClusterSpec(
         nodes,
         rank,
@@ -89,6 +97,40 @@ def resolve(
     )
 
 
+def slurm_nodes(env: Mapping[str, str]) -> int | None:
+    """The node count of a Slurm job step that runs one task per node on several nodes
+    (``srun -N 4 --ntasks-per-node=1 shmstage stage SRC``), else None: a batch script's
+    shell, ``salloc``'s, one node, or several tasks on a node (``srun --ntasks-per-node=8
+    shmstage run ...``: the node's tasks share one copy through its lock, as without Slurm)."""
+    if not _in_step(env):
+        return None
+    count = env.get("SLURM_STEP_NUM_NODES", "")
+    if not count.isdigit() or int(count) < 2:
+        return None
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "")  # "1(x4)", "8(x3),4"
+    if tasks == count or (not tasks and re.fullmatch(r"1(\(x\d+\))?", per_node)):
+        return int(count)
+    return None
+
+
+def slurm_port(env: Mapping[str, str]) -> int | None:
+    """The rendezvous port of a Slurm job's step when none is given, so that two jobs (or
+    two steps of one job) whose node 0 is the same host do not meet on one port:
+    30000 + (SLURM_JOB_ID * 16 + SLURM_STEP_ID) mod 2048, below Linux's ephemeral ports."""
+    job = env.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        return None
+    step = int(env["SLURM_STEP_ID"]) if _in_step(env) else 0
+    return SLURM_PORT_BASE + (int(job) * 16 + step) % SLURM_PORT_SPAN
+
+
+def _in_step(env: Mapping[str, str]) -> bool:
+    # A batch script's shell has no SLURM_STEP_ID (or a name such as "batch"), a task of
+    # an srun step its number.
+    return env.get("SLURM_STEP_ID", "").isdigit()
+
+
 def _slurm_job(env: Mapping[str, str]) -> str:
     if not env.get("SLURM_JOB_ID"):
         return ""
@@ -96,7 +138,7 @@ def _slurm_job(env: Mapping[str, str]) -> str:
     return f"Slurm job {env['SLURM_JOB_ID']}{step}"
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(text: str, default_port: int) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or "]" in port:  # no port (or a bare IPv6 address in brackets)
         host, port = text, ""
@@ -107,7 +149,7 @@ def _host_port(text: str) -> tuple[str, int]:
         raise RefusedError(
             f"invalid --rendezvous {text}: give HOST[:PORT], e.g. node01:{DEFAULT_PORT}"
         )
-    return host, int(port) if port else DEFAULT_PORT
+    return host, int(port) if port else default_port
 
 
 def first_host(nodelist: str) -> str:
