@@ -4,6 +4,7 @@ files are copied first; a killed stager or a changed source never publishes or m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -514,3 +515,73 @@ def test_a_live_tree_top_has_the_copy_access_never_more(open_tmpfs, tmp_path, sh
     os.kill(view.pid, signal.SIGKILL)
     run.communicate(timeout=60)
     assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
+
+
+def test_sigterm_to_run_ends_it_while_its_stager_is_stopped(tmpfs, tmp_path, shmstage_bin, procs):
+    """A SIGSTOPped stager does not hold run: SIGTERM to run stops the job, then the stager
+    (SIGCONT + SIGTERM, SIGKILL after a grace), and run dies of SIGTERM."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    started = tmp_path / "started"
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sh", "-c", f"touch {started}; exec sleep 60"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    stager = read_view(dest, "ds").pid
+    os.kill(stager, signal.SIGSTOP)
+    try:
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stager, signal.SIGCONT)
+    assert run.returncode == -signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert not os.path.exists(f"/proc/{stager}")
+    assert not (dest / "ds").exists()
+
+
+@pytest.mark.parametrize("step", ["exchange", "final"])
+def test_a_stager_killed_after_its_publish_is_no_failure(tmpfs, tmp_path, shmstage_bin, step):
+    """Killed after the rename, before the view is removed: the copy is published and is
+    this stager's tree, so run says no failure, exits with the job's status, and removes the
+    dead view (later readers read the copy, not the source)."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 40, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "0.5"]
+    env = {**_env(0.02), "SHMSTAGE_TEST_KILL_AT": step}
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "exited before" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert read_view(dest, "ds") is None
+    for rel, digest in sums.items():
+        assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
+
+
+def test_a_joined_run_whose_copy_stopped_unpublished_says_so_and_fails(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """Run B joins run A's live copy; A is stopped before the publish: B's job succeeds on
+    the source, and B says in one line that the copy was not published, exiting 1."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    base += ["--stage", str(src), "--"]
+    first = procs.start([*base, "sleep", "30"], env=_env(0.25), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    started, stopped = tmp_path / "started", tmp_path / "stopped"
+    job = f"touch {started}; while [ ! -e {stopped} ]; do sleep 0.05; done; sleep 1"
+    second = procs.start([*base, "sh", "-c", job], stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=60)
+    stopped.touch()
+    _, err = second.communicate(timeout=60)
+    assert "being copied by another shmstage" in err
+    assert second.returncode == 1, err
+    assert err.count("stopped before the copy was published") == 1, err
+    assert not (dest / "ds").exists()
