@@ -4,6 +4,7 @@ files are copied first; a killed stager or a changed source never publishes or m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -373,4 +374,214 @@ def test_cleanup_stops_an_unfinished_copy_and_says_nothing_of_it(tmpfs, tmp_path
     assert p.stderr.splitlines() == [
         f"shmstage: --no-wait: the job starts now; {src} is copied to {dest / 'ds'} while it runs"
     ]
+    assert not (dest / "ds").exists()
+
+
+WANT_JOB = """
+import json, os, struct, sys
+from shmstage.datasetfiles import DatasetFiles
+dest, name, out, k = sys.argv[1:5]
+files = DatasetFiles(os.path.join(dest, name))
+log = os.path.join(dest, ".shmstage", "views", name, "landed")
+def landed():
+    with open(log, "rb") as f:
+        data = f.read()
+    return [i for (i,) in struct.iter_unpack("<I", data[: len(data) // 4 * 4])]
+before = len(landed())
+want = list(files.names[-int(k):])
+files.want(want)
+for n in want:
+    files.read(n)
+got = {"before": before, "order": landed(), "total": len(files)}
+got["wanted"] = [files.names.index(n) for n in want]
+json.dump(got, open(out, "w"))
+"""
+
+
+def test_hinted_files_land_before_any_bulk_work_handed_out_after_them(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """40 files hinted at once with ``want`` (pipelined: more than the workers and the queue
+    hold), then read: behind the hint land only the bulk tasks the workers already had, then
+    every hinted file (read one by one without the hint, bulk work lands between them)."""
+    from shmstage.stage.build import copier, ondemand
+
+    src = tmp_path / "ds"
+    _tree(src, 400, 500)
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", sys.executable, "-c", WANT_JOB, str(dest), "ds"]
+    p = subprocess.run(
+        [*argv, str(out), "40"], env=_env(0.05), capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    wanted = set(got["wanted"])
+    order = got["order"][got["before"] :]
+    last = max(order.index(i) for i in wanted)
+    bulk = [i for i in order[: last + 1] if i not in wanted]
+    in_hand = (copier.default_workers() + ondemand.QUEUED + 1) * ondemand.BATCH_FILES
+    assert len(bulk) <= in_hand < got["total"] - got["before"] - len(wanted), got
+
+
+def test_no_bulk_work_is_handed_out_while_a_demand_waits():
+    """The feeding rule alone (pure logic, a stand-in copier): a task per worker and QUEUED
+    more, of small batches; none at all while a demanded file is still being copied."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shmstage.stage.build import ondemand
+
+    handed: list[list] = []
+
+    class Stream:
+        sent = 0
+        results = SimpleNamespace(done=0)
+
+        def add(self, jobs):
+            handed.append(list(jobs))
+            self.sent += 1
+            return []
+
+    copy = object.__new__(ondemand._Copy)
+    server = SimpleNamespace(waiting={})
+    jobs = [(f"s/{j}", f"d/{j}", 1000, 0, 0, 0, str(j)) for j in range(100)]
+    copy.__dict__.update(
+        stream=Stream(), live=SimpleNamespace(server=server), workers=8, jobs=jobs,
+        todo=deque(range(100)), handed=bytearray(100), next_group=0, adding=-1, early=set(),
+        groups={}, group_of={},
+    )  # fmt: skip
+    copy._feed()
+    assert len(handed) == 8 + ondemand.QUEUED
+    assert all(len(b) <= ondemand.BATCH_FILES for b in handed)
+    copy.stream.results.done = len(handed)  # every task done, and a demand waits
+    server.waiting[99] = ["a job"]
+    copy._feed()
+    assert len(handed) == 8 + ondemand.QUEUED
+    del server.waiting[99]  # it landed: the bulk copy goes on
+    copy._feed()
+    assert len(handed) == 2 * (8 + ondemand.QUEUED)
+
+
+def _top_mode(path: Path) -> int:
+    return os.lstat(path).st_mode & 0o7777
+
+
+@pytest.mark.parametrize("step", ["build", "manifest"])
+def test_an_in_flight_tree_is_closed_to_others_at_every_kill_step(
+    open_tmpfs, open_tmp_path, shmstage_bin, step
+):
+    """partial/ is 0711 (a live tree is entered by its readers): a plain stage's in-flight
+    tree keeps its top 0700 until the publish, so a stager killed at any step (first copy
+    or restage) leaves nothing others can read; the published copy gets the source's 0755."""
+    src = open_tmp_path / "ds"
+    _tree(src, 6)
+    src.chmod(0o755)
+    dest = open_tmpfs("16M")
+    part = dest / ".shmstage" / "partial" / "ds"
+    stage = [*shmstage_bin, "stage", "--no-service", "--dest", str(dest), str(src)]
+    kill = {**os.environ, "SHMSTAGE_TEST_KILL_AT": step}
+    r = subprocess.run(stage, env=kill, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _top_mode(part) & 0o077 == 0, oct(_top_mode(part))  # a first copy
+    r = subprocess.run(stage, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _top_mode(dest / "ds") == 0o755
+    (src / "d0" / "f0000.bin").write_bytes(b"changed")
+    r = subprocess.run(stage, env=kill, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _top_mode(part) & 0o077 == 0, oct(_top_mode(part))  # a restage
+    r = subprocess.run(stage, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _top_mode(dest / "ds") == 0o755
+    assert (dest / "ds" / "d0" / "f0000.bin").read_bytes() == b"changed"
+
+
+def test_a_live_tree_top_has_the_copy_access_never_more(open_tmpfs, tmp_path, shmstage_bin, procs):
+    """A live tree is open to readers while in flight, but only as its copy will be: under
+    root's 0700 tmp_path (others are denied the source) its top is 0700 from the view on,
+    and stays so when the stager is killed."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    src.chmod(0o755)
+    dest = open_tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "1"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
+    os.kill(view.pid, signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
+
+
+def test_sigterm_to_run_ends_it_while_its_stager_is_stopped(tmpfs, tmp_path, shmstage_bin, procs):
+    """A SIGSTOPped stager does not hold run: SIGTERM to run stops the job, then the stager
+    (SIGCONT + SIGTERM, SIGKILL after a grace), and run dies of SIGTERM."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    started = tmp_path / "started"
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sh", "-c", f"touch {started}; exec sleep 60"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    stager = read_view(dest, "ds").pid
+    os.kill(stager, signal.SIGSTOP)
+    try:
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stager, signal.SIGCONT)
+    assert run.returncode == -signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert not os.path.exists(f"/proc/{stager}")
+    assert not (dest / "ds").exists()
+
+
+@pytest.mark.parametrize("step", ["exchange", "final"])
+def test_a_stager_killed_after_its_publish_is_no_failure(tmpfs, tmp_path, shmstage_bin, step):
+    """Killed after the rename, before the view is removed: the copy is published and is
+    this stager's tree, so run says no failure, exits with the job's status, and removes the
+    dead view (later readers read the copy, not the source)."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 40, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "0.5"]
+    env = {**_env(0.02), "SHMSTAGE_TEST_KILL_AT": step}
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "exited before" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert read_view(dest, "ds") is None
+    for rel, digest in sums.items():
+        assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
+
+
+def test_a_joined_run_whose_copy_stopped_unpublished_says_so_and_fails(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """Run B joins run A's live copy; A is stopped before the publish: B's job succeeds on
+    the source, and B says in one line that the copy was not published, exiting 1."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    base += ["--stage", str(src), "--"]
+    first = procs.start([*base, "sleep", "30"], env=_env(0.25), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    started, stopped = tmp_path / "started", tmp_path / "stopped"
+    job = f"touch {started}; while [ ! -e {stopped} ]; do sleep 0.05; done; sleep 1"
+    second = procs.start([*base, "sh", "-c", job], stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=60)
+    stopped.touch()
+    _, err = second.communicate(timeout=60)
+    assert "being copied by another shmstage" in err
+    assert second.returncode == 1, err
+    assert err.count("stopped before the copy was published") == 1, err
     assert not (dest / "ds").exists()
