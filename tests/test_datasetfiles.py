@@ -50,6 +50,8 @@ def write_view(dest: Path, name: str, src: Path, kind: str, root: Path, resident
     (vdir / "files").write_text("".join(lines))
     head = {"format": 1, "kind": kind, "name": name, "source": str(src), "root": str(root)}
     head |= {"final": str(dest / name), "socket": None, "pid": 0, "pid_start": None, **meta}
+    if kind == "partial":  # it names the tree it describes (a view over another is none)
+        head["tree"] = os.lstat(dest / name).st_ino
     (vdir / "view.json").write_text(json.dumps(head))
     return vdir
 
