@@ -653,3 +653,38 @@ def test_publish_never_waits_for_a_demand_client_that_reads_nothing(tmp_path):
     assert not {"sendall", "setblocking", "settimeout"} & set(counted.calls), counted.calls
     assert not server.clients
     job.close()
+
+
+def test_a_second_run_does_not_join_a_live_copy_of_a_source_changed_since(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """A file changed at the source after the view was listed: a second ``run --no-wait``
+    does not join that copy (its own walk disagrees with the view); it waits for the lock and
+    restages, so its job and the published copy have the new bytes."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    base += ["--stage", str(src), "--"]
+    first = procs.start([*base, "sleep", "0.5"], env=_env(0.05), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    index = view.files().names.index("d0/f0000.bin")
+    _wait(lambda: index in view.landed_since()[0])  # copied already: its copy is now stale
+    changed = src / "d0" / "f0000.bin"
+    changed.write_bytes(b"new bytes")
+    os.utime(changed, ns=(1, 1))  # whatever the clock's granularity
+    out = tmp_path / "out.json"
+    p = subprocess.run(
+        [*base, sys.executable, JOB, str(dest), "ds", str(out)],
+        env=_env(0.05),  # its own copy still runs when its job starts
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    first.wait(timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "being copied by another shmstage" not in p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"]["d0/f0000.bin"] == hashlib.sha256(b"new bytes").hexdigest()
+    assert (dest / "ds" / "d0" / "f0000.bin").read_bytes() == b"new bytes"
