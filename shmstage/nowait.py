@@ -73,8 +73,27 @@ def joinable(source: str, name: str | None, tiers: list[str]) -> LiveDataset | N
     for tier in tiers:
         view = read_view(tier, name)
         if view is not None and view.kind == LIVE and view.source == real and view.alive():
+            if not _agrees(real, view):  # changed since it was listed: wait, then restage
+                return None
             return LiveDataset(view.name, view.final, real, changed=False)
     return None
+
+
+def _agrees(source: str, view: Any) -> bool:
+    """Whether our own walk of ``source`` finds exactly the view's files, each with the
+    size and mtime_ns it was listed with (a file changed since, even one already copied,
+    means the live copy is not of the source as it is now)."""
+    from shmstage.stage.sources.walk import walk
+
+    files = view.files()
+    if files is None:
+        return False
+    try:
+        tree = walk(source, check_links=False, hardlinks=False)
+    except (OSError, ShmstageError):
+        return False  # staging says what is wrong, in its own words
+    found = sorted((e[0], e[2], e[3]) for e in tree.entries if e[1] == "f")
+    return found == sorted(zip(files.names, files.sizes, files.mtimes, strict=True))
 
 
 class Stager:

@@ -585,3 +585,106 @@ def test_a_joined_run_whose_copy_stopped_unpublished_says_so_and_fails(
     assert second.returncode == 1, err
     assert err.count("stopped before the copy was published") == 1, err
     assert not (dest / "ds").exists()
+
+
+class _Counted:
+    """A real socket that counts the calls made on it (which, not their effect, is asserted)."""
+
+    def __init__(self, sock):
+        self.sock, self.calls = sock, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.sock, name)
+        if callable(attr):
+            self.calls.append(name)
+        return attr
+
+
+def _flooded(tmp_path, requests: int):
+    """A demand server with one landed file and a client that sent ``requests`` requests for
+    it and reads nothing; the server's end of that client is wrapped in _Counted."""
+    import socket
+    import struct
+
+    from shmstage.stage.build.demand import DemandServer
+
+    server = DemandServer(str(tmp_path / "d.sock"), 2)
+    server.landed[0] = 1
+    job = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    job.connect(server.path)
+    server.handle([server.sock.fileno()])
+    (fd,) = server.clients
+    counted = _Counted(server.clients[fd].sock)
+    server.clients[fd].sock = counted
+    job.setblocking(False)
+    payload = struct.pack("<I", 0) * requests
+    while payload:
+        try:
+            payload = payload[job.send(payload) :]
+        except BlockingIOError:
+            pass
+        except OSError:  # dropped by the server
+            break
+        server.handle([fd] if fd in server.clients else [])
+    return server, job, fd, counted
+
+
+def test_a_demand_client_that_reads_nothing_costs_a_send_per_buffer_and_is_dropped(tmp_path):
+    """200k answers queued for a job that reads none: appended in place, sent only when the
+    socket can take them (not one send per answer), and the client is dropped past the
+    bound per connection, its buffer never growing beyond it."""
+    from shmstage.stage.build.demand import MAX_UNSENT
+
+    server, job, fd, counted = _flooded(tmp_path, 200_000)
+    assert fd not in server.clients  # dropped: more than MAX_UNSENT left unread
+    assert not server.waiting
+    assert counted.calls.count("send") < 1000, counted.calls.count("send")
+    assert server.clients == {} and MAX_UNSENT < 200_000 * 8
+    job.close()
+    server.close()
+
+
+def test_publish_never_waits_for_a_demand_client_that_reads_nothing(tmp_path):
+    """At the publish, each connection gets what fits in its socket without blocking (no
+    blocking sendall with a timeout per client: 40 such clients held a publish 40 s)."""
+    server, job, fd, counted = _flooded(tmp_path, 20_000)
+    assert fd in server.clients  # its socket is full, answers wait unsent
+    server.publish()
+    assert not {"sendall", "setblocking", "settimeout"} & set(counted.calls), counted.calls
+    assert not server.clients
+    job.close()
+
+
+def test_a_second_run_does_not_join_a_live_copy_of_a_source_changed_since(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """A file changed at the source after the view was listed: a second ``run --no-wait``
+    does not join that copy (its own walk disagrees with the view); it waits for the lock and
+    restages, so its job and the published copy have the new bytes."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    base += ["--stage", str(src), "--"]
+    first = procs.start([*base, "sleep", "0.5"], env=_env(0.05), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    index = view.files().names.index("d0/f0000.bin")
+    _wait(lambda: index in view.landed_since()[0])  # copied already: its copy is now stale
+    changed = src / "d0" / "f0000.bin"
+    changed.write_bytes(b"new bytes")
+    os.utime(changed, ns=(1, 1))  # whatever the clock's granularity
+    out = tmp_path / "out.json"
+    p = subprocess.run(
+        [*base, sys.executable, JOB, str(dest), "ds", str(out)],
+        env=_env(0.05),  # its own copy still runs when its job starts
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    first.wait(timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "being copied by another shmstage" not in p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"]["d0/f0000.bin"] == hashlib.sha256(b"new bytes").hexdigest()
+    assert (dest / "ds" / "d0" / "f0000.bin").read_bytes() == b"new bytes"
