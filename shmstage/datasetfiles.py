@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import errno
 import io
-import multiprocessing.util
 import os
 import socket
 import stat
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 from contextlib import suppress
 from typing import Any, BinaryIO
 
+from shmstage.demandclient import POLL, Counted, Local, recv_answer
 from shmstage.errors import ShmstageError
-from shmstage.stage.store import served
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.views import (
     ANSWER,
@@ -33,71 +33,8 @@ from shmstage.stage.store.views import (
 
 __all__ = ["DatasetFiles"]
 
-_FLUSH_EVERY = 1.0  # seconds between writes of this process's counters (and one at exit)
-_POLL = 1.0  # seconds a demand waits before it looks whether the stager is still alive
 _SETTLE = 200  # tries (x 50 ms) for a live copy to settle (publish) before giving up
-_CREATING = threading.Lock()  # one _Local per process, however many threads start at once
-
-
-class _Counted(io.FileIO):
-    """A file in RAM whose reads add to its process's counters."""
-
-    def __init__(self, path: str, count: Any) -> None:
-        super().__init__(path, "rb")
-        self._count = count
-
-    def readinto(self, buffer: Any) -> int | None:
-        n = super().readinto(buffer)
-        if n:
-            self._count(n, 0)
-        return n
-
-    def readall(self) -> bytes:
-        data = super().readall()
-        self._count(len(data), 0)
-        return data
-
-
-class _Local:
-    """What one process holds: its lock, demand connection, landed files and counters."""
-
-    def __init__(self, files: DatasetFiles) -> None:
-        self.pid = os.getpid()
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.view = files._view  # replaced when the view is re-read
-        self.published = False  # the live copy was published: read <final>
-        self.dead = False  # the stager is gone and never published: read the source
-        self.landed = bytearray(files._resident)
-        self.landed_at = 0  # bytes of the ``landed`` log read so far
-        self.sock: socket.socket | None = None
-        self.answers: dict[int, int] = {}  # the stager's final word on each file asked for
-        self.asked: set[int] = set()  # requests sent on this connection
-        self.reading = False  # one thread reads the socket, the others wait on ``cond``
-        self.ram = 0
-        self.source = 0
-        self.flushed = 0.0
-        self.writer: served.Writer | None = None
-        self.name = files._name
-        self.book = Store(files._dest).book if files._store else None
-        # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's)
-        multiprocessing.util.Finalize(self, self.flush, exitpriority=10)
-
-    def count(self, ram: int, source: int) -> None:
-        with self.lock:
-            self.ram += ram
-            self.source += source
-        if time.monotonic() - self.flushed >= _FLUSH_EVERY:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.book is None or os.getpid() != self.pid:
-            return
-        with self.lock:
-            if self.writer is None:
-                self.writer = served.Writer(self.book, self.name)
-            self.flushed = time.monotonic()
-            self.writer.write(self.ram, self.source)
+_CREATING = threading.Lock()  # one Local per process, however many threads start at once
 
 
 class DatasetFiles:
@@ -123,7 +60,7 @@ class DatasetFiles:
             self._mtimes = array("q")
             self._resident = b"\1" * len(names)
         self._index = {n: i for i, n in enumerate(self._names)}
-        self._local: _Local | None = None
+        self._local: Local | None = None
 
     # --- what there is ---------------------------------------------------------
 
@@ -180,6 +117,32 @@ class DatasetFiles:
         with self.open(name) as f:
             return f.read()
 
+    def want(self, names: Iterable[str]) -> None:
+        """A hint that ``names`` will be read soon: on a copy still running, the stager is
+        asked for each of them now (each once per process; the requests pipelined, none
+        waited for), so they are copied before the rest.  A no-op for a copy all in RAM, a
+        partial copy or a stager that is gone.  ``make_loader`` calls it for the next
+        batches (docs/loader.md)."""
+        wanted = [self._at(n) for n in names]
+        local = self._here()
+        if local.view is None or local.view.kind != "live" or local.published or local.dead:
+            return
+        with local.cond:
+            self._drain(local)
+            ask = [
+                i
+                for i in dict.fromkeys(wanted)
+                if not local.landed[i] and i not in local.asked and i not in local.answers
+            ]
+            if not ask or not self._connect(local):
+                return
+            try:
+                local.sock.sendall(b"".join(REQUEST.pack(i) for i in ask))  # type: ignore[union-attr]
+            except OSError:
+                self._drop(local)
+                return
+            local.asked.update(ask)
+
     # --- pickling: a process's connection and counters stay with it -----------
 
     def __getstate__(self) -> dict[str, Any]:
@@ -198,25 +161,26 @@ class DatasetFiles:
         except KeyError:
             raise ShmstageError(f"{name!r} is not a file of {self.path}") from None
 
-    def _here(self) -> _Local:
+    def _here(self) -> Local:
         local = self._local
         if local is None or local.pid != os.getpid():  # a new process (fork): its own state
             with _CREATING:
                 local = self._local
                 if local is None or local.pid != os.getpid():
-                    local = self._local = _Local(self)
+                    book = Store(self._dest).book if self._store else None
+                    local = self._local = Local(self._view, self._resident, self._name, book)
         return local
 
-    def _ram(self, root: str, name: str, local: _Local) -> BinaryIO:
+    def _ram(self, root: str, name: str, local: Local) -> BinaryIO:
         path = os.path.join(root, name)
         try:
-            return io.BufferedReader(_Counted(path, local.count))
+            return io.BufferedReader(Counted(path, local.count))
         except FileNotFoundError:
             raise
         except OSError as e:
             raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
 
-    def _from_source(self, i: int, view: View, local: _Local) -> BinaryIO:
+    def _from_source(self, i: int, view: View, local: Local) -> BinaryIO:
         """The file read whole from the source as this process, checked against the listing
         before and after the read: a changed file is one clear error, never a mix."""
         rel = self._names[i]
@@ -262,7 +226,7 @@ class DatasetFiles:
             "and run the job again"
         )
 
-    def _live(self, i: int, local: _Local) -> BinaryIO:
+    def _live(self, i: int, local: Local) -> BinaryIO:
         """A file of a copy still running (the view's ``live`` kind; see NOTE in
         docs/loader.md): from RAM once landed, after a demand to the stager if need be."""
         rel = self._names[i]
@@ -280,10 +244,17 @@ class DatasetFiles:
                 return self._from_source(i, view, local)  # type: ignore[arg-type]
             if local.landed[i] or self._poll_landed(local, i):
                 try:
-                    return self._ram(view.root, rel, local)  # type: ignore[union-attr]
+                    f = self._ram(view.root, rel, local)  # type: ignore[union-attr]
                 except FileNotFoundError:
                     self._settle(local)  # published (renamed away) or removed by gc
                     continue
+                if self._listed(f, i):
+                    return f
+                # A restage's publish swaps the old copy into root for an instant: not the
+                # listed file, so read the view again (published: <final> is the new one).
+                f.close()
+                self._settle(local)
+                continue
             status = self._demand(local, i)
             if status == LANDED_OK:
                 local.landed[i] = 1
@@ -302,7 +273,12 @@ class DatasetFiles:
             f"see `shmstage list --dest {self._dest}`"
         )
 
-    def _poll_landed(self, local: _Local, i: int) -> bool:
+    def _listed(self, f: BinaryIO, i: int) -> bool:
+        """Whether the open file ``f`` is file ``i`` as listed (size and mtime_ns)."""
+        st = os.fstat(f.fileno())
+        return (st.st_size, st.st_mtime_ns) == (self._sizes[i], self._mtimes[i])
+
+    def _poll_landed(self, local: Local, i: int) -> bool:
         """Read what the ``landed`` log gained since the last look (whole records only)."""
         with local.lock:
             try:
@@ -314,7 +290,7 @@ class DatasetFiles:
                     local.landed[index] = 1
             return bool(local.landed[i])
 
-    def _settle(self, local: _Local) -> None:
+    def _settle(self, local: Local) -> None:
         """The view again: gone and <final> there = published; its stager dead, or gone with
         nothing published = read the source; else wait a little (a publish under way)."""
         view = read_view(self._dest, self._name)
@@ -330,22 +306,15 @@ class DatasetFiles:
             return
         time.sleep(0.05)
 
-    def _demand(self, local: _Local, i: int) -> int | None:
+    def _demand(self, local: Local, i: int) -> int | None:
         """Ask the stager for file ``i`` and wait for its answer (None: the stager is gone).
         Requests are pipelined on one connection per process; one thread reads the answers
         and hands each to the thread waiting for it."""
         with local.cond:
             if i in local.answers:  # final: landed (0), published (1) or refused (< 0)
                 return local.answers[i]
-            if local.sock is None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-                try:
-                    sock.connect(local.view.socket or "")  # type: ignore[union-attr]
-                except OSError:
-                    sock.close()
-                    return None
-                sock.settimeout(_POLL)
-                local.sock = sock
+            if not self._connect(local):
+                return None
             if i not in local.asked:  # another thread's request for it is answered to all
                 try:
                     local.sock.sendall(REQUEST.pack(i))
@@ -357,13 +326,13 @@ class DatasetFiles:
                 if local.sock is None:
                     return None
                 if local.reading:
-                    local.cond.wait(_POLL)
+                    local.cond.wait(POLL)
                     continue
                 local.reading = True
                 sock = local.sock
                 local.cond.release()
                 try:
-                    got = _recv_answer(sock)
+                    got = recv_answer(sock)
                 finally:
                     local.cond.acquire()
                     local.reading = False
@@ -379,32 +348,51 @@ class DatasetFiles:
                     return None
             return local.answers[i]
 
-    def _drop(self, local: _Local) -> None:
+    def _connect(self, local: Local) -> bool:
+        """This process's connection to the stager (``local.cond`` held); False: gone."""
+        if local.sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(local.view.socket or "")  # type: ignore[union-attr]
+            except OSError:
+                sock.close()
+                return False
+            sock.settimeout(POLL)
+            local.sock = sock
+        return True
+
+    def _drain(self, local: Local) -> None:
+        """Take the answers already here without waiting (``local.cond`` held, no thread
+        reading): answers to hints nobody waits for must not pile up at the stager."""
+        if local.sock is None or local.reading:
+            return
+        sock = local.sock
+        sock.setblocking(False)  # not MSG_DONTWAIT: a socket with a timeout polls first
+        try:
+            here = sock.recv(1 << 16, socket.MSG_PEEK)
+            data = sock.recv(len(here) - len(here) % ANSWER.size) if here else b""
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(local)
+            return
+        finally:
+            if sock.fileno() >= 0:
+                sock.settimeout(POLL)
+        for index, status in ANSWER.iter_unpack(data):
+            local.answers[index] = status
+            if status == LANDED_OK and index < len(local.landed):
+                local.landed[index] = 1
+        if data:
+            local.cond.notify_all()
+
+    def _drop(self, local: Local) -> None:
         """Forget the connection and what was asked on it (the asking threads ask again)."""
         if local.sock is not None:
             with suppress(OSError):
                 local.sock.close()
             local.sock = None
         local.asked.clear()
-
-
-def _recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:
-    """One answer ``(index, status)``; "timeout" when none came in ``_POLL`` s; None at EOF."""
-    data = b""
-    while len(data) < 8:
-        try:
-            chunk = sock.recv(8 - len(data))
-        except TimeoutError:
-            if not data:
-                return "timeout"
-            continue
-        except OSError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    index, status = ANSWER.unpack(data)
-    return index, status
 
 
 def _listed_view(dest: str, name: str) -> tuple[View | None, FileList | None]:
