@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import suppress
 from typing import Any
 
 from shmstage.stage.store import served
@@ -54,14 +55,46 @@ class Local:
         self.answers: dict[int, int] = {}  # the stager's final word on each file asked for
         self.asked: set[int] = set()  # requests sent on this connection
         self.reading = False  # one thread reads the socket, the others wait on ``cond``
+        self.counters = Counters(name, book)
+        # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's), or
+        # when this Local is collected: the finalizer holds the counters, never the Local
+        # (a bound method of it would keep every instance, and its counter fd, alive).
+        multiprocessing.util.Finalize(self, self.counters.close, exitpriority=10)
+
+    def __del__(self) -> None:  # collected with its DatasetFiles: its connection goes too
+        sock = self.__dict__.get("sock")
+        if sock is not None:
+            with suppress(OSError):
+                sock.close()
+
+    @property
+    def ram(self) -> int:
+        return self.counters.ram
+
+    @property
+    def source(self) -> int:
+        return self.counters.source
+
+    def count(self, ram: int, source: int) -> None:
+        self.counters.count(ram, source)
+
+    def flush(self) -> None:
+        self.counters.flush()
+
+
+class Counters:
+    """One process's bytes served from RAM and from the source for one dataset, and the
+    counter file they are written to (at most once every ``FLUSH_EVERY`` s, and at the end)."""
+
+    def __init__(self, name: str, book: str | None) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
         self.ram = 0
         self.source = 0
         self.flushed = 0.0
         self.writer: served.Writer | None = None
         self.name = name
         self.book = book
-        # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's)
-        multiprocessing.util.Finalize(self, self.flush, exitpriority=10)
 
     def count(self, ram: int, source: int) -> None:
         with self.lock:
@@ -78,6 +111,14 @@ class Local:
                 self.writer = served.Writer(self.book, self.name)
             self.flushed = time.monotonic()
             self.writer.write(self.ram, self.source)
+
+    def close(self) -> None:
+        """The last write, then the counter file's fd closed (at exit, or when collected)."""
+        if self.ram or self.source or self.writer is not None:
+            self.flush()
+        if self.writer is not None and os.getpid() == self.pid:
+            with self.lock:
+                self.writer.close()
 
 
 def recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:
