@@ -49,8 +49,18 @@ class Local:
         self.view = view  # replaced when the view is re-read
         self.published = False  # the live copy was published: read <final>
         self.dead = False  # the stager is gone and never published: read the source
+        # Which stager's view this process follows (the view directory's inode: a new stager
+        # writes a new one) and, when it is not the one ``DatasetFiles`` was listed from, the
+        # index in that view of each listed file (-1: not there, or listed otherwise).
+        # ``landed``, ``answers`` and ``asked`` count in the followed view's numbering.
+        self.view_ino = 0
+        self.vmap: list[int] | None = None
+        self.landed_fd = -1  # that view's ``landed``, held open: never a newer view's log
         self.landed = bytearray(resident)
         self.landed_at = 0  # bytes of the ``landed`` log read so far
+        self.stalled = False  # the stager is stopped or makes no progress: do without it
+        self.progress = time.monotonic()  # when it last answered, landed a file or ran
+        self.cpu: int | None = None  # its CPU ticks when last looked at
         self.sock: socket.socket | None = None
         self.answers: dict[int, int] = {}  # the stager's final word on each file asked for
         self.asked: set[int] = set()  # requests sent on this connection

@@ -103,11 +103,18 @@ def test_partial_reads_the_rest_from_the_source_and_counts_both(tmp_path):
     src, data, resident = partial_copy(tmp_path)
     files = DatasetFiles(tmp_path / "dest" / "ds")
     assert files.kind == "partial" and files.names == tuple(sorted(data))
-    (tmp_path / "dest" / "ds" / "class0" / "img00.bin").write_bytes(b"RAM")  # read from RAM?
-    assert files.read("class0/img00.bin") == b"RAM"
+    # Read from RAM? Marked bytes, same size and mtime as listed: RAM's are served.
+    ram0 = tmp_path / "dest" / "ds" / "class0" / "img00.bin"
+    st = ram0.stat()
+    ram0.write_bytes(b"R" * st.st_size)
+    os.utime(ram0, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert files.read("class0/img00.bin") == b"R" * st.st_size
     assert all(files.read(n) == data[n] for n in files.names if n != "class0/img00.bin")
-    ram = sum(len(data[n]) for n in resident) - len(data["class0/img00.bin"]) + 3
+    ram = sum(len(data[n]) for n in resident)
     assert files.served == (ram, sum(len(data[n]) for n in data if n not in resident))
+    # Another version in RAM (size or mtime not as listed): never served, the source is.
+    ram0.write_bytes(b"RAM")
+    assert files.read("class0/img00.bin") == data["class0/img00.bin"]
 
 
 def test_a_source_file_changed_since_the_listing_is_one_clear_error(tmp_path):
