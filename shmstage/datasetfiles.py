@@ -56,8 +56,8 @@ class DatasetFiles:
         self.path = os.path.abspath(os.fspath(path))
         self._dest, self._name = os.path.split(self.path)
         self._store = os.path.isdir(Store(self._dest).book)
-        self._view, listed, self._view_ino = (
-            listed_view(self._dest, self._name) if self._store else (None, None, 0)
+        self._view, listed, self._view_id = (
+            listed_view(self._dest, self._name) if self._store else (None, None, ())
         )
         if listed is not None:
             self._names = listed.names
@@ -186,7 +186,7 @@ class DatasetFiles:
                     book = Store(self._dest).book if self._store else None
                     local = Local(self._view, self._resident, self._name, book)
                     if self._view is not None and self._view.kind == "live":
-                        attach(local, self._view_ino)
+                        attach(local, self._view_id)
                     self._local = local
         return local
 
