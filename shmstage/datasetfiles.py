@@ -77,11 +77,11 @@ class _Local:
         self.ram = 0
         self.source = 0
         self.flushed = 0.0
-        self.writer: served.Writer | None = None
+        self.added = (0, 0)  # of ram, source: what served/ has of this process's counts
         self.name = files._name
         self.book = Store(files._dest).book if files._store else None
         # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's)
-        multiprocessing.util.Finalize(self, self.flush, exitpriority=10)
+        multiprocessing.util.Finalize(self, self.flush, kwargs={"last": True}, exitpriority=10)
 
     def count(self, ram: int, source: int) -> None:
         with self.lock:
@@ -90,14 +90,22 @@ class _Local:
         if time.monotonic() - self.flushed >= _FLUSH_EVERY:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, last: bool = False) -> None:
+        """Add what this process read since the last flush to its user's counter file; the
+        file I/O is done outside ``lock`` (NOTE [served] in stage/store/served.py)."""
         if self.book is None or os.getpid() != self.pid:
             return
         with self.lock:
-            if self.writer is None:
-                self.writer = served.Writer(self.book, self.name)
             self.flushed = time.monotonic()
-            self.writer.write(self.ram, self.source)
+            ram, source = self.ram - self.added[0], self.source - self.added[1]
+            if not ram and not source:
+                return
+            self.added = (self.ram, self.source)
+        if last:
+            served.add_at_exit(self.book, self.name, ram, source)
+        elif not served.add(self.book, self.name, ram, source):
+            with self.lock:  # locked by another process now: the next flush adds these
+                self.added = (self.added[0] - ram, self.added[1] - source)
 
 
 class DatasetFiles:
