@@ -15,6 +15,7 @@ larger than RAM would be.  Modes, interleaved, --runs each, medians:
   stage    shmstage run --stage SRC -- job            (the whole copy, then the job)
   nowait   shmstage run --stage SRC --no-wait -- job  (the job at once, the copy meanwhile)
   nowait16 the same, the job with 16 reader threads (more demands in flight)
+  noask    nowait, the job not hinting the next batches (DatasetFiles.want): demands only
   source   the job reading SRC, no staging
   partial  shmstage run --stage SRC --partial -- job, the tmpfs 1/1.5 of the dataset
   source2  the job reading SRC with partial's compute time (partial's comparison)
@@ -103,7 +104,7 @@ def supported() -> tuple[set[str], str | None]:
     for mode, flag in (("nowait", "--no-wait"), ("partial", "--partial")):
         if flag in text and files:
             modes.add(mode)
-            modes |= {"nowait16"} if mode == "nowait" else set()
+            modes |= {"nowait16", "noask"} if mode == "nowait" else set()
         else:
             missing.append(flag)
     if not files:
@@ -127,6 +128,7 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
     workers = WIDE if mode == "nowait16" else s.workers
     job += ["--workers", str(workers), "--prefetch", str(s.prefetch)]
     job += ["--evict", str(s.src), "--json-out", str(out)]
+    job += ["--ask-ahead", "0"] if mode == "noask" else []
     if mode in ("source", "source2"):
         argv = [*job, "--data", str(s.src), "--plain"]
     else:
@@ -135,7 +137,7 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
         # fit whole and need none
         argv += ["--no-service"] + ([] if mode == "partial" else ["--reserve", "0"])
         argv += ["--partial"] if mode == "partial" else []
-        argv += ["--no-wait"] if mode.startswith("nowait") else []
+        argv += ["--no-wait"] if mode.startswith("nowait") or mode == "noask" else []
         argv += ["--", *job, "--data", "{staged}"]
     watch = Publish(s.dest / NAME)
     watch.start()

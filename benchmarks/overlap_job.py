@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compute-ms", type=float, default=50.0, help="sleep per batch")
     ap.add_argument("--workers", type=int, default=4, help="reader threads")
     ap.add_argument("--prefetch", type=int, default=8, help="batches read ahead")
+    ap.add_argument(
+        "--ask-ahead",
+        type=int,
+        default=None,
+        help="batches hinted ahead with DatasetFiles.want, as make_loader does "
+        "(default: 2 x --prefetch; 0: none)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="block device whose read sectors to sample (loop0)")
     ap.add_argument("--evict", metavar="DIR", help="drop DIR from the page cache after each epoch")
@@ -110,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 n += len(chunk)
         return n
 
+    asks = 2 * a.prefetch if a.ask_ahead is None else a.ask_ahead
+    want = getattr(files, "want", None) if asks > 0 else None  # a DatasetFiles hint
     first_batch = None
     epochs = []
     wait = 0.0
@@ -120,11 +129,16 @@ def main(argv: list[str] | None = None) -> int:
             random.Random(a.seed * 1000 + epoch).shuffle(order)
             batches = [order[i : i + a.batch] for i in range(0, len(order), a.batch)]
             ahead: deque[list[Future[int]]] = deque()
+            if want is not None:  # the first batches now, then one more per batch handed out
+                want([n for b in batches[:asks] for n in b])
             nbytes = 0
             start = now()
             for i in range(len(batches)):
                 while len(ahead) < a.prefetch and i + len(ahead) < len(batches):
-                    ahead.append([pool.submit(read, n) for n in batches[i + len(ahead)]])
+                    k = i + len(ahead)
+                    ahead.append([pool.submit(read, n) for n in batches[k]])
+                    if want is not None and k + asks < len(batches):
+                        want(batches[k + asks])
                 t0 = now()
                 nbytes += sum(f.result() for f in ahead.popleft())
                 t1 = now()

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MB = 1_000_000
-MODES = ("stage", "nowait", "nowait16", "source", "partial", "source2")
+MODES = ("stage", "nowait", "nowait16", "noask", "source", "partial", "source2")
 WIDE = 16  # nowait16's reader threads
 LABELS = {
     "stage": "stage-then-run",
     "nowait": "`--no-wait`",
     "nowait16": f"`--no-wait`, {WIDE} reader threads",
+    "noask": "`--no-wait`, no hints (demands only)",
     "source": "source only",
     "partial": "`--partial` (tmpfs = dataset / 1.5)",
     "source2": "source only, partial's job",
@@ -204,7 +205,7 @@ def render(m: dict[str, Summary], s: Setup, args: argparse.Namespace, skipped: s
         )
     lines.append("")
     for mode, r in m.items():
-        if r.served and mode in ("nowait", "nowait16", "partial"):
+        if r.served and mode in ("nowait", "nowait16", "noask", "partial"):
             per = " / ".join(f"{a / MB:.0f} + {b / MB:.0f}" for a, b in r.served)
             lines.append(
                 f"{LABELS[mode]}: the job's DatasetFiles served, per epoch, MB from RAM + MB "

@@ -8,104 +8,41 @@ from __future__ import annotations
 
 import errno
 import io
-import multiprocessing.util
 import os
 import socket
 import stat
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 from contextlib import suppress
 from typing import Any, BinaryIO
 
+from shmstage.demandclient import POLL, Counted, Local, recv_answer
 from shmstage.errors import ShmstageError
-from shmstage.stage.store import served
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.views import (
     ANSWER,
     LANDED_OK,
     PUBLISHED,
     REQUEST,
-    FileList,
     View,
-    read_view,
+)
+from shmstage.viewfollow import (
+    attach,
+    checked,
+    drop,
+    follow,
+    grow,
+    listed_view,
+    open_view,
+    stuck,
 )
 
 __all__ = ["DatasetFiles"]
 
-_FLUSH_EVERY = 1.0  # seconds between writes of this process's counters (and one at exit)
-_POLL = 1.0  # seconds a demand waits before it looks whether the stager is still alive
 _SETTLE = 200  # tries (x 50 ms) for a live copy to settle (publish) before giving up
-_CREATING = threading.Lock()  # one _Local per process, however many threads start at once
-
-
-class _Counted(io.FileIO):
-    """A file in RAM whose reads add to its process's counters."""
-
-    def __init__(self, path: str, count: Any) -> None:
-        super().__init__(path, "rb")
-        self._count = count
-
-    def readinto(self, buffer: Any) -> int | None:
-        n = super().readinto(buffer)
-        if n:
-            self._count(n, 0)
-        return n
-
-    def readall(self) -> bytes:
-        data = super().readall()
-        self._count(len(data), 0)
-        return data
-
-
-class _Local:
-    """What one process holds: its lock, demand connection, landed files and counters."""
-
-    def __init__(self, files: DatasetFiles) -> None:
-        self.pid = os.getpid()
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.view = files._view  # replaced when the view is re-read
-        self.published = False  # the live copy was published: read <final>
-        self.dead = False  # the stager is gone and never published: read the source
-        self.landed = bytearray(files._resident)
-        self.landed_at = 0  # bytes of the ``landed`` log read so far
-        self.sock: socket.socket | None = None
-        self.answers: dict[int, int] = {}  # the stager's final word on each file asked for
-        self.asked: set[int] = set()  # requests sent on this connection
-        self.reading = False  # one thread reads the socket, the others wait on ``cond``
-        self.ram = 0
-        self.source = 0
-        self.flushed = 0.0
-        self.added = (0, 0)  # of ram, source: what served/ has of this process's counts
-        self.name = files._name
-        self.book = Store(files._dest).book if files._store else None
-        # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's)
-        multiprocessing.util.Finalize(self, self.flush, kwargs={"last": True}, exitpriority=10)
-
-    def count(self, ram: int, source: int) -> None:
-        with self.lock:
-            self.ram += ram
-            self.source += source
-        if time.monotonic() - self.flushed >= _FLUSH_EVERY:
-            self.flush()
-
-    def flush(self, last: bool = False) -> None:
-        """Add what this process read since the last flush to its user's counter file; the
-        file I/O is done outside ``lock`` (NOTE [served] in stage/store/served.py)."""
-        if self.book is None or os.getpid() != self.pid:
-            return
-        with self.lock:
-            self.flushed = time.monotonic()
-            ram, source = self.ram - self.added[0], self.source - self.added[1]
-            if not ram and not source:
-                return
-            self.added = (self.ram, self.source)
-        if last:
-            served.add_at_exit(self.book, self.name, ram, source)
-        elif not served.add(self.book, self.name, ram, source):
-            with self.lock:  # locked by another process now: the next flush adds these
-                self.added = (self.added[0] - ram, self.added[1] - source)
+_CREATING = threading.Lock()  # one Local per process, however many threads start at once
 
 
 class DatasetFiles:
@@ -119,7 +56,9 @@ class DatasetFiles:
         self.path = os.path.abspath(os.fspath(path))
         self._dest, self._name = os.path.split(self.path)
         self._store = os.path.isdir(Store(self._dest).book)
-        self._view, listed = _listed_view(self._dest, self._name) if self._store else (None, None)
+        self._view, listed, self._view_ino = (
+            listed_view(self._dest, self._name) if self._store else (None, None, 0)
+        )
         if listed is not None:
             self._names = listed.names
             self._sizes = array("q", listed.sizes)
@@ -131,7 +70,7 @@ class DatasetFiles:
             self._mtimes = array("q")
             self._resident = b"\1" * len(names)
         self._index = {n: i for i, n in enumerate(self._names)}
-        self._local: _Local | None = None
+        self._local: Local | None = None
 
     # --- what there is ---------------------------------------------------------
 
@@ -179,14 +118,46 @@ class DatasetFiles:
             if self._resident[i]:
                 # Not there: a first partial copy about to be published (its view comes
                 # first), or restaged since: the source has the same bytes (checked).
-                with suppress(FileNotFoundError):
-                    return self._ram(view.root, name, local)
+                f = self._checked(view.root, i, local, whole=False)
+                if f is not None:
+                    return f
             return self._from_source(i, view, local)
         return self._live(i, local)
 
     def read(self, name: str) -> bytes:
         with self.open(name) as f:
             return f.read()
+
+    def want(self, names: Iterable[str]) -> None:
+        """A hint that ``names`` will be read soon: on a copy still running, the stager is
+        asked for each of them now (each once per process; the requests pipelined, none
+        waited for), so they are copied before the rest.  A no-op for a copy all in RAM, a
+        partial copy or a stager that is gone.  ``make_loader`` calls it for the next
+        batches (docs/loader.md)."""
+        wanted = [self._at(n) for n in names]
+        local = self._here()
+        if local.view is None or local.view.kind != "live" or local.published or local.dead:
+            return
+        with local.cond:
+            if local.stalled:
+                return
+            self._drain(local)
+            ask = [
+                j
+                for j in dict.fromkeys(self._vindex(local, i) for i in wanted)
+                if j >= 0
+                and not local.landed[j]
+                and j not in local.asked
+                and j not in local.answers
+            ]
+            if not ask or not self._connect(local):
+                return
+            try:
+                local.sock.sendall(b"".join(REQUEST.pack(i) for i in ask))  # type: ignore[union-attr]
+            except OSError:
+                drop(local)
+                return
+            local.asked.update(ask)
 
     # --- pickling: a process's connection and counters stay with it -----------
 
@@ -206,25 +177,38 @@ class DatasetFiles:
         except KeyError:
             raise ShmstageError(f"{name!r} is not a file of {self.path}") from None
 
-    def _here(self) -> _Local:
+    def _here(self) -> Local:
         local = self._local
         if local is None or local.pid != os.getpid():  # a new process (fork): its own state
             with _CREATING:
                 local = self._local
                 if local is None or local.pid != os.getpid():
-                    local = self._local = _Local(self)
+                    book = Store(self._dest).book if self._store else None
+                    local = Local(self._view, self._resident, self._name, book)
+                    if self._view is not None and self._view.kind == "live":
+                        attach(local, self._view_ino)
+                    self._local = local
         return local
 
-    def _ram(self, root: str, name: str, local: _Local) -> BinaryIO:
+    def _vindex(self, local: Local, i: int) -> int:
+        """File ``i``'s index in the view followed (-1: not in it, or listed otherwise)."""
+        return i if local.vmap is None else local.vmap[i]
+
+    def _checked(self, root: str, i: int, local: Local, *, whole: bool) -> BinaryIO | None:
+        """File ``i`` under ``root`` when it is the file listed, else None (``checked``)."""
+        want = (self._sizes[i], self._mtimes[i])
+        return checked(os.path.join(root, self._names[i]), want, local, whole=whole)
+
+    def _ram(self, root: str, name: str, local: Local) -> BinaryIO:
         path = os.path.join(root, name)
         try:
-            return io.BufferedReader(_Counted(path, local.count))
+            return io.BufferedReader(Counted(path, local.count))
         except FileNotFoundError:
             raise
         except OSError as e:
             raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
 
-    def _from_source(self, i: int, view: View, local: _Local) -> BinaryIO:
+    def _from_source(self, i: int, view: View, local: Local) -> BinaryIO:
         """The file read whole from the source as this process, checked against the listing
         before and after the read: a changed file is one clear error, never a mix."""
         rel = self._names[i]
@@ -270,34 +254,45 @@ class DatasetFiles:
             "and run the job again"
         )
 
-    def _live(self, i: int, local: _Local) -> BinaryIO:
+    def _live(self, i: int, local: Local) -> BinaryIO:
         """A file of a copy still running (the view's ``live`` kind; see NOTE in
-        docs/loader.md): from RAM once landed, after a demand to the stager if need be."""
+        docs/loader.md): from RAM once landed, after a demand to the stager if need be.
+        Every file read under the view's root or the final copy is checked against the
+        listing; one that is not the file listed is looked for again, never returned."""
         rel = self._names[i]
         for _ in range(_SETTLE):
-            view = local.view
+            view: View = local.view  # type: ignore[assignment]
             if local.published:
-                try:
-                    return self._ram(view.final, rel, local)  # type: ignore[union-attr]
-                except FileNotFoundError:
-                    raise self._gone(rel) from None
-            if local.dead:  # what landed may still be there (else gc took it): the rest, source
-                if local.landed[i]:
-                    with suppress(OSError, ShmstageError):  # removed, or the stager's only
-                        return self._ram(view.root, rel, local)  # type: ignore[union-attr]
-                return self._from_source(i, view, local)  # type: ignore[arg-type]
-            if local.landed[i] or self._poll_landed(local, i):
-                try:
-                    return self._ram(view.root, rel, local)  # type: ignore[union-attr]
-                except FileNotFoundError:
-                    self._settle(local)  # published (renamed away) or removed by gc
-                    continue
-            status = self._demand(local, i)
+                f = self._checked(view.final, i, local, whole=False)
+                # Evicted, or published from a newer listing: the source, checked.
+                return f if f is not None else self._from_source(i, view, local)
+            j = self._vindex(local, i)
+            if j < 0:  # a new stager's view lists it otherwise: the source says how
+                return self._from_source(i, view, local)
+            if local.stalled:
+                self._poll_landed(local, j)  # progress again: back to the stager
+            if local.dead or local.stalled:
+                # The stager is gone (or stopped, or stuck): its copy if published, what
+                # landed under its root, else the source; each checked.
+                f = self._checked(view.final, i, local, whole=False)
+                if f is None and local.landed[j]:
+                    f = self._checked(view.root, i, local, whole=True)
+                return f if f is not None else self._from_source(i, view, local)
+            if local.landed[j] or self._poll_landed(local, j):
+                f = self._checked(view.root, i, local, whole=True)
+                if f is not None:
+                    return f
+                # Gone (published, removed by gc), or not the file listed (a restage's
+                # publish swaps the old copy into root for an instant, a new stager
+                # rewrites it): read the view again.
+                self._settle(local)
+                continue
+            status = self._demand(local, j)
             if status == LANDED_OK:
-                local.landed[i] = 1
+                local.landed[j] = 1
             elif status == PUBLISHED:
                 local.published = True
-            elif status is None:  # the stager is gone, or its socket is
+            elif status is None:  # the stager is gone, stopped, or its socket is
                 self._settle(local)
             else:
                 raise ShmstageError(
@@ -310,122 +305,125 @@ class DatasetFiles:
             f"see `shmstage list --dest {self._dest}`"
         )
 
-    def _poll_landed(self, local: _Local, i: int) -> bool:
-        """Read what the ``landed`` log gained since the last look (whole records only)."""
+    def _poll_landed(self, local: Local, j: int) -> bool:
+        """Whether file ``j`` (the followed view's numbering) has landed, reading what the
+        ``landed`` log gained since the last look."""
         with local.lock:
-            try:
-                got, local.landed_at = local.view.landed_since(local.landed_at)  # type: ignore[union-attr]
-            except OSError:
-                return False
-            for index in got:
-                if index < len(local.landed):
-                    local.landed[index] = 1
-            return bool(local.landed[i])
+            grow(local)
+            return bool(local.landed[j])
 
-    def _settle(self, local: _Local) -> None:
-        """The view again: gone and <final> there = published; its stager dead, or gone with
-        nothing published = read the source; else wait a little (a publish under way)."""
-        view = read_view(self._dest, self._name)
-        if view is None:
+    def _settle(self, local: Local) -> None:
+        """The view again: gone and <final> there = published; another stager's = follow
+        it; its stager dead = read without it; stopped or stuck = likewise until it moves
+        again; else wait a little (a publish under way)."""
+        got = open_view(self._dest, self._name)
+        if got is None:
             if os.path.isdir(self.path):
                 local.published = True
             else:
                 local.dead = True
             return
-        local.view = view
+        view, fd = got
+        with local.cond:
+            followed = follow(local, view, fd, (self._names, self._sizes, self._mtimes))
+        if not followed:
+            time.sleep(0.05)
+            return
         if not view.alive():
             local.dead = True
             return
-        time.sleep(0.05)
-
-    def _demand(self, local: _Local, i: int) -> int | None:
-        """Ask the stager for file ``i`` and wait for its answer (None: the stager is gone).
-        Requests are pipelined on one connection per process; one thread reads the answers
-        and hands each to the thread waiting for it."""
         with local.cond:
+            local.stalled = stuck(local)
+        if not local.stalled:
+            time.sleep(0.05)
+
+    def _demand(self, local: Local, i: int) -> int | None:
+        """Ask the stager for file ``i`` (the followed view's numbering) and wait for its
+        answer (None: the stager is gone, stopped or stuck).  Requests are pipelined on one
+        connection per process; one thread reads the answers and hands each to the thread
+        waiting for it."""
+        with local.cond:
+            if local.stalled:
+                return None
             if i in local.answers:  # final: landed (0), published (1) or refused (< 0)
                 return local.answers[i]
-            if local.sock is None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-                try:
-                    sock.connect(local.view.socket or "")  # type: ignore[union-attr]
-                except OSError:
-                    sock.close()
-                    return None
-                sock.settimeout(_POLL)
-                local.sock = sock
+            if not self._connect(local):
+                return None
             if i not in local.asked:  # another thread's request for it is answered to all
                 try:
                     local.sock.sendall(REQUEST.pack(i))
                 except OSError:
-                    self._drop(local)
+                    drop(local)
                     return None
                 local.asked.add(i)
             while i not in local.answers:
                 if local.sock is None:
                     return None
                 if local.reading:
-                    local.cond.wait(_POLL)
+                    local.cond.wait(POLL)
                     continue
                 local.reading = True
                 sock = local.sock
                 local.cond.release()
                 try:
-                    got = _recv_answer(sock)
+                    got = recv_answer(sock)
                 finally:
                     local.cond.acquire()
                     local.reading = False
+                if sock is not local.sock:  # another view followed meanwhile: not its answer
+                    continue
                 if got is None:
-                    self._drop(local)
+                    drop(local)
                     local.cond.notify_all()
                     return None
                 if got != "timeout":
                     local.answers[got[0]] = got[1]
+                    local.progress = time.monotonic()
                 local.cond.notify_all()
-                if got == "timeout" and not local.view.alive():  # type: ignore[union-attr]
-                    self._drop(local)
+                if got == "timeout" and (
+                    not local.view.alive() or stuck(local)  # type: ignore[union-attr]
+                ):
+                    drop(local)
                     return None
             return local.answers[i]
 
-    def _drop(self, local: _Local) -> None:
-        """Forget the connection and what was asked on it (the asking threads ask again)."""
-        if local.sock is not None:
-            with suppress(OSError):
-                local.sock.close()
-            local.sock = None
-        local.asked.clear()
+    def _connect(self, local: Local) -> bool:
+        """This process's connection to the stager (``local.cond`` held); False: gone."""
+        if local.sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(local.view.socket or "")  # type: ignore[union-attr]
+            except OSError:
+                sock.close()
+                return False
+            sock.settimeout(POLL)
+            local.sock = sock
+        return True
 
-
-def _recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:
-    """One answer ``(index, status)``; "timeout" when none came in ``_POLL`` s; None at EOF."""
-    data = b""
-    while len(data) < 8:
+    def _drain(self, local: Local) -> None:
+        """Take the answers already here without waiting (``local.cond`` held, no thread
+        reading): answers to hints nobody waits for must not pile up at the stager."""
+        if local.sock is None or local.reading:
+            return
+        sock = local.sock
+        sock.setblocking(False)  # not MSG_DONTWAIT: a socket with a timeout polls first
         try:
-            chunk = sock.recv(8 - len(data))
-        except TimeoutError:
-            if not data:
-                return "timeout"
-            continue
+            here = sock.recv(1 << 16, socket.MSG_PEEK)
+            data = sock.recv(len(here) - len(here) % ANSWER.size) if here else b""
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    index, status = ANSWER.unpack(data)
-    return index, status
-
-
-def _listed_view(dest: str, name: str) -> tuple[View | None, FileList | None]:
-    """The view of DEST/<name> and its file list, read together (a view that goes away
-    between the two was published: read again)."""
-    for _ in range(3):
-        view = read_view(dest, name)
-        if view is None:
-            return None, None
-        listed = view.files()
-        if listed is not None:
-            return view, listed
-    return None, None
+            drop(local)
+            return
+        finally:
+            if sock.fileno() >= 0:
+                sock.settimeout(POLL)
+        for index, status in ANSWER.iter_unpack(data):
+            local.answers[index] = status
+            if status == LANDED_OK and index < len(local.landed):
+                local.landed[index] = 1
+        if data:
+            local.cond.notify_all()
 
 
 def _walk(top: str) -> tuple[tuple[str, ...], list[int]]:

@@ -50,6 +50,10 @@ class FolderDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def want(self, indices: Iterable[int]) -> None:
+        """A hint that these samples are read soon (``DatasetFiles.want``; make_loader)."""
+        self.files.want(self.samples[i][0] for i in indices)
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         name, target = self.samples[index]
         sample: Any = self.files.read(name)

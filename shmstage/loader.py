@@ -20,13 +20,14 @@ from typing import Any
 
 try:
     import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 except ImportError:  # pragma: no cover - exercised only on a torch-less install
     raise ImportError(
         "shmstage.loader needs torch: pip install torch (or 'shmstage[torch]')"
     ) from None
 
 from shmstage import system
+from shmstage.askahead import AskAhead
 from shmstage.batches import batch_tensors, hides_tensors, move_batch
 from shmstage.datasetfiles import DatasetFiles
 from shmstage.errors import ShmstageError, ShmstageWarning
@@ -314,7 +315,34 @@ def make_loader(
     kwargs = loader_kwargs(**overrides)
     if persistent_workers and kwargs["num_workers"] > 0:  # none to keep when there are none
         kwargs["persistent_workers"] = True
+    _ask_ahead(dataset, batch_size, kwargs)
     return DataLoader(dataset, batch_size=batch_size, **kwargs)
+
+
+def _ask_ahead(dataset: Any, batch_size: int | None, kwargs: dict[str, Any]) -> None:
+    """A dataset on a copy still being staged (``FolderDataset`` on a live view) gets its
+    sampler wrapped in ``AskAhead``: the main process hints the files of the batches the
+    workers will load next (workers x prefetch_factor of them, and as many again), so the
+    stager copies those first and the workers rarely wait on a demand (docs/loader.md)."""
+    want = getattr(dataset, "want", None)
+    files = getattr(dataset, "files", None)
+    if not callable(want) or getattr(files, "kind", None) != "live":
+        return
+    if kwargs.get("batch_sampler") is not None or isinstance(dataset, IterableDataset):
+        return
+    sampler = kwargs.pop("sampler", None)
+    shuffle = kwargs.pop("shuffle", None)
+    if sampler is None:
+        sampler = (
+            RandomSampler(dataset, generator=kwargs.get("generator"))
+            if shuffle
+            else SequentialSampler(dataset)
+        )
+    elif shuffle:  # DataLoader's own refusal, kept
+        kwargs["shuffle"] = shuffle
+    batch = batch_size or 1
+    batches = max(1, kwargs["num_workers"]) * kwargs.get("prefetch_factor", 2)
+    kwargs["sampler"] = AskAhead(sampler, want, ahead=2 * batches * batch, step=batch)
 
 
 _LEASE_ATTRS = ("root", "root_dir", "data_dir", "path")

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -101,11 +102,18 @@ def test_partial_reads_the_rest_from_the_source_and_counts_both(tmp_path):
     src, data, resident = partial_copy(tmp_path)
     files = DatasetFiles(tmp_path / "dest" / "ds")
     assert files.kind == "partial" and files.names == tuple(sorted(data))
-    (tmp_path / "dest" / "ds" / "class0" / "img00.bin").write_bytes(b"RAM")  # read from RAM?
-    assert files.read("class0/img00.bin") == b"RAM"
+    # Read from RAM? Marked bytes, same size and mtime as listed: RAM's are served.
+    ram0 = tmp_path / "dest" / "ds" / "class0" / "img00.bin"
+    st = ram0.stat()
+    ram0.write_bytes(b"R" * st.st_size)
+    os.utime(ram0, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert files.read("class0/img00.bin") == b"R" * st.st_size
     assert all(files.read(n) == data[n] for n in files.names if n != "class0/img00.bin")
-    ram = sum(len(data[n]) for n in resident) - len(data["class0/img00.bin"]) + 3
+    ram = sum(len(data[n]) for n in resident)
     assert files.served == (ram, sum(len(data[n]) for n in data if n not in resident))
+    # Another version in RAM (size or mtime not as listed): never served, the source is.
+    ram0.write_bytes(b"RAM")
+    assert files.read("class0/img00.bin") == data["class0/img00.bin"]
 
 
 def test_a_source_file_changed_since_the_listing_is_one_clear_error(tmp_path):
@@ -165,6 +173,8 @@ class FakeStager:
         self.names = (self.view / "files").read_text().splitlines()
         self.asked: list[int] = []
         self.refuse: set[int] = set()
+        self.hold = threading.Event()  # cleared: requests are taken, answers held back
+        self.hold.set()
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.sock_path)
         self.server.listen(8)
@@ -183,6 +193,7 @@ class FakeStager:
             while (req := conn.recv(4)) and len(req) == 4:
                 (i,) = struct.unpack("<I", req)
                 self.asked.append(i)
+                self.hold.wait()
                 if i in self.refuse:
                     conn.sendall(struct.pack("<Ii", i, -116))  # ESTALE: the source changed
                     continue
@@ -227,6 +238,100 @@ def test_a_live_copy_demands_each_missing_file_once_then_reads_ram(tmp_path):
     stager.publish()
     assert files.read("README") == data["README"]  # from <final>, no demand
     assert len(stager.asked) == len(data)
+
+
+def test_want_sends_its_requests_at_once_each_once_and_waits_for_none(tmp_path):
+    """``want`` pipelines the requests (it returns while the stager answers none), asks for
+    each file once per process however often it is named, and the reads that follow find
+    the files landed without asking again."""
+    data = make_tree(tmp_path / "src")
+    stager = FakeStager(tmp_path, tmp_path / "src")
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    stager.hold.clear()
+    names = list(files.names[:8])
+    files.want(names + names[:3])  # returns: it waits for no answer
+    files.want(names[2:5])
+    _until(lambda: len(stager.asked) >= 1)
+    stager.hold.set()
+    _until(lambda: len(stager.asked) == 8)
+    assert {n: files.read(n) for n in names} == {n: data[n] for n in names}
+    files.want(names)  # landed: nothing to ask
+    assert sorted(stager.asked) == list(range(8))
+    files.read(files.names[8])  # a file not hinted is demanded as before
+    assert sorted(stager.asked) == list(range(9))
+
+
+def test_want_is_a_no_op_on_a_copy_in_ram_and_on_a_dead_stager(tmp_path):
+    data = make_tree(tmp_path / "src")
+    plain = DatasetFiles(tmp_path / "src")
+    plain.want(plain.names)
+    assert plain.read("README") == data["README"]
+    with pytest.raises(ShmstageError, match="is not a file of"):
+        plain.want(["nope"])
+    pid, start = dead_pid()
+    root = tmp_path / "dest" / ".shmstage" / "partial" / "ds"
+    root.mkdir(parents=True)
+    write_view(tmp_path / "dest", "ds", tmp_path / "src", "live", root, set(), pid=pid,
+               pid_start=start, socket=str(tmp_path / "gone.sock"))  # fmt: skip
+    dead = DatasetFiles(tmp_path / "dest" / "ds")
+    dead.want(dead.names)  # no stager to ask: nothing happens, reads go to the source
+    assert dead.read("README") == data["README"]
+
+
+def test_a_landed_file_swapped_for_its_old_version_by_a_publish_is_never_read(tmp_path):
+    """A restage's publish exchanges the old copy into root for an instant: a file there that
+    is not the listed one (size, mtime) is put back, the view read again, and once the view
+    is gone the new copy is read from <final>."""
+    data = make_tree(tmp_path / "src")
+    stager = FakeStager(tmp_path, tmp_path / "src")
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    rel = "class1/img02.bin"
+    assert files.read(rel) == data[rel]  # landed in root
+    shutil.copytree(tmp_path / "src", tmp_path / "dest" / "ds")  # the new copy, published
+    (stager.root / rel).write_bytes(b"the old version")  # and the old one swapped into root
+    threading.Timer(0.3, lambda: shutil.rmtree(stager.view)).start()
+    assert files.read(rel) == data[rel]
+    assert files.read("README") == data["README"]  # from <final> now
+
+
+def test_ask_ahead_hints_each_index_once_before_it_is_yielded():
+    from shmstage.askahead import AskAhead
+
+    hinted: list[list[int]] = []
+    seen = []
+    for x in AskAhead(range(10), hinted.append, ahead=4, step=2):
+        seen.append((x, sum(map(len, hinted))))
+    assert [x for x, _ in seen] == list(range(10))
+    assert [i for h in hinted for i in h] == list(range(10))  # in order, each once
+    assert all(n >= min(10, x + 1 + 4 - 2) for x, n in seen)  # always ahead of the reads
+    assert len(AskAhead(range(10), hinted.append, ahead=4)) == 10
+
+
+def test_make_loader_asks_ahead_on_a_live_copy_only(tmp_path):
+    from shmstage.askahead import AskAhead
+    from shmstage.loader import FolderDataset, make_loader
+
+    data = make_tree(tmp_path / "src")
+    stager = FakeStager(tmp_path, tmp_path / "src")
+    ds = FolderDataset(tmp_path / "dest" / "ds")
+    loader = make_loader(ds, batch_size=2, num_workers=0, lease=False, shuffle=True)
+    assert isinstance(loader.sampler, AskAhead)
+    batches = iter(loader)
+    read = [bytes(s) for s in next(batches)[0]]
+    # one batch read, the files of the next ones asked for (2 batches x 2 workers' worth)
+    _until(lambda: len(stager.asked) >= 8, timeout=10)
+    read += [bytes(s) for batch in batches for s in batch[0]]
+    assert sorted(read) == sorted(v for k, v in data.items() if "/" in k)
+    assert sorted(stager.asked) == sorted({*stager.asked})  # each file asked for once
+    plain = make_loader(FolderDataset(tmp_path / "src"), batch_size=2, num_workers=0, lease=False)
+    assert not isinstance(plain.sampler, AskAhead)
+
+
+def _until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_a_file_the_stager_refuses_is_one_clear_error(tmp_path):

@@ -374,3 +374,90 @@ def test_cleanup_stops_an_unfinished_copy_and_says_nothing_of_it(tmpfs, tmp_path
         f"shmstage: --no-wait: the job starts now; {src} is copied to {dest / 'ds'} while it runs"
     ]
     assert not (dest / "ds").exists()
+
+
+WANT_JOB = """
+import json, os, struct, sys
+from shmstage.datasetfiles import DatasetFiles
+dest, name, out, k = sys.argv[1:5]
+files = DatasetFiles(os.path.join(dest, name))
+log = os.path.join(dest, ".shmstage", "views", name, "landed")
+def landed():
+    with open(log, "rb") as f:
+        data = f.read()
+    return [i for (i,) in struct.iter_unpack("<I", data[: len(data) // 4 * 4])]
+before = len(landed())
+want = list(files.names[-int(k):])
+files.want(want)
+for n in want:
+    files.read(n)
+got = {"before": before, "order": landed(), "total": len(files)}
+got["wanted"] = [files.names.index(n) for n in want]
+json.dump(got, open(out, "w"))
+"""
+
+
+def test_hinted_files_land_before_any_bulk_work_handed_out_after_them(
+    tmpfs, tmp_path, shmstage_bin
+):
+    """40 files hinted at once with ``want`` (pipelined: more than the workers and the queue
+    hold), then read: behind the hint land only the bulk tasks the workers already had, then
+    every hinted file (read one by one without the hint, bulk work lands between them)."""
+    from shmstage.stage.build import copier, ondemand
+
+    src = tmp_path / "ds"
+    _tree(src, 400, 500)
+    dest = tmpfs("64M")
+    out = tmp_path / "out.json"
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", sys.executable, "-c", WANT_JOB, str(dest), "ds"]
+    p = subprocess.run(
+        [*argv, str(out), "40"], env=_env(0.05), capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    got = json.loads(out.read_text())
+    wanted = set(got["wanted"])
+    order = got["order"][got["before"] :]
+    last = max(order.index(i) for i in wanted)
+    bulk = [i for i in order[: last + 1] if i not in wanted]
+    in_hand = (copier.default_workers() + ondemand.QUEUED + 1) * ondemand.BATCH_FILES
+    assert len(bulk) <= in_hand < got["total"] - got["before"] - len(wanted), got
+
+
+def test_no_bulk_work_is_handed_out_while_a_demand_waits():
+    """The feeding rule alone (pure logic, a stand-in copier): a task per worker and QUEUED
+    more, of small batches; none at all while a demanded file is still being copied."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shmstage.stage.build import ondemand
+
+    handed: list[list] = []
+
+    class Stream:
+        sent = 0
+        results = SimpleNamespace(done=0)
+
+        def add(self, jobs):
+            handed.append(list(jobs))
+            self.sent += 1
+            return []
+
+    copy = object.__new__(ondemand._Copy)
+    server = SimpleNamespace(waiting={})
+    jobs = [(f"s/{j}", f"d/{j}", 1000, 0, 0, 0, str(j)) for j in range(100)]
+    copy.__dict__.update(
+        stream=Stream(), live=SimpleNamespace(server=server), workers=8, jobs=jobs,
+        todo=deque(range(100)), handed=bytearray(100), next_group=0, adding=-1, early=set(),
+        groups={}, group_of={},
+    )  # fmt: skip
+    copy._feed()
+    assert len(handed) == 8 + ondemand.QUEUED
+    assert all(len(b) <= ondemand.BATCH_FILES for b in handed)
+    copy.stream.results.done = len(handed)  # every task done, and a demand waits
+    server.waiting[99] = ["a job"]
+    copy._feed()
+    assert len(handed) == 8 + ondemand.QUEUED
+    del server.waiting[99]  # it landed: the bulk copy goes on
+    copy._feed()
+    assert len(handed) == 2 * (8 + ondemand.QUEUED)

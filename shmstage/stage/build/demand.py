@@ -160,9 +160,11 @@ class DemandServer:
 
     def _drop(self, client: Client) -> None:
         self.clients.pop(client.sock.fileno(), None)
-        for waiters in self.waiting.values():
+        for index, waiters in list(self.waiting.items()):
             if client in waiters:
                 waiters.remove(client)
+                if not waiters:  # nobody waits for it now: the bulk copy may go on
+                    del self.waiting[index]
         with contextlib.suppress(OSError):
             client.sock.close()
 

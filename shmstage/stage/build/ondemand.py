@@ -31,9 +31,12 @@ from shmstage.stage.store.checks import mkdir_checked
 from shmstage.stage.store.locks import me
 from shmstage.stage.store.views import LIVE, LandedLog, View, remove_view, write_view
 
-BATCH_FILES = 16  # files handed to the copier at once: a demand waits behind few of them
-BATCH_BYTES = 8 << 20
-QUEUED = 2  # tasks queued beyond one per worker: none idles, a demand passes all the rest
+# Bulk work is handed out small, and none while any demand waits: a demanded file (a task of
+# its own) waits only for the tasks in hand and QUEUED to end, then has the source's whole
+# bandwidth.  Small tasks cost the plain copy little (a record on a pipe each).
+BATCH_FILES = 4
+BATCH_BYTES = 1 << 20
+QUEUED = 2  # tasks queued beyond one per worker: none idles while the loop answers
 _SUN_PATH = 107  # sockaddr_un.sun_path, less its NUL
 _FAILED_FILE = {"changed", "vanished", "replaced", "not regular"}
 
@@ -255,7 +258,7 @@ class _Copy:
                     for i in server.demands():
                         j = self.job_of.get(i)
                         if j is not None and not self.handed[j]:
-                            self._hand([j])
+                            self._hand([j])  # a task of its own: no bulk file ahead of it
                     self._feed()
                     ready, writable = _wait(stream.results.fd, server)
                     server.handle([fd for fd in ready if fd != stream.results.fd], writable)
@@ -275,9 +278,12 @@ class _Copy:
             os.umask(old_umask)
 
     def _feed(self) -> None:
-        """Keep a task per worker and QUEUED more, in listing order, skipping what was demanded."""
-        stream = self.stream
-        while self.todo and stream.sent - stream.results.done < self.workers + QUEUED:
+        """Keep a task per worker and QUEUED more, in listing order, skipping what was
+        demanded; none while a demand waits (every file waited for is handed out already)."""
+        stream, waiting = self.stream, self.live.server.waiting  # type: ignore[union-attr]
+        while (
+            not waiting and self.todo and stream.sent - stream.results.done < self.workers + QUEUED
+        ):
             batch: list[int] = []
             nbytes = 0
             while self.todo and len(batch) < BATCH_FILES and nbytes < BATCH_BYTES:
