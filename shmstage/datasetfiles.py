@@ -15,11 +15,12 @@ import threading
 import time
 from array import array
 from collections.abc import Iterable
-from contextlib import suppress
 from typing import Any, BinaryIO
 
 from shmstage.demandclient import POLL, Counted, Local, recv_answer
 from shmstage.errors import ShmstageError
+from shmstage.filelisting import copy_of, walk
+from shmstage.sourcefile import SourceFile
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.views import (
     ANSWER,
@@ -54,30 +55,41 @@ class DatasetFiles:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self._dest, self._name = os.path.split(self.path)
+        # DEST/<name>, also for a path inside it ({staged}/train) or a symlink to it: the
+        # view is the whole copy's, so a subdirectory's names are the view's below it.
+        self._dest, self._name, sub = copy_of(self.path)
+        self._top = os.path.join(self._dest, self._name)
         self._store = os.path.isdir(Store(self._dest).book)
         self._view, listed, self._view_ino = (
             listed_view(self._dest, self._name) if self._store else (None, None, 0)
         )
         if listed is not None:
-            self._names = listed.names
+            self._names = listed.names  # the whole copy's: indices are the view's
             self._sizes = array("q", listed.sizes)
             self._mtimes = array("q", listed.mtimes)
             self._resident = bytes(listed.resident)
+            self._prefix = "" if sub == "." else sub + "/"
+            if self._prefix and not any(n.startswith(self._prefix) for n in self._names):
+                raise ShmstageError(
+                    f"{self.path} is not a directory of {self._top} (no file below {sub})"
+                )
         else:
-            names, sizes = _walk(self.path)
+            names, sizes = walk(self.path)
             self._names, self._sizes = names, array("q", sizes)
             self._mtimes = array("q")
             self._resident = b"\1" * len(names)
-        self._index = {n: i for i, n in enumerate(self._names)}
+            self._prefix = ""
+        cut = len(self._prefix)
+        self._index = {n[cut:]: i for i, n in enumerate(self._names) if n.startswith(self._prefix)}
+        self._shown = tuple(self._index)
         self._local: Local | None = None
 
     # --- what there is ---------------------------------------------------------
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The relative path of every regular file, sorted."""
-        return self._names
+        """The relative path (to ``path``) of every regular file, sorted."""
+        return self._shown
 
     @property
     def kind(self) -> str:
@@ -86,7 +98,7 @@ class DatasetFiles:
         return self._view.kind if self._view is not None else "copy"
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._shown)
 
     def size(self, name: str) -> int:
         return self._sizes[self._at(name)]
@@ -209,11 +221,11 @@ class DatasetFiles:
             raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
 
     def _from_source(self, i: int, view: View, local: Local) -> BinaryIO:
-        """The file read whole from the source as this process, checked against the listing
-        before and after the read: a changed file is one clear error, never a mix."""
+        """The file streamed from the source as this process (never held whole in memory),
+        checked against the listing when opened and against what it was when opened after
+        every read: a changed file is one clear error, never a mix (see ``SourceFile``)."""
         rel = self._names[i]
         path = view.source + "/" + rel
-        want = (self._sizes[i], self._mtimes[i])
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -221,26 +233,19 @@ class DatasetFiles:
         except OSError as e:
             raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
         try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode) or (before.st_size, before.st_mtime_ns) != want:
-                raise self._changed(rel, path, "changed")
-            chunks, left = [], want[0]
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 22))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            after = os.fstat(fd)
-            if left or (after.st_size, after.st_mtime_ns) != want:
-                raise self._changed(rel, path, "changed while it was read")
+            st = os.fstat(fd)
         except OSError as e:
-            raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
-        finally:
             os.close(fd)
-        data = b"".join(chunks)
-        local.count(0, len(data))
-        return io.BytesIO(data)
+            raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (
+            self._sizes[i],
+            self._mtimes[i],
+        ):
+            os.close(fd)
+            raise self._changed(rel, path, "changed")
+        changed = self._changed(rel, path, "changed while it was read")
+        raw = SourceFile(fd, path, st, lambda n: local.count(0, n), changed)
+        return io.BufferedReader(raw, buffer_size=1 << 20)
 
     def _gone(self, rel: str) -> ShmstageError:
         return ShmstageError(
@@ -318,7 +323,7 @@ class DatasetFiles:
         again; else wait a little (a publish under way)."""
         got = open_view(self._dest, self._name)
         if got is None:
-            if os.path.isdir(self.path):
+            if os.path.isdir(self._top):
                 local.published = True
             else:
                 local.dead = True
@@ -424,23 +429,3 @@ class DatasetFiles:
                 local.landed[index] = 1
         if data:
             local.cond.notify_all()
-
-
-def _walk(top: str) -> tuple[tuple[str, ...], list[int]]:
-    """Every regular file below ``top`` (symlinks not followed), sorted by relative path."""
-    if not os.path.isdir(top):
-        raise ShmstageError(f"{top} is not a directory (nor a staged dataset being copied)")
-    found: list[tuple[str, int]] = []
-
-    def fail(e: OSError) -> None:
-        raise ShmstageError(f"cannot list {e.filename}: {e.strerror}")
-
-    for root, _dirs, files in os.walk(top, onerror=fail):
-        for f in files:
-            full = os.path.join(root, f)
-            with suppress(FileNotFoundError):
-                st = os.lstat(full)
-                if stat.S_ISREG(st.st_mode):
-                    found.append((os.path.relpath(full, top), st.st_size))
-    found.sort()
-    return tuple(n for n, _ in found), [s for _, s in found]

@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import suppress
 from typing import Any
 
 from shmstage.stage.store import served
@@ -64,14 +65,46 @@ class Local:
         self.answers: dict[int, int] = {}  # the stager's final word on each file asked for
         self.asked: set[int] = set()  # requests sent on this connection
         self.reading = False  # one thread reads the socket, the others wait on ``cond``
+        self.counters = Counters(name, book)
+        # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's), or
+        # when this Local is collected: the finalizer holds the counters, never the Local
+        # (a bound method of it would keep every instance alive).
+        multiprocessing.util.Finalize(self, self.counters.close, exitpriority=10)
+
+    def __del__(self) -> None:  # collected with its DatasetFiles: its connection goes too
+        sock = self.__dict__.get("sock")
+        if sock is not None:
+            with suppress(OSError):
+                sock.close()
+
+    @property
+    def ram(self) -> int:
+        return self.counters.ram
+
+    @property
+    def source(self) -> int:
+        return self.counters.source
+
+    def count(self, ram: int, source: int) -> None:
+        self.counters.count(ram, source)
+
+    def flush(self) -> None:
+        self.counters.flush()
+
+
+class Counters:
+    """One process's bytes served from RAM and from the source for one dataset, and the
+    counter file they are written to (at most once every ``FLUSH_EVERY`` s, and at the end)."""
+
+    def __init__(self, name: str, book: str | None) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
         self.ram = 0
         self.source = 0
         self.flushed = 0.0
         self.added = (0, 0)  # of ram, source: what served/ has of this process's counts
         self.name = name
         self.book = book
-        # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's)
-        multiprocessing.util.Finalize(self, self.flush, kwargs={"last": True}, exitpriority=10)
 
     def count(self, ram: int, source: int) -> None:
         with self.lock:
@@ -96,6 +129,10 @@ class Local:
         elif not served.add(self.book, self.name, ram, source):
             with self.lock:  # locked by another process now: the next flush adds these
                 self.added = (self.added[0] - ram, self.added[1] - source)
+
+    def close(self) -> None:
+        """The last addition (at exit, or when collected); no file is held open between."""
+        self.flush(last=True)
 
 
 def recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:

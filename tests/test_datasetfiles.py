@@ -4,6 +4,7 @@ DataLoader workers, another user, and the served-bytes counters."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -129,6 +130,117 @@ def test_a_source_file_changed_since_the_listing_is_one_clear_error(tmp_path):
         files.read("class2/img00.bin")
 
 
+def test_a_subdirectory_or_a_symlink_of_a_partial_copy_lists_every_file_below_it(tmp_path):
+    """{staged}/train, or a link to {staged}: the copy's view is found by walking up from the
+    resolved path, and its names are scoped to the subdirectory: never only what is in RAM."""
+    from shmstage.loader import FolderDataset
+
+    src, data, _ = partial_copy(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "dest" / "ds")
+    via_link = DatasetFiles(tmp_path / "link")
+    assert via_link.kind == "partial" and via_link.names == tuple(sorted(data))
+    assert len(FolderDataset(tmp_path / "link")) == len(data) - 1  # README is no sample
+    for sub in ("class0", "class1"):  # in RAM; not in RAM at all (no such directory there)
+        files = DatasetFiles(tmp_path / "link" / sub)
+        below = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(sub + "/")}
+        assert files.kind == "partial" and files.names == tuple(sorted(below))
+        assert all(files.read(n) == below[n] for n in files.names)
+    with pytest.raises(ShmstageError, match="no file below nope"):
+        DatasetFiles(tmp_path / "dest" / "ds" / "nope")
+
+
+def source_file(tmp_path: Path, size: int) -> tuple[DatasetFiles, Path, bytes]:
+    """A partial copy with one big file not in RAM (class1/big.bin)."""
+    src, _, resident = partial_copy(tmp_path)
+    big = os.urandom(size)
+    (src / "class1" / "big.bin").write_bytes(big)
+    shutil.rmtree(Path(Store(tmp_path / "dest").book) / "views" / "ds")
+    write_view(tmp_path / "dest", "ds", src, "partial", tmp_path / "dest" / "ds", resident)
+    return DatasetFiles(tmp_path / "dest" / "ds"), src / "class1" / "big.bin", big
+
+
+def test_a_file_not_in_ram_is_streamed_not_read_whole_when_opened(tmp_path):
+    files, _, big = source_file(tmp_path, 8 << 20)
+    with files.open("class1/big.bin") as f:
+        assert f.read(4096) == big[:4096]
+        assert files.served[1] <= 1 << 20  # one buffer read, not the whole 8 MiB
+        assert f.read() == big[4096:]
+    assert files.served[1] == len(big) and files.read("class1/big.bin") == big
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_put_back_while_read_is_an_error(tmp_path):
+    """`cp -p` onto the file while the job reads it: same size and mtime, new bytes (ctime
+    tells): one clear error, never the old start followed by the new end."""
+    files, path, big = source_file(tmp_path, 4 << 20)
+    st = os.stat(path)
+    with files.open("class1/big.bin") as f:
+        assert f.read(4096) == big[:4096]
+        with open(path, "r+b") as w:
+            w.write(os.urandom(len(big)))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(ShmstageError) as e:
+            f.read()
+    assert "class1/big.bin changed while it was read" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_instances_are_collected_with_their_counter_fds(tmp_path):
+    """A job that builds its DatasetFiles again and again (each epoch, each shard) keeps no
+    fd (counter file, socket) per instance: the at-exit flush holds no instance."""
+    import gc
+
+    data = make_tree(tmp_path / "src")
+    ds = engine.stage(tmp_path / "src", dest=tmp_path / "dest", reserve=0)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    DatasetFiles(ds.path).read("README")
+    gc.collect()
+    before = fds()
+    for _ in range(1000):
+        assert DatasetFiles(ds.path).read("README") == data["README"]
+    gc.collect()
+    assert fds() <= before + 2
+    assert served.totals(Store(tmp_path / "dest").book)["src"][0] >= len(data["README"])
+
+
+def test_make_loader_warns_about_a_walking_dataset_on_a_partial_copy(tmp_path):
+    import warnings
+
+    from shmstage.errors import ShmstageWarning
+    from shmstage.loader import FolderDataset, make_loader
+
+    partial_copy(tmp_path)
+
+    class Walking:  # ImageFolder-like: it lists and opens DEST/NAME itself
+        root = str(tmp_path / "dest" / "ds" / "class0")
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with pytest.warns(ShmstageWarning, match="holds only part of .*DatasetFiles"):
+        make_loader(Walking(), lease=False, num_workers=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShmstageWarning)
+        make_loader(FolderDataset(tmp_path / "dest" / "ds"), lease=False, num_workers=0)
+
+
+def test_symlinks_are_not_followed_and_that_is_said(tmp_path):
+    """Names are regular files only, as the stager lists a copy (whole, partial or live all
+    give the same names); the symlinks skipped, which ImageFolder would follow, are warned of."""
+    from shmstage.errors import ShmstageWarning
+
+    data = make_tree(tmp_path / "src")
+    (tmp_path / "src" / "class9").symlink_to("class0")
+    (tmp_path / "src" / "class1" / "link.bin").symlink_to("img00.bin")
+    with pytest.warns(ShmstageWarning, match="2 symlink.s. not followed"):
+        files = DatasetFiles(tmp_path / "src")
+    assert files.names == tuple(sorted(data))
+
+
 def dead_pid() -> tuple[int, int]:
     p = subprocess.Popen(["true"])
     p.wait()
@@ -189,7 +301,7 @@ class FakeStager:
             threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
 
     def answer(self, conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.suppress(OSError):  # a job that went away (or was collected)
             while (req := conn.recv(4)) and len(req) == 4:
                 (i,) = struct.unpack("<I", req)
                 self.asked.append(i)
