@@ -60,8 +60,8 @@ class DatasetFiles:
         self._dest, self._name, sub = copy_of(self.path)
         self._top = os.path.join(self._dest, self._name)
         self._store = os.path.isdir(Store(self._dest).book)
-        self._view, listed, self._view_ino = (
-            listed_view(self._dest, self._name) if self._store else (None, None, 0)
+        self._view, listed, self._view_id = (
+            listed_view(self._dest, self._name) if self._store else (None, None, ())
         )
         if listed is not None:
             self._names = listed.names  # the whole copy's: indices are the view's
@@ -198,7 +198,7 @@ class DatasetFiles:
                     book = Store(self._dest).book if self._store else None
                     local = Local(self._view, self._resident, self._name, book)
                     if self._view is not None and self._view.kind == "live":
-                        attach(local, self._view_ino)
+                        attach(local, self._view_id)
                     self._local = local
         return local
 

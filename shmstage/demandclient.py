@@ -49,11 +49,11 @@ class Local:
         self.view = view  # replaced when the view is re-read
         self.published = False  # the live copy was published: read <final>
         self.dead = False  # the stager is gone and never published: read the source
-        # Which stager's view this process follows (the view directory's inode: a new stager
-        # writes a new one) and, when it is not the one ``DatasetFiles`` was listed from, the
+        # Which stager's view this process follows (viewfollow.identity: a new stager writes
+        # a new view directory) and, when it is not the one ``DatasetFiles`` was listed from, the
         # index in that view of each listed file (-1: not there, or listed otherwise).
         # ``landed``, ``answers`` and ``asked`` count in the followed view's numbering.
-        self.view_ino = 0
+        self.view_id: tuple[object, ...] = ()
         self.vmap: list[int] | None = None
         self.landed_fd = -1  # that view's ``landed``, held open: never a newer view's log
         self.landed = bytearray(resident)

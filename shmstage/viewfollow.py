@@ -38,21 +38,28 @@ STALL = 10.0
 Listing = tuple[Sequence[str], Sequence[int], Sequence[int]]
 
 
-def listed_view(dest: str, name: str) -> tuple[View | None, FileList | None, int]:
-    """The view of DEST/<name>, its file list and its directory's inode, all read from one
+def identity(view: View, fd: int) -> tuple[object, ...]:
+    """Which view this is: its directory (``fd``; an inode may be reused once a view is
+    removed) and what its stager wrote (a new stager is another process)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, view.kind, view.pid, view.pid_start, view.socket, view.root
+
+
+def listed_view(dest: str, name: str) -> tuple[View | None, FileList | None, tuple[object, ...]]:
+    """The view of DEST/<name>, its file list and its ``identity``, all read from one
     directory (a view that goes away meanwhile was published or replaced: read again)."""
     for _ in range(3):
         got = open_view(dest, name)
         if got is None:
-            return None, None, 0
+            return None, None, ()
         view, fd = got
         try:
-            raw, ino = read_at(fd, FILES), os.fstat(fd).st_ino
+            raw, ident = read_at(fd, FILES), identity(view, fd)
         finally:
             os.close(fd)
         if raw is not None:
-            return view, parse_files(raw), ino
-    return None, None, 0
+            return view, parse_files(raw), ident
+    return None, None, ()
 
 
 def open_view(dest: str, name: str) -> tuple[View, int] | None:
@@ -139,17 +146,18 @@ def changed_since(before: os.stat_result, after: os.stat_result) -> bool:
     )
 
 
-def attach(local: Local, ino: int) -> None:
-    """Hold ``local.view``'s ``landed`` open when its directory is still the listed one
-    (inode ``ino``); a view replaced since the listing (a new stager) is followed at the
+def attach(local: Local, ident: tuple[object, ...]) -> None:
+    """Hold ``local.view``'s ``landed`` open when its view is still the listed one
+    (``ident``); a view replaced since the listing (a new stager) is followed at the
     first settle, never read with the listing's numbering."""
-    local.view_ino = ino
-    try:
-        fd = os.open(local.view.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # type: ignore[union-attr]
-    except OSError:
+    local.view_id = ident
+    view: View = local.view  # type: ignore[assignment]
+    got = open_view(os.path.dirname(view.final), view.name)
+    if got is None:
         return
+    now, fd = got
     try:
-        if os.fstat(fd).st_ino == ino:
+        if identity(now, fd) == ident:
             local.landed_fd = open_at(fd, LANDED)
     finally:
         os.close(fd)
@@ -180,8 +188,8 @@ def follow(local: Local, view: View, fd: int, listing: Listing) -> bool:
     ``landed`` log, all taken from that directory: two views' numbering never mix.
     False when its list is gone (being removed: look again)."""
     try:
-        ino = os.fstat(fd).st_ino
-        if ino == local.view_ino:
+        ident = identity(view, fd)
+        if ident == local.view_id:
             local.view = view
             return True
         raw = read_at(fd, FILES)
@@ -201,7 +209,7 @@ def follow(local: Local, view: View, fd: int, listing: Listing) -> bool:
     drop(local)
     if local.landed_fd >= 0:
         os.close(local.landed_fd)
-    local.view, local.view_ino, local.vmap = view, ino, vmap
+    local.view, local.view_id, local.vmap = view, ident, vmap
     local.landed_fd, local.landed_at = landed_fd, 0
     local.landed = bytearray(listed.resident)
     local.answers = {}

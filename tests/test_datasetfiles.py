@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from shmstage import viewfollow
 from shmstage.datasetfiles import DatasetFiles
 from shmstage.errors import ShmstageError
 from shmstage.stage import engine
@@ -273,11 +275,11 @@ class FakeStager:
     the landed log), answers, and publishes (rename root -> final, remove the view) on
     ``publish()``."""
 
-    def __init__(self, tmp_path: Path, src: Path) -> None:
+    def __init__(self, tmp_path: Path, src: Path, sock: str = "demand.sock") -> None:
         self.src, self.dest = src, tmp_path / "dest"
         self.root = self.dest / ".shmstage" / "partial" / "ds"
         self.root.mkdir(parents=True)
-        self.sock_path = str(tmp_path / "demand.sock")
+        self.sock_path = str(tmp_path / sock)
         stat = Path(f"/proc/{os.getpid()}/stat").read_text().rpartition(")")[2].split()
         Store(self.dest).open()
         self.view = write_view(self.dest, "ds", src, "live", self.root, set(), pid=os.getpid(),
@@ -290,6 +292,7 @@ class FakeStager:
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.sock_path)
         self.server.listen(8)
+        self.conns: list[socket.socket] = []
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self) -> None:
@@ -298,7 +301,16 @@ class FakeStager:
                 conn, _ = self.server.accept()
             except OSError:
                 return
+            self.conns.append(conn)
             threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def die(self) -> None:
+        """As a killed stager: no more connections, the open ones cut."""
+        self.server.close()
+        os.unlink(self.sock_path)
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def answer(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):  # a job that went away (or was collected)
@@ -404,6 +416,129 @@ def test_a_landed_file_swapped_for_its_old_version_by_a_publish_is_never_read(tm
     threading.Timer(0.3, lambda: shutil.rmtree(stager.view)).start()
     assert files.read(rel) == data[rel]
     assert files.read("README") == data["README"]  # from <final> now
+
+
+def test_a_new_stagers_view_is_followed_with_its_own_numbering(tmp_path):
+    """Stager A dies, stager B lists the source again (a file added: every index after it
+    moves) and writes its own view: the job asks B for B's index of the file and reads
+    the file it named, never A's numbering against B's list or landed log."""
+    data = make_tree(tmp_path / "src")
+    a = FakeStager(tmp_path, tmp_path / "src")
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    assert files.read("README") == data["README"]  # through A
+    a.die()
+    shutil.rmtree(a.view)
+    shutil.rmtree(a.root)
+    (tmp_path / "src" / "class0" / "aaa.bin").write_bytes(b"added before every other file")
+    b = FakeStager(tmp_path, tmp_path / "src", sock="b.sock")
+    rel = "class1/img01.bin"
+    assert files.read(rel) == data[rel]
+    b_names = [line.split("\t")[0] for line in b.names]
+    assert b.asked == [b_names.index(rel)] and b_names.index(rel) == files.names.index(rel) + 1
+    assert "class0/aaa.bin" not in files.names  # the job's own list stays as it was
+
+
+def dead_view_with_landed(tmp_path: Path, landed: list[str]) -> tuple[Path, Path]:
+    """A dead stager's live view whose ``landed`` log names ``landed`` (copied under root)."""
+    src = tmp_path / "src"
+    root = tmp_path / "dest" / ".shmstage" / "partial" / "ds"
+    for rel in landed:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, root / rel)
+    pid, start = dead_pid()
+    Store(tmp_path / "dest").open()
+    vdir = write_view(tmp_path / "dest", "ds", src, "live", root, set(), pid=pid,
+                      pid_start=start, socket=str(tmp_path / "gone.sock"))  # fmt: skip
+    names = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+    (vdir / "landed").write_bytes(b"".join(struct.pack("<I", names.index(r)) for r in landed))
+    return src, root
+
+
+def test_a_landed_file_rewritten_or_swapped_under_a_dead_stagers_root_is_never_read(tmp_path):
+    """Under a dead stager's root, a file it logged as landed but that a restage is
+    rewriting (full size, zeros, new mtime) or that an exchange put back in its old
+    version (old mtime) is not the file listed: the source's bytes are served, not
+    RAM's; an intact one still comes from RAM."""
+    data = make_tree(tmp_path / "src")
+    landed = ["class0/img00.bin", "class1/img01.bin", "class2/img02.bin"]
+    src, root = dead_view_with_landed(tmp_path, landed)
+    half = root / "class0/img00.bin"
+    half.write_bytes(bytes(half.stat().st_size))  # a restage's in-place rewrite under way
+    old = root / "class1/img01.bin"
+    old.write_bytes(os.urandom(old.stat().st_size))  # the old version, its own mtime
+    os.utime(old, ns=(10**18, 10**18))
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    assert all(files.read(n) == data[n] for n in landed)
+    assert files.served == (len(data["class2/img02.bin"]),
+                            len(data["class0/img00.bin"]) + len(data["class1/img01.bin"]))  # fmt: skip
+
+
+def test_a_dead_stagers_published_copy_is_read_not_the_source(tmp_path):
+    """A stager killed after its publish leaves its live view: the published copy is read
+    (each file checked against the list: one that is not the listed one comes from the
+    source), not the whole dataset again from the source."""
+    data = make_tree(tmp_path / "src")
+    src, _ = dead_view_with_landed(tmp_path, [])
+    shutil.copytree(src, tmp_path / "dest" / "ds")  # published (copy2 keeps the mtimes)
+    other = tmp_path / "dest" / "ds" / "README"
+    other.write_bytes(b"another version")
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    assert all(files.read(n) == data[n] for n in files.names)
+    total = sum(map(len, data.values()))
+    assert files.served == (total - len(data["README"]), len(data["README"]))
+
+
+def _silent_stager(tmp_path: Path, procs) -> tuple[subprocess.Popen, socket.socket]:
+    """A live view whose stager runs (a real process) and takes demands but never answers."""
+    src = tmp_path / "src"
+    root = tmp_path / "dest" / ".shmstage" / "partial" / "ds"
+    root.mkdir(parents=True)
+    proc = procs.start(["sleep", "600"])
+    stat_ = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "silent.sock"))
+    server.listen(8)
+    Store(tmp_path / "dest").open()
+    write_view(tmp_path / "dest", "ds", src, "live", root, set(), pid=proc.pid,
+               pid_start=int(stat_[19]), socket=str(tmp_path / "silent.sock"))  # fmt: skip
+    return proc, server
+
+
+def _read_in_thread(files: DatasetFiles, name: str) -> bytes | None:
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(files.read(name)), daemon=True)
+    t.start()
+    t.join(120)  # a hang, not a time measured: the read must end at all
+    return got[0] if got else None
+
+
+def test_a_stopped_stager_does_not_hang_the_job(tmp_path, procs):
+    """A stager stopped with SIGSTOP (/proc state T) answers nothing but is alive: the job
+    does without it and reads the source, checked."""
+    data = make_tree(tmp_path / "src")
+    proc, server = _silent_stager(tmp_path, procs)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        files = DatasetFiles(tmp_path / "dest" / "ds")
+        assert _read_in_thread(files, "README") == data["README"]
+        assert files.served == (0, len(data["README"]))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        server.close()
+
+
+def test_a_stager_making_no_progress_at_all_does_not_hang_the_job(tmp_path, procs, monkeypatch):
+    """A stager that runs but shows no progress at all (no answer, nothing landed, no CPU
+    time) for the stall limit is done without: the source, checked."""
+    monkeypatch.setattr(viewfollow, "STALL", 1.5)
+    data = make_tree(tmp_path / "src")
+    _proc, server = _silent_stager(tmp_path, procs)
+    try:
+        files = DatasetFiles(tmp_path / "dest" / "ds")
+        assert _read_in_thread(files, "README") == data["README"]
+        assert files.served == (0, len(data["README"]))
+    finally:
+        server.close()
 
 
 def test_ask_ahead_hints_each_index_once_before_it_is_yielded():
@@ -572,6 +707,7 @@ def test_metrics_export_the_bytes_served_and_gc_drops_them_with_the_dataset(tmpf
 
 CHECK_JOB = """
 import hashlib, json, random, sys, threading
+from shmstage import viewfollow
 from shmstage.datasetfiles import DatasetFiles
 f = DatasetFiles(sys.argv[1])
 kind = f.kind
