@@ -1,6 +1,6 @@
 """A process's state in ``DatasetFiles`` (datasetfiles.py): its demand connection to the
 stager, the files it knows landed, and its counters of bytes served from RAM and from the
-source, written for ``shmstage list`` (store/served.py)."""
+source, added to its user's counter for ``shmstage metrics`` (store/served.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Local:
         self.counters = Counters(name, book)
         # At exit, DataLoader workers' included (multiprocessing runs these, not atexit's), or
         # when this Local is collected: the finalizer holds the counters, never the Local
-        # (a bound method of it would keep every instance, and its counter fd, alive).
+        # (a bound method of it would keep every instance alive).
         multiprocessing.util.Finalize(self, self.counters.close, exitpriority=10)
 
     def __del__(self) -> None:  # collected with its DatasetFiles: its connection goes too
@@ -102,7 +102,7 @@ class Counters:
         self.ram = 0
         self.source = 0
         self.flushed = 0.0
-        self.writer: served.Writer | None = None
+        self.added = (0, 0)  # of ram, source: what served/ has of this process's counts
         self.name = name
         self.book = book
 
@@ -113,22 +113,26 @@ class Counters:
         if time.monotonic() - self.flushed >= FLUSH_EVERY:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, last: bool = False) -> None:
+        """Add what this process read since the last flush to its user's counter file; the
+        file I/O is done outside ``lock`` (NOTE [served] in stage/store/served.py)."""
         if self.book is None or os.getpid() != self.pid:
             return
         with self.lock:
-            if self.writer is None:
-                self.writer = served.Writer(self.book, self.name)
             self.flushed = time.monotonic()
-            self.writer.write(self.ram, self.source)
+            ram, source = self.ram - self.added[0], self.source - self.added[1]
+            if not ram and not source:
+                return
+            self.added = (self.ram, self.source)
+        if last:
+            served.add_at_exit(self.book, self.name, ram, source)
+        elif not served.add(self.book, self.name, ram, source):
+            with self.lock:  # locked by another process now: the next flush adds these
+                self.added = (self.added[0] - ram, self.added[1] - source)
 
     def close(self) -> None:
-        """The last write, then the counter file's fd closed (at exit, or when collected)."""
-        if self.ram or self.source or self.writer is not None:
-            self.flush()
-        if self.writer is not None and os.getpid() == self.pid:
-            with self.lock:
-                self.writer.close()
+        """The last addition (at exit, or when collected); no file is held open between."""
+        self.flush(last=True)
 
 
 def recv_answer(sock: socket.socket) -> tuple[int, int] | str | None:
