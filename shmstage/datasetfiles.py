@@ -15,20 +15,29 @@ import threading
 import time
 from array import array
 from collections.abc import Iterable
-from contextlib import suppress
 from typing import Any, BinaryIO
 
 from shmstage.demandclient import POLL, Counted, Local, recv_answer
 from shmstage.errors import ShmstageError
+from shmstage.filelisting import copy_of, walk
+from shmstage.sourcefile import SourceFile
 from shmstage.stage.store.layout import Store
 from shmstage.stage.store.views import (
     ANSWER,
     LANDED_OK,
     PUBLISHED,
     REQUEST,
-    FileList,
     View,
-    read_view,
+)
+from shmstage.viewfollow import (
+    attach,
+    checked,
+    drop,
+    follow,
+    grow,
+    listed_view,
+    open_view,
+    stuck,
 )
 
 __all__ = ["DatasetFiles"]
@@ -46,28 +55,41 @@ class DatasetFiles:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self._dest, self._name = os.path.split(self.path)
+        # DEST/<name>, also for a path inside it ({staged}/train) or a symlink to it: the
+        # view is the whole copy's, so a subdirectory's names are the view's below it.
+        self._dest, self._name, sub = copy_of(self.path)
+        self._top = os.path.join(self._dest, self._name)
         self._store = os.path.isdir(Store(self._dest).book)
-        self._view, listed = _listed_view(self._dest, self._name) if self._store else (None, None)
+        self._view, listed, self._view_id = (
+            listed_view(self._dest, self._name) if self._store else (None, None, ())
+        )
         if listed is not None:
-            self._names = listed.names
+            self._names = listed.names  # the whole copy's: indices are the view's
             self._sizes = array("q", listed.sizes)
             self._mtimes = array("q", listed.mtimes)
             self._resident = bytes(listed.resident)
+            self._prefix = "" if sub == "." else sub + "/"
+            if self._prefix and not any(n.startswith(self._prefix) for n in self._names):
+                raise ShmstageError(
+                    f"{self.path} is not a directory of {self._top} (no file below {sub})"
+                )
         else:
-            names, sizes = _walk(self.path)
+            names, sizes = walk(self.path)
             self._names, self._sizes = names, array("q", sizes)
             self._mtimes = array("q")
             self._resident = b"\1" * len(names)
-        self._index = {n: i for i, n in enumerate(self._names)}
+            self._prefix = ""
+        cut = len(self._prefix)
+        self._index = {n[cut:]: i for i, n in enumerate(self._names) if n.startswith(self._prefix)}
+        self._shown = tuple(self._index)
         self._local: Local | None = None
 
     # --- what there is ---------------------------------------------------------
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The relative path of every regular file, sorted."""
-        return self._names
+        """The relative path (to ``path``) of every regular file, sorted."""
+        return self._shown
 
     @property
     def kind(self) -> str:
@@ -76,7 +98,7 @@ class DatasetFiles:
         return self._view.kind if self._view is not None else "copy"
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._shown)
 
     def size(self, name: str) -> int:
         return self._sizes[self._at(name)]
@@ -108,8 +130,9 @@ class DatasetFiles:
             if self._resident[i]:
                 # Not there: a first partial copy about to be published (its view comes
                 # first), or restaged since: the source has the same bytes (checked).
-                with suppress(FileNotFoundError):
-                    return self._ram(view.root, name, local)
+                f = self._checked(view.root, i, local, whole=False)
+                if f is not None:
+                    return f
             return self._from_source(i, view, local)
         return self._live(i, local)
 
@@ -128,18 +151,23 @@ class DatasetFiles:
         if local.view is None or local.view.kind != "live" or local.published or local.dead:
             return
         with local.cond:
+            if local.stalled:
+                return
             self._drain(local)
             ask = [
-                i
-                for i in dict.fromkeys(wanted)
-                if not local.landed[i] and i not in local.asked and i not in local.answers
+                j
+                for j in dict.fromkeys(self._vindex(local, i) for i in wanted)
+                if j >= 0
+                and not local.landed[j]
+                and j not in local.asked
+                and j not in local.answers
             ]
             if not ask or not self._connect(local):
                 return
             try:
                 local.sock.sendall(b"".join(REQUEST.pack(i) for i in ask))  # type: ignore[union-attr]
             except OSError:
-                self._drop(local)
+                drop(local)
                 return
             local.asked.update(ask)
 
@@ -168,8 +196,20 @@ class DatasetFiles:
                 local = self._local
                 if local is None or local.pid != os.getpid():
                     book = Store(self._dest).book if self._store else None
-                    local = self._local = Local(self._view, self._resident, self._name, book)
+                    local = Local(self._view, self._resident, self._name, book)
+                    if self._view is not None and self._view.kind == "live":
+                        attach(local, self._view_id)
+                    self._local = local
         return local
+
+    def _vindex(self, local: Local, i: int) -> int:
+        """File ``i``'s index in the view followed (-1: not in it, or listed otherwise)."""
+        return i if local.vmap is None else local.vmap[i]
+
+    def _checked(self, root: str, i: int, local: Local, *, whole: bool) -> BinaryIO | None:
+        """File ``i`` under ``root`` when it is the file listed, else None (``checked``)."""
+        want = (self._sizes[i], self._mtimes[i])
+        return checked(os.path.join(root, self._names[i]), want, local, whole=whole)
 
     def _ram(self, root: str, name: str, local: Local) -> BinaryIO:
         path = os.path.join(root, name)
@@ -181,11 +221,11 @@ class DatasetFiles:
             raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
 
     def _from_source(self, i: int, view: View, local: Local) -> BinaryIO:
-        """The file read whole from the source as this process, checked against the listing
-        before and after the read: a changed file is one clear error, never a mix."""
+        """The file streamed from the source as this process (never held whole in memory),
+        checked against the listing when opened and against what it was when opened after
+        every read: a changed file is one clear error, never a mix (see ``SourceFile``)."""
         rel = self._names[i]
         path = view.source + "/" + rel
-        want = (self._sizes[i], self._mtimes[i])
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -193,26 +233,19 @@ class DatasetFiles:
         except OSError as e:
             raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
         try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode) or (before.st_size, before.st_mtime_ns) != want:
-                raise self._changed(rel, path, "changed")
-            chunks, left = [], want[0]
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 22))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            after = os.fstat(fd)
-            if left or (after.st_size, after.st_mtime_ns) != want:
-                raise self._changed(rel, path, "changed while it was read")
+            st = os.fstat(fd)
         except OSError as e:
-            raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
-        finally:
             os.close(fd)
-        data = b"".join(chunks)
-        local.count(0, len(data))
-        return io.BytesIO(data)
+            raise ShmstageError(f"cannot read {path}: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (
+            self._sizes[i],
+            self._mtimes[i],
+        ):
+            os.close(fd)
+            raise self._changed(rel, path, "changed")
+        changed = self._changed(rel, path, "changed while it was read")
+        raw = SourceFile(fd, path, st, lambda n: local.count(0, n), changed)
+        return io.BufferedReader(raw, buffer_size=1 << 20)
 
     def _gone(self, rel: str) -> ShmstageError:
         return ShmstageError(
@@ -228,39 +261,43 @@ class DatasetFiles:
 
     def _live(self, i: int, local: Local) -> BinaryIO:
         """A file of a copy still running (the view's ``live`` kind; see NOTE in
-        docs/loader.md): from RAM once landed, after a demand to the stager if need be."""
+        docs/loader.md): from RAM once landed, after a demand to the stager if need be.
+        Every file read under the view's root or the final copy is checked against the
+        listing; one that is not the file listed is looked for again, never returned."""
         rel = self._names[i]
         for _ in range(_SETTLE):
-            view = local.view
+            view: View = local.view  # type: ignore[assignment]
             if local.published:
-                try:
-                    return self._ram(view.final, rel, local)  # type: ignore[union-attr]
-                except FileNotFoundError:
-                    raise self._gone(rel) from None
-            if local.dead:  # what landed may still be there (else gc took it): the rest, source
-                if local.landed[i]:
-                    with suppress(OSError, ShmstageError):  # removed, or the stager's only
-                        return self._ram(view.root, rel, local)  # type: ignore[union-attr]
-                return self._from_source(i, view, local)  # type: ignore[arg-type]
-            if local.landed[i] or self._poll_landed(local, i):
-                try:
-                    f = self._ram(view.root, rel, local)  # type: ignore[union-attr]
-                except FileNotFoundError:
-                    self._settle(local)  # published (renamed away) or removed by gc
-                    continue
-                if self._listed(f, i):
+                f = self._checked(view.final, i, local, whole=False)
+                # Evicted, or published from a newer listing: the source, checked.
+                return f if f is not None else self._from_source(i, view, local)
+            j = self._vindex(local, i)
+            if j < 0:  # a new stager's view lists it otherwise: the source says how
+                return self._from_source(i, view, local)
+            if local.stalled:
+                self._poll_landed(local, j)  # progress again: back to the stager
+            if local.dead or local.stalled:
+                # The stager is gone (or stopped, or stuck): its copy if published, what
+                # landed under its root, else the source; each checked.
+                f = self._checked(view.final, i, local, whole=False)
+                if f is None and local.landed[j]:
+                    f = self._checked(view.root, i, local, whole=True)
+                return f if f is not None else self._from_source(i, view, local)
+            if local.landed[j] or self._poll_landed(local, j):
+                f = self._checked(view.root, i, local, whole=True)
+                if f is not None:
                     return f
-                # A restage's publish swaps the old copy into root for an instant: not the
-                # listed file, so read the view again (published: <final> is the new one).
-                f.close()
+                # Gone (published, removed by gc), or not the file listed (a restage's
+                # publish swaps the old copy into root for an instant, a new stager
+                # rewrites it): read the view again.
                 self._settle(local)
                 continue
-            status = self._demand(local, i)
+            status = self._demand(local, j)
             if status == LANDED_OK:
-                local.landed[i] = 1
+                local.landed[j] = 1
             elif status == PUBLISHED:
                 local.published = True
-            elif status is None:  # the stager is gone, or its socket is
+            elif status is None:  # the stager is gone, stopped, or its socket is
                 self._settle(local)
             else:
                 raise ShmstageError(
@@ -273,44 +310,46 @@ class DatasetFiles:
             f"see `shmstage list --dest {self._dest}`"
         )
 
-    def _listed(self, f: BinaryIO, i: int) -> bool:
-        """Whether the open file ``f`` is file ``i`` as listed (size and mtime_ns)."""
-        st = os.fstat(f.fileno())
-        return (st.st_size, st.st_mtime_ns) == (self._sizes[i], self._mtimes[i])
-
-    def _poll_landed(self, local: Local, i: int) -> bool:
-        """Read what the ``landed`` log gained since the last look (whole records only)."""
+    def _poll_landed(self, local: Local, j: int) -> bool:
+        """Whether file ``j`` (the followed view's numbering) has landed, reading what the
+        ``landed`` log gained since the last look."""
         with local.lock:
-            try:
-                got, local.landed_at = local.view.landed_since(local.landed_at)  # type: ignore[union-attr]
-            except OSError:
-                return False
-            for index in got:
-                if index < len(local.landed):
-                    local.landed[index] = 1
-            return bool(local.landed[i])
+            grow(local)
+            return bool(local.landed[j])
 
     def _settle(self, local: Local) -> None:
-        """The view again: gone and <final> there = published; its stager dead, or gone with
-        nothing published = read the source; else wait a little (a publish under way)."""
-        view = read_view(self._dest, self._name)
-        if view is None:
-            if os.path.isdir(self.path):
+        """The view again: gone and <final> there = published; another stager's = follow
+        it; its stager dead = read without it; stopped or stuck = likewise until it moves
+        again; else wait a little (a publish under way)."""
+        got = open_view(self._dest, self._name)
+        if got is None:
+            if os.path.isdir(self._top):
                 local.published = True
             else:
                 local.dead = True
             return
-        local.view = view
+        view, fd = got
+        with local.cond:
+            followed = follow(local, view, fd, (self._names, self._sizes, self._mtimes))
+        if not followed:
+            time.sleep(0.05)
+            return
         if not view.alive():
             local.dead = True
             return
-        time.sleep(0.05)
+        with local.cond:
+            local.stalled = stuck(local)
+        if not local.stalled:
+            time.sleep(0.05)
 
     def _demand(self, local: Local, i: int) -> int | None:
-        """Ask the stager for file ``i`` and wait for its answer (None: the stager is gone).
-        Requests are pipelined on one connection per process; one thread reads the answers
-        and hands each to the thread waiting for it."""
+        """Ask the stager for file ``i`` (the followed view's numbering) and wait for its
+        answer (None: the stager is gone, stopped or stuck).  Requests are pipelined on one
+        connection per process; one thread reads the answers and hands each to the thread
+        waiting for it."""
         with local.cond:
+            if local.stalled:
+                return None
             if i in local.answers:  # final: landed (0), published (1) or refused (< 0)
                 return local.answers[i]
             if not self._connect(local):
@@ -319,7 +358,7 @@ class DatasetFiles:
                 try:
                     local.sock.sendall(REQUEST.pack(i))
                 except OSError:
-                    self._drop(local)
+                    drop(local)
                     return None
                 local.asked.add(i)
             while i not in local.answers:
@@ -336,15 +375,20 @@ class DatasetFiles:
                 finally:
                     local.cond.acquire()
                     local.reading = False
+                if sock is not local.sock:  # another view followed meanwhile: not its answer
+                    continue
                 if got is None:
-                    self._drop(local)
+                    drop(local)
                     local.cond.notify_all()
                     return None
                 if got != "timeout":
                     local.answers[got[0]] = got[1]
+                    local.progress = time.monotonic()
                 local.cond.notify_all()
-                if got == "timeout" and not local.view.alive():  # type: ignore[union-attr]
-                    self._drop(local)
+                if got == "timeout" and (
+                    not local.view.alive() or stuck(local)  # type: ignore[union-attr]
+                ):
+                    drop(local)
                     return None
             return local.answers[i]
 
@@ -374,7 +418,7 @@ class DatasetFiles:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._drop(local)
+            drop(local)
             return
         finally:
             if sock.fileno() >= 0:
@@ -385,44 +429,3 @@ class DatasetFiles:
                 local.landed[index] = 1
         if data:
             local.cond.notify_all()
-
-    def _drop(self, local: Local) -> None:
-        """Forget the connection and what was asked on it (the asking threads ask again)."""
-        if local.sock is not None:
-            with suppress(OSError):
-                local.sock.close()
-            local.sock = None
-        local.asked.clear()
-
-
-def _listed_view(dest: str, name: str) -> tuple[View | None, FileList | None]:
-    """The view of DEST/<name> and its file list, read together (a view that goes away
-    between the two was published: read again)."""
-    for _ in range(3):
-        view = read_view(dest, name)
-        if view is None:
-            return None, None
-        listed = view.files()
-        if listed is not None:
-            return view, listed
-    return None, None
-
-
-def _walk(top: str) -> tuple[tuple[str, ...], list[int]]:
-    """Every regular file below ``top`` (symlinks not followed), sorted by relative path."""
-    if not os.path.isdir(top):
-        raise ShmstageError(f"{top} is not a directory (nor a staged dataset being copied)")
-    found: list[tuple[str, int]] = []
-
-    def fail(e: OSError) -> None:
-        raise ShmstageError(f"cannot list {e.filename}: {e.strerror}")
-
-    for root, _dirs, files in os.walk(top, onerror=fail):
-        for f in files:
-            full = os.path.join(root, f)
-            with suppress(FileNotFoundError):
-                st = os.lstat(full)
-                if stat.S_ISREG(st.st_mode):
-                    found.append((os.path.relpath(full, top), st.st_size))
-    found.sort()
-    return tuple(n for n, _ in found), [s for _, s in found]

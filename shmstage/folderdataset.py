@@ -25,7 +25,9 @@ def decode_image(data: bytes) -> Any:
 class FolderDataset:
     """``ROOT/<class>/**/<file>`` -> ``(sample, class_index)``; ``sample`` is the file's bytes,
     or ``transform(bytes)`` (e.g. ``decode_image`` then torchvision transforms).  Files at
-    the top level are not samples; ``extensions`` (".jpg", ...) keeps only those files."""
+    the top level are not samples; ``extensions`` (".jpg", ...) keeps only those files.
+    Unlike ImageFolder, symlinks are not followed (``DatasetFiles.names``: regular files, as
+    the stager lists a copy; the ones skipped are warned of)."""
 
     def __init__(
         self,

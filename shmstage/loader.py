@@ -312,6 +312,7 @@ def make_loader(
     if lease is not False:
         for path in [lease] if lease not in (None, True) else _dataset_paths(dataset):
             hold_lease(path, required=lease not in (None, True))  # type: ignore[arg-type]
+    _warn_not_all_in_ram(dataset)
     kwargs = loader_kwargs(**overrides)
     if persistent_workers and kwargs["num_workers"] > 0:  # none to keep when there are none
         kwargs["persistent_workers"] = True
@@ -346,6 +347,33 @@ def _ask_ahead(dataset: Any, batch_size: int | None, kwargs: dict[str, Any]) -> 
 
 
 _LEASE_ATTRS = ("root", "root_dir", "data_dir", "path")
+
+
+def _warn_not_all_in_ram(dataset: Any) -> None:
+    """A dataset that walks and opens its copy itself (ImageFolder and the like) on a copy
+    only part of which is in RAM (``--partial``) or still being copied (``--no-wait``) sees
+    only that part, silently: warn, as ``staged_path`` does.  Datasets reading through
+    ``DatasetFiles`` (``FolderDataset``) see every file and are not warned about."""
+    from shmstage.stage.store.leases import locate  # the staging engine, only when asked
+    from shmstage.stage.store.views import read_view
+
+    if any(
+        isinstance(getattr(obj, "files", None), DatasetFiles)
+        for obj in (dataset, getattr(dataset, "dataset", None))
+    ):
+        return
+    for path in dict.fromkeys(_dataset_paths(dataset)):
+        where = locate(path)
+        view = read_view(*where) if where is not None else None
+        if view is not None:
+            how = "holds only part of" if view.kind == "partial" else "is still being copied from"
+            warnings.warn(
+                f"{path}: the staged copy {how} {view.source} ({view.kind}): a dataset "
+                "that walks it sees only the files in RAM; read it through "
+                "shmstage.loader.DatasetFiles or FolderDataset, which read the rest",
+                ShmstageWarning,
+                stacklevel=3,
+            )
 
 
 def _dataset_paths(dataset: Any) -> list[str]:

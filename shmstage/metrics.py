@@ -19,7 +19,7 @@ from shmstage.errors import ShmstageError
 from shmstage.stage.cache import makeroom
 from shmstage.stage.cache.makeroom import CachePolicy
 from shmstage.stage.cache.tiers import split
-from shmstage.stage.store import Store, counters, leases, served
+from shmstage.stage.store import Store, counters, leases, served, views
 from shmstage.stage.store.counters import Counters
 
 FILENAME = "shmstage.prom"
@@ -93,7 +93,9 @@ def collect(
                 )
         datasets.extend(rows)
         if os.path.lexists(store.book):
-            for n, (ram, source) in sorted(served.totals(store.book).items()):
+            # Only datasets the store knows: names in served/ are made by jobs (NOTE [served])
+            known = {r.name for r in rows} | set(views.view_names(store))
+            for n, (ram, source) in sorted(served.totals(store.book, known).items()):
                 reads.append(ServedMetrics(tier, n, ram, source))
         tiers.append(
             TierMetrics(

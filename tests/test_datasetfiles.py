@@ -4,10 +4,12 @@ DataLoader workers, another user, and the served-bytes counters."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from shmstage import viewfollow
 from shmstage.datasetfiles import DatasetFiles
 from shmstage.errors import ShmstageError
 from shmstage.stage import engine
@@ -104,11 +107,18 @@ def test_partial_reads_the_rest_from_the_source_and_counts_both(tmp_path):
     src, data, resident = partial_copy(tmp_path)
     files = DatasetFiles(tmp_path / "dest" / "ds")
     assert files.kind == "partial" and files.names == tuple(sorted(data))
-    (tmp_path / "dest" / "ds" / "class0" / "img00.bin").write_bytes(b"RAM")  # read from RAM?
-    assert files.read("class0/img00.bin") == b"RAM"
+    # Read from RAM? Marked bytes, same size and mtime as listed: RAM's are served.
+    ram0 = tmp_path / "dest" / "ds" / "class0" / "img00.bin"
+    st = ram0.stat()
+    ram0.write_bytes(b"R" * st.st_size)
+    os.utime(ram0, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert files.read("class0/img00.bin") == b"R" * st.st_size
     assert all(files.read(n) == data[n] for n in files.names if n != "class0/img00.bin")
-    ram = sum(len(data[n]) for n in resident) - len(data["class0/img00.bin"]) + 3
+    ram = sum(len(data[n]) for n in resident)
     assert files.served == (ram, sum(len(data[n]) for n in data if n not in resident))
+    # Another version in RAM (size or mtime not as listed): never served, the source is.
+    ram0.write_bytes(b"RAM")
+    assert files.read("class0/img00.bin") == data["class0/img00.bin"]
 
 
 def test_a_source_file_changed_since_the_listing_is_one_clear_error(tmp_path):
@@ -122,6 +132,117 @@ def test_a_source_file_changed_since_the_listing_is_one_clear_error(tmp_path):
     os.unlink(src / "class2" / "img00.bin")
     with pytest.raises(ShmstageError, match="class2/img00.bin was removed at its source"):
         files.read("class2/img00.bin")
+
+
+def test_a_subdirectory_or_a_symlink_of_a_partial_copy_lists_every_file_below_it(tmp_path):
+    """{staged}/train, or a link to {staged}: the copy's view is found by walking up from the
+    resolved path, and its names are scoped to the subdirectory: never only what is in RAM."""
+    from shmstage.loader import FolderDataset
+
+    src, data, _ = partial_copy(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "dest" / "ds")
+    via_link = DatasetFiles(tmp_path / "link")
+    assert via_link.kind == "partial" and via_link.names == tuple(sorted(data))
+    assert len(FolderDataset(tmp_path / "link")) == len(data) - 1  # README is no sample
+    for sub in ("class0", "class1"):  # in RAM; not in RAM at all (no such directory there)
+        files = DatasetFiles(tmp_path / "link" / sub)
+        below = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(sub + "/")}
+        assert files.kind == "partial" and files.names == tuple(sorted(below))
+        assert all(files.read(n) == below[n] for n in files.names)
+    with pytest.raises(ShmstageError, match="no file below nope"):
+        DatasetFiles(tmp_path / "dest" / "ds" / "nope")
+
+
+def source_file(tmp_path: Path, size: int) -> tuple[DatasetFiles, Path, bytes]:
+    """A partial copy with one big file not in RAM (class1/big.bin)."""
+    src, _, resident = partial_copy(tmp_path)
+    big = os.urandom(size)
+    (src / "class1" / "big.bin").write_bytes(big)
+    shutil.rmtree(Path(Store(tmp_path / "dest").book) / "views" / "ds")
+    write_view(tmp_path / "dest", "ds", src, "partial", tmp_path / "dest" / "ds", resident)
+    return DatasetFiles(tmp_path / "dest" / "ds"), src / "class1" / "big.bin", big
+
+
+def test_a_file_not_in_ram_is_streamed_not_read_whole_when_opened(tmp_path):
+    files, _, big = source_file(tmp_path, 8 << 20)
+    with files.open("class1/big.bin") as f:
+        assert f.read(4096) == big[:4096]
+        assert files.served[1] <= 1 << 20  # one buffer read, not the whole 8 MiB
+        assert f.read() == big[4096:]
+    assert files.served[1] == len(big) and files.read("class1/big.bin") == big
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_put_back_while_read_is_an_error(tmp_path):
+    """`cp -p` onto the file while the job reads it: same size and mtime, new bytes (ctime
+    tells): one clear error, never the old start followed by the new end."""
+    files, path, big = source_file(tmp_path, 4 << 20)
+    st = os.stat(path)
+    with files.open("class1/big.bin") as f:
+        assert f.read(4096) == big[:4096]
+        with open(path, "r+b") as w:
+            w.write(os.urandom(len(big)))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(ShmstageError) as e:
+            f.read()
+    assert "class1/big.bin changed while it was read" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_instances_are_collected_with_their_counter_fds(tmp_path):
+    """A job that builds its DatasetFiles again and again (each epoch, each shard) keeps no
+    fd (counter file, socket) per instance: the at-exit flush holds no instance."""
+    import gc
+
+    data = make_tree(tmp_path / "src")
+    ds = engine.stage(tmp_path / "src", dest=tmp_path / "dest", reserve=0)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    DatasetFiles(ds.path).read("README")
+    gc.collect()
+    before = fds()
+    for _ in range(1000):
+        assert DatasetFiles(ds.path).read("README") == data["README"]
+    gc.collect()
+    assert fds() <= before + 2
+    assert served.totals(Store(tmp_path / "dest").book)["src"][0] >= len(data["README"])
+
+
+def test_make_loader_warns_about_a_walking_dataset_on_a_partial_copy(tmp_path):
+    import warnings
+
+    from shmstage.errors import ShmstageWarning
+    from shmstage.loader import FolderDataset, make_loader
+
+    partial_copy(tmp_path)
+
+    class Walking:  # ImageFolder-like: it lists and opens DEST/NAME itself
+        root = str(tmp_path / "dest" / "ds" / "class0")
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with pytest.warns(ShmstageWarning, match="holds only part of .*DatasetFiles"):
+        make_loader(Walking(), lease=False, num_workers=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShmstageWarning)
+        make_loader(FolderDataset(tmp_path / "dest" / "ds"), lease=False, num_workers=0)
+
+
+def test_symlinks_are_not_followed_and_that_is_said(tmp_path):
+    """Names are regular files only, as the stager lists a copy (whole, partial or live all
+    give the same names); the symlinks skipped, which ImageFolder would follow, are warned of."""
+    from shmstage.errors import ShmstageWarning
+
+    data = make_tree(tmp_path / "src")
+    (tmp_path / "src" / "class9").symlink_to("class0")
+    (tmp_path / "src" / "class1" / "link.bin").symlink_to("img00.bin")
+    with pytest.warns(ShmstageWarning, match="2 symlink.s. not followed"):
+        files = DatasetFiles(tmp_path / "src")
+    assert files.names == tuple(sorted(data))
 
 
 def dead_pid() -> tuple[int, int]:
@@ -156,11 +277,11 @@ class FakeStager:
     the landed log), answers, and publishes (rename root -> final, remove the view) on
     ``publish()``."""
 
-    def __init__(self, tmp_path: Path, src: Path) -> None:
+    def __init__(self, tmp_path: Path, src: Path, sock: str = "demand.sock") -> None:
         self.src, self.dest = src, tmp_path / "dest"
         self.root = self.dest / ".shmstage" / "partial" / "ds"
         self.root.mkdir(parents=True)
-        self.sock_path = str(tmp_path / "demand.sock")
+        self.sock_path = str(tmp_path / sock)
         stat = Path(f"/proc/{os.getpid()}/stat").read_text().rpartition(")")[2].split()
         Store(self.dest).open()
         self.view = write_view(self.dest, "ds", src, "live", self.root, set(), pid=os.getpid(),
@@ -173,6 +294,7 @@ class FakeStager:
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.sock_path)
         self.server.listen(8)
+        self.conns: list[socket.socket] = []
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self) -> None:
@@ -181,10 +303,19 @@ class FakeStager:
                 conn, _ = self.server.accept()
             except OSError:
                 return
+            self.conns.append(conn)
             threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
 
+    def die(self) -> None:
+        """As a killed stager: no more connections, the open ones cut."""
+        self.server.close()
+        os.unlink(self.sock_path)
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
     def answer(self, conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.suppress(OSError):  # a job that went away (or was collected)
             while (req := conn.recv(4)) and len(req) == 4:
                 (i,) = struct.unpack("<I", req)
                 self.asked.append(i)
@@ -289,6 +420,129 @@ def test_a_landed_file_swapped_for_its_old_version_by_a_publish_is_never_read(tm
     assert files.read("README") == data["README"]  # from <final> now
 
 
+def test_a_new_stagers_view_is_followed_with_its_own_numbering(tmp_path):
+    """Stager A dies, stager B lists the source again (a file added: every index after it
+    moves) and writes its own view: the job asks B for B's index of the file and reads
+    the file it named, never A's numbering against B's list or landed log."""
+    data = make_tree(tmp_path / "src")
+    a = FakeStager(tmp_path, tmp_path / "src")
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    assert files.read("README") == data["README"]  # through A
+    a.die()
+    shutil.rmtree(a.view)
+    shutil.rmtree(a.root)
+    (tmp_path / "src" / "class0" / "aaa.bin").write_bytes(b"added before every other file")
+    b = FakeStager(tmp_path, tmp_path / "src", sock="b.sock")
+    rel = "class1/img01.bin"
+    assert files.read(rel) == data[rel]
+    b_names = [line.split("\t")[0] for line in b.names]
+    assert b.asked == [b_names.index(rel)] and b_names.index(rel) == files.names.index(rel) + 1
+    assert "class0/aaa.bin" not in files.names  # the job's own list stays as it was
+
+
+def dead_view_with_landed(tmp_path: Path, landed: list[str]) -> tuple[Path, Path]:
+    """A dead stager's live view whose ``landed`` log names ``landed`` (copied under root)."""
+    src = tmp_path / "src"
+    root = tmp_path / "dest" / ".shmstage" / "partial" / "ds"
+    for rel in landed:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, root / rel)
+    pid, start = dead_pid()
+    Store(tmp_path / "dest").open()
+    vdir = write_view(tmp_path / "dest", "ds", src, "live", root, set(), pid=pid,
+                      pid_start=start, socket=str(tmp_path / "gone.sock"))  # fmt: skip
+    names = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+    (vdir / "landed").write_bytes(b"".join(struct.pack("<I", names.index(r)) for r in landed))
+    return src, root
+
+
+def test_a_landed_file_rewritten_or_swapped_under_a_dead_stagers_root_is_never_read(tmp_path):
+    """Under a dead stager's root, a file it logged as landed but that a restage is
+    rewriting (full size, zeros, new mtime) or that an exchange put back in its old
+    version (old mtime) is not the file listed: the source's bytes are served, not
+    RAM's; an intact one still comes from RAM."""
+    data = make_tree(tmp_path / "src")
+    landed = ["class0/img00.bin", "class1/img01.bin", "class2/img02.bin"]
+    src, root = dead_view_with_landed(tmp_path, landed)
+    half = root / "class0/img00.bin"
+    half.write_bytes(bytes(half.stat().st_size))  # a restage's in-place rewrite under way
+    old = root / "class1/img01.bin"
+    old.write_bytes(os.urandom(old.stat().st_size))  # the old version, its own mtime
+    os.utime(old, ns=(10**18, 10**18))
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    assert all(files.read(n) == data[n] for n in landed)
+    assert files.served == (len(data["class2/img02.bin"]),
+                            len(data["class0/img00.bin"]) + len(data["class1/img01.bin"]))  # fmt: skip
+
+
+def test_a_dead_stagers_published_copy_is_read_not_the_source(tmp_path):
+    """A stager killed after its publish leaves its live view: the published copy is read
+    (each file checked against the list: one that is not the listed one comes from the
+    source), not the whole dataset again from the source."""
+    data = make_tree(tmp_path / "src")
+    src, _ = dead_view_with_landed(tmp_path, [])
+    shutil.copytree(src, tmp_path / "dest" / "ds")  # published (copy2 keeps the mtimes)
+    other = tmp_path / "dest" / "ds" / "README"
+    other.write_bytes(b"another version")
+    files = DatasetFiles(tmp_path / "dest" / "ds")
+    assert all(files.read(n) == data[n] for n in files.names)
+    total = sum(map(len, data.values()))
+    assert files.served == (total - len(data["README"]), len(data["README"]))
+
+
+def _silent_stager(tmp_path: Path, procs) -> tuple[subprocess.Popen, socket.socket]:
+    """A live view whose stager runs (a real process) and takes demands but never answers."""
+    src = tmp_path / "src"
+    root = tmp_path / "dest" / ".shmstage" / "partial" / "ds"
+    root.mkdir(parents=True)
+    proc = procs.start(["sleep", "600"])
+    stat_ = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "silent.sock"))
+    server.listen(8)
+    Store(tmp_path / "dest").open()
+    write_view(tmp_path / "dest", "ds", src, "live", root, set(), pid=proc.pid,
+               pid_start=int(stat_[19]), socket=str(tmp_path / "silent.sock"))  # fmt: skip
+    return proc, server
+
+
+def _read_in_thread(files: DatasetFiles, name: str) -> bytes | None:
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(files.read(name)), daemon=True)
+    t.start()
+    t.join(120)  # a hang, not a time measured: the read must end at all
+    return got[0] if got else None
+
+
+def test_a_stopped_stager_does_not_hang_the_job(tmp_path, procs):
+    """A stager stopped with SIGSTOP (/proc state T) answers nothing but is alive: the job
+    does without it and reads the source, checked."""
+    data = make_tree(tmp_path / "src")
+    proc, server = _silent_stager(tmp_path, procs)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        files = DatasetFiles(tmp_path / "dest" / "ds")
+        assert _read_in_thread(files, "README") == data["README"]
+        assert files.served == (0, len(data["README"]))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        server.close()
+
+
+def test_a_stager_making_no_progress_at_all_does_not_hang_the_job(tmp_path, procs, monkeypatch):
+    """A stager that runs but shows no progress at all (no answer, nothing landed, no CPU
+    time) for the stall limit is done without: the source, checked."""
+    monkeypatch.setattr(viewfollow, "STALL", 1.5)
+    data = make_tree(tmp_path / "src")
+    _proc, server = _silent_stager(tmp_path, procs)
+    try:
+        files = DatasetFiles(tmp_path / "dest" / "ds")
+        assert _read_in_thread(files, "README") == data["README"]
+        assert files.served == (0, len(data["README"]))
+    finally:
+        server.close()
+
+
 def test_ask_ahead_hints_each_index_once_before_it_is_yielded():
     from shmstage.askahead import AskAhead
 
@@ -375,7 +629,7 @@ def test_folder_dataset_in_dataloader_workers_counts_per_process(tmp_path, ctx):
     digest = hashlib.sha256(b"".join(data[n] for n in samples)).hexdigest()
     assert r.stdout.split() == ["['class0',", "'class1',", "'class2']", str(len(samples)), digest]
     rows = list(served.files(Store(tmp_path / "dest").book))
-    assert len({x.pid for x in rows}) == 2  # one file per worker
+    assert len(rows) == 1  # one file per user, every worker adding to it
     ram = sum(len(data[n]) for n in resident)
     assert (sum(x.ram for x in rows), sum(x.source for x in rows)) == (
         ram,
@@ -445,16 +699,17 @@ def test_metrics_export_the_bytes_served_and_gc_drops_them_with_the_dataset(tmpf
     ram = f'shmstage_served_bytes_total{{tier="{dest}",dataset="ds",from="ram"}} {2 * ds.bytes}'
     assert ram in text
     assert f'dataset="ds",from="source"}} {2 * (ds.total_bytes - ds.bytes)}' in text
-    assert len(engine.gc(dest).removed) == 0 and len(list(served.files(Store(dest).book))) == 2
+    assert len(engine.gc(dest).removed) == 0 and len(list(served.files(Store(dest).book))) == 1
     assert engine.evict("ds", dest=dest) == ["ds"]
     assert not (Path(Store(dest).book) / "views" / "ds").exists()
     gone = engine.gc(dest).removed
-    assert [x.what for x in gone] == ["read counters"] * 2
+    assert [x.what for x in gone] == ["read counters"]
     assert list(served.files(Store(dest).book)) == []
 
 
 CHECK_JOB = """
 import hashlib, json, random, sys, threading
+from shmstage import viewfollow
 from shmstage.datasetfiles import DatasetFiles
 f = DatasetFiles(sys.argv[1])
 kind = f.kind

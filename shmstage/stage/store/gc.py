@@ -5,9 +5,9 @@ Partial trees, killed stagers' live views and the views of datasets that are gon
 lease files of datasets that are gone, space reservations of dead stagers, records whose tree
 is gone, old trees in trash, ``placing/`` locks nobody holds, the max_size claims of dead
 stagers, the "held for" marks of lease holders that are gone, and the read counters
-(served.py) of dead jobs of datasets that are gone.  Each dataset's leftovers are removed
-only while holding its lock (taken without waiting: a dataset being staged is skipped), so
-gc is safe while others stage.
+(served.py) of datasets that are gone, with anything in served/ that is not a counter.  Each
+dataset's leftovers are removed only while holding its lock (taken without waiting: a dataset
+being staged is skipped), so gc is safe while others stage.
 """
 
 from __future__ import annotations
@@ -137,17 +137,15 @@ def gc(dest: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> 
         removed.append(Leftover(path, "view leftover", 0))
         if not dry_run:
             _remove(path)
-    for s in served.files(store.book):  # the read counters of dead jobs of datasets gone
-        if (
-            alive(s.pid)
-            or store.published(s.name) is not None
-            or os.path.lexists(store.view_path(s.name))
-        ):
-            continue
-        removed.append(Leftover(s.path, "read counters", 0))
+    kept = {n for n in store.names() if store.published(n) is not None}
+    kept.update(views.view_names(store))  # a copy being made, a partial one: read too
+    for path in served.leftovers(store.book, kept):  # counters of datasets gone, and junk
         if not dry_run:
-            with suppress(OSError):  # another user's, in a store of ours: theirs to keep
-                os.unlink(s.path)
+            try:
+                os.unlink(path)
+            except OSError:  # another user's, in a store of ours: theirs to keep
+                continue
+        removed.append(Leftover(path, "read counters", 0))
     dead, looked = inflight.reap_claims(store, dry_run=dry_run)
     removed += [Leftover(path, "max_size claim", 0) for path in dead]
     if not looked:

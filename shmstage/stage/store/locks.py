@@ -146,6 +146,20 @@ def _stat(pid: int) -> tuple[bytes, int] | None:
         return None
 
 
+def activity(pid: int, start: int) -> tuple[bytes, int] | None:
+    """(state, CPU ticks used: utime + stime) of the process that started at ``start`` with
+    ``pid`` (/proc/PID/stat fields 3, 14, 15); None when it is not there any more."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        if int(fields[19]) != start:
+            return None
+        return fields[0], int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat; None when there is no such process."""
     stat = _stat(pid)
