@@ -393,7 +393,7 @@ def run(
             spare=[s.pid for s in stagers],
         )
         returncode = nowait.finish_live(
-            stagers, returncode, killed_by is not None or cleanup, teardown, log
+            stagers, returncode, killed_by is not None or cleanup, teardown, log, joins
         )
         staged = nowait.unpublished(staged, stagers)
         failed = False

@@ -19,27 +19,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from shmstage.errors import RefusedError, ShmstageError
-from shmstage.libc import load_libc
+from shmstage.livestager import live_stager
+from shmstage.nowaitjoin import Join, LiveDataset, joinable, quiet_thread
 
-ACK_WAIT = 60.0  # seconds a stager holding its lock waits for run to take its lease
-_PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class LiveDataset:
-    """A dataset the job reads while it is copied: ``path`` is where it is published (what
-    ``{staged}`` gives; shmstage.loader.DatasetFiles finds the view from it)."""
-
-    name: str
-    path: str
-    source: str
-    changed: bool = True
-    skipped: tuple[Any, ...] = ()
-    evicted: tuple[Any, ...] = ()
+STOP_GRACE = 10.0  # seconds a stager told to stop (SIGCONT + SIGTERM) has before a SIGKILL
 
 
 def why_not(source: str, *, cluster: Any, service_answers: bool) -> str | None:
@@ -59,25 +46,6 @@ def why_not(source: str, *, cluster: Any, service_answers: bool) -> str | None:
     return None
 
 
-def joinable(source: str, name: str | None, tiers: list[str]) -> LiveDataset | None:
-    """A live stager already copying ``source`` as ``name`` (another ``run --no-wait``): the job
-    may start on its view at once, without waiting for its lock."""
-    from shmstage.stage.sources import kinds
-    from shmstage.stage.store import name_for
-    from shmstage.stage.store.views import LIVE, read_view
-
-    try:
-        kind, real = kinds.resolve(source)
-    except ShmstageError:
-        return None
-    name = name or name_for(real)
-    for tier in tiers:
-        view = read_view(tier, name)
-        if view is not None and view.kind == LIVE and view.source == real and view.alive():
-            return LiveDataset(view.name, view.final, real, changed=False)
-    return None
-
-
 class Stager:
     """One forked stager and what ``run`` hears from it (the module's diagram)."""
 
@@ -90,6 +58,9 @@ class Stager:
         self.done: dict[str, Any] | None = None
         self.thread: threading.Thread | None = None
         self.stopping = False  # run stops the copy: its end is no news to the user
+        self.root: tuple[int, int] | None = None  # the in-flight tree's (dev, ino): see _gone
+        self.dest: str | None = None
+        self.leased = False  # the lease taken at its "published"
 
     @classmethod
     def fork(cls, source: str, name: str | None, dest: str | None, room: dict[str, Any]) -> Stager:
@@ -99,7 +70,7 @@ class Stager:
         if pid == 0:  # pragma: no cover - the stager
             os.close(ev_r)
             os.close(ack_w)
-            _stager(source, name, dest, room, ev_w, ack_r)
+            live_stager(source, name, dest, room, ev_w, ack_r)
         os.close(ev_w)
         os.close(ack_r)
         return cls(pid, ev_r, ack_w, name)
@@ -122,6 +93,9 @@ class Stager:
         event = self.next_event()
         assert event is not None
         if event["event"] == "view":
+            if event.get("root"):
+                self.root = (int(event["root"][0]), int(event["root"][1]))
+            self.dest = os.path.dirname(event["path"])
             return LiveDataset(event["name"], event["path"], event["source"]), None
         if event["event"] == "published":
             held = self.published(event, lease)
@@ -137,7 +111,9 @@ class Stager:
     def published(self, event: dict[str, Any], lease: Callable[[str, str], Any]) -> Any:
         """Take the lease while the stager still holds its lock, then let it go on."""
         try:
-            return lease(event["name"], os.path.dirname(event["path"]))
+            got = lease(event["name"], os.path.dirname(event["path"]))
+            self.leased = True
+            return got
         finally:
             with contextlib.suppress(OSError):
                 os.write(self.ack, b"k")
@@ -161,6 +137,8 @@ class Stager:
                     self.done = event
                     if log is not None and event.get("summary"):
                         log(str(event["summary"]))
+                elif kind == "gone" and self._published_anyway(lease, held):
+                    return  # killed after its publish: the copy is there and current
                 elif kind in ("failed", "gone"):
                     self.failure = _failure(event)
                     if log is not None and not self.stopping:
@@ -171,7 +149,7 @@ class Stager:
                 if kind == "done":
                     return
 
-        self.thread = _quiet_thread(follow, "shmstage-nowait")
+        self.thread = quiet_thread(follow, "shmstage-nowait")
 
     def finish(self, stop: bool, poll: Callable[[], int | None]) -> None:
         """After the job: stop the copy (``stop``), or wait for it while ``poll()`` sees no
@@ -185,19 +163,69 @@ class Stager:
         copying = self.thread is None or self.thread.is_alive()
         if stop and self.status is None and copying:
             self.stopping = True
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):  # a stopped stager takes it too
+                os.kill(self.pid, signal.SIGCONT)
                 os.kill(self.pid, signal.SIGTERM)
-        self.reap()
+        self.reap(STOP_GRACE)
         if self.thread is not None:
             self.thread.join(5)
 
-    def reap(self) -> None:
+    def reap(self, grace: float | None = None) -> None:
+        """Wait for the stager to exit; past ``grace`` seconds (a stager stopped or stuck:
+        run must end), SIGCONT + SIGTERM, then SIGKILL after as long again."""
         if self.status is None:
-            _, status = os.waitpid(self.pid, 0)
+            status = self._wait(grace)
+            if status is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGCONT)
+                    os.kill(self.pid, signal.SIGTERM)
+                self.stopping = True
+                status = self._wait(grace)
+            if status is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                status = self._wait(None)
+            assert status is not None
             self.status = os.waitstatus_to_exitcode(status)
             for fd in (self.events, self.ack):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def _wait(self, grace: float | None) -> int | None:
+        """waitpid: blocking (``grace`` None), or None if still running after ``grace`` s."""
+        if grace is None:
+            return os.waitpid(self.pid, 0)[1]
+        deadline = time.monotonic() + grace
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return status
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _published_anyway(self, lease: Callable[[str, str], Any], held: list[Any]) -> bool:
+        """The stager died without a word after its publish (killed between the rename and
+        the view's removal): the published copy is this stager's tree (its root's inode) and
+        so current.  Take the lease if not taken yet, remove the dead view, and say done."""
+        from shmstage.stage.store.layout import Store
+        from shmstage.stage.store.views import read_view, remove_view
+
+        if self.root is None or self.dest is None or self.name is None:
+            return False
+        store = Store(self.dest)
+        record = store.published(self.name)
+        if record is None or (record.root_dev, record.root_ino) != self.root:
+            return False
+        if not self.leased:
+            with contextlib.suppress(ShmstageError):
+                held.append(lease(self.name, self.dest))
+        view = read_view(self.dest, self.name)
+        if view is not None and view.pid == self.pid:
+            with contextlib.suppress(OSError):
+                remove_view(store, self.name)
+        self.done = {"event": "done", "changed": True}
+        return True
 
     def _failed(self, event: dict[str, Any]) -> None:
         self.reap()
@@ -211,92 +239,6 @@ def _failure(event: dict[str, Any]) -> ShmstageError:
     error = cls(event.get("message") or "the copy failed")
     error.exit_code = int(event.get("code") or 1)
     return error
-
-
-def _stager(
-    source: str, name: str | None, dest: str | None, room: dict[str, Any], ev_w: int, ack_r: int
-) -> None:  # pragma: no cover - runs in the forked stager
-    """The stager's whole life: stage with a live view, say each step on ``ev_w``, exit."""
-    code = 1
-    try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        with contextlib.suppress(OSError, AttributeError):
-            load_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # run died: stop
-        code = _stage_live(source, name, dest, room, ev_w, ack_r)
-    except BaseException:
-        code = 1
-    finally:
-        os._exit(code)
-
-
-def _stage_live(
-    source: str, name: str | None, dest: str | None, room: dict[str, Any], ev_w: int, ack_r: int
-) -> int:  # pragma: no cover - runs in the forked stager
-    from shmstage.service import api
-    from shmstage.stage.build.ondemand import Live
-
-    def send(**event: Any) -> None:
-        os.write(ev_w, json.dumps(event).encode() + b"\n")
-
-    said = []
-
-    def on_view(view: Any) -> None:
-        said.append(True)
-        send(event="view", name=view.name, path=view.final, source=view.source)
-
-    def on_published(path: str) -> None:
-        send(event="published", name=os.path.basename(path), path=path)
-        select.select([ack_r], [], [], ACK_WAIT)  # run leases it before our lock goes
-
-    try:
-        ds = api.stage(
-            source, name=name, dest=dest, service=False, live=Live(on_view, on_published), **room
-        )
-    except ShmstageError as e:
-        send(event="failed", message=str(e), code=e.exit_code)
-        return e.exit_code
-    except KeyboardInterrupt:
-        send(event="failed", message="the copy was stopped", code=130)
-        return 130
-    if not said:  # nothing to copy: published already (no view, no lock held now)
-        send(event="published", name=ds.name, path=str(ds.path))
-        select.select([ack_r], [], [], ACK_WAIT)
-    from shmstage.stage.engine import summary
-
-    send(event="done", changed=ds.changed, summary=f"{summary(ds)} -> {ds.path}")
-    return 0
-
-
-def wait_published(
-    live: LiveDataset, lease: Callable[[str, str], Any], held: list[Any]
-) -> threading.Thread:
-    """A job started on another stager's view: lease the copy once that stager published it."""
-    from shmstage.stage.store.views import read_view
-
-    def follow() -> None:
-        dest = os.path.dirname(live.path)
-        while True:
-            view = read_view(dest, live.name)
-            if view is None or not view.alive():
-                break
-            time.sleep(0.5)
-        with contextlib.suppress(ShmstageError):
-            held.append(lease(live.name, dest))
-
-    return _quiet_thread(follow, "shmstage-nowait-join")
-
-
-def _quiet_thread(target: Callable[[], None], name: str) -> threading.Thread:
-    """A daemon thread that never takes a signal: it inherits a mask blocking them all, so
-    a SIGTERM to run reaches the main thread (the supervisor forwards it to the job) and
-    never the default action in this thread (run dying with its stager left running)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return thread
 
 
 def start(
@@ -325,7 +267,7 @@ def start(
             log(
                 f"--no-wait: {joined.name} is being copied by another shmstage: the job starts on its copy now"
             )
-        return joined, None, joined
+        return joined, None, Join(joined)
     from shmstage.stage.signals import signals_raise
 
     stager = Stager.fork(source, name, dest, room)
@@ -381,19 +323,24 @@ def follow_live(stagers: list[Any], joins: list[Any], held: list[Any], log: Any)
     for stager in stagers:
         stager.watch(acquire, held, log)
     for joined in joins:
-        wait_published(joined, acquire, held)
+        joined.follow(acquire, held, log)
 
 
-def finish_live(stagers: list[Any], returncode: int, stop: bool, hold: Any, log: Any) -> int:
+def finish_live(
+    stagers: list[Any], returncode: int, stop: bool, hold: Any, log: Any, joins: list[Any] = ()
+) -> int:
     """The job exited: wait for each copy (or stop it: a signal, ``--cleanup``); the job's
-    status, or the first copy's failure when the job succeeded."""
+    status, or the first copy's failure (its own or a joined one's) when the job succeeded."""
     for stager in stagers:
         if not stop and stager.status is None and stager.done is None and log is not None:
             log(
                 f"the job exited; finishing the copy of {stager.name or 'the dataset'} (^C stops it)"
             )
         stager.finish(stop, hold.poll)
+    for joined in joins:
+        joined.finish()
     failures = [s.failure for s in stagers if s.failure is not None and not s.stopping]
+    failures += [j.failure for j in joins if j.failure is not None]
     if returncode == 0 and failures:
         return failures[0].exit_code
     return returncode

@@ -4,6 +4,7 @@ files are copied first; a killed stager or a changed source never publishes or m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -469,3 +470,229 @@ def test_no_bulk_work_is_handed_out_while_a_demand_waits():
     del server.waiting[99]  # it landed: the bulk copy goes on
     copy._feed()
     assert len(handed) == 2 * (8 + ondemand.QUEUED)
+
+
+def _top_mode(path: Path) -> int:
+    return os.lstat(path).st_mode & 0o7777
+
+
+@pytest.mark.parametrize("step", ["build", "manifest"])
+def test_an_in_flight_tree_is_closed_to_others_at_every_kill_step(
+    open_tmpfs, open_tmp_path, shmstage_bin, step
+):
+    """partial/ is 0711 (a live tree is entered by its readers): a plain stage's in-flight
+    tree keeps its top 0700 until the publish, so a stager killed at any step (first copy
+    or restage) leaves nothing others can read; the published copy gets the source's 0755."""
+    src = open_tmp_path / "ds"
+    _tree(src, 6)
+    src.chmod(0o755)
+    dest = open_tmpfs("16M")
+    part = dest / ".shmstage" / "partial" / "ds"
+    stage = [*shmstage_bin, "stage", "--no-service", "--dest", str(dest), str(src)]
+    kill = {**os.environ, "SHMSTAGE_TEST_KILL_AT": step}
+    r = subprocess.run(stage, env=kill, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _top_mode(part) & 0o077 == 0, oct(_top_mode(part))  # a first copy
+    r = subprocess.run(stage, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _top_mode(dest / "ds") == 0o755
+    (src / "d0" / "f0000.bin").write_bytes(b"changed")
+    r = subprocess.run(stage, env=kill, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _top_mode(part) & 0o077 == 0, oct(_top_mode(part))  # a restage
+    r = subprocess.run(stage, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _top_mode(dest / "ds") == 0o755
+    assert (dest / "ds" / "d0" / "f0000.bin").read_bytes() == b"changed"
+
+
+def test_a_live_tree_top_has_the_copy_access_never_more(open_tmpfs, tmp_path, shmstage_bin, procs):
+    """A live tree is open to readers while in flight, but only as its copy will be: under
+    root's 0700 tmp_path (others are denied the source) its top is 0700 from the view on,
+    and stays so when the stager is killed."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    src.chmod(0o755)
+    dest = open_tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "1"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
+    os.kill(view.pid, signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert _top_mode(Path(view.root)) & 0o077 == 0, oct(_top_mode(Path(view.root)))
+
+
+def test_sigterm_to_run_ends_it_while_its_stager_is_stopped(tmpfs, tmp_path, shmstage_bin, procs):
+    """A SIGSTOPped stager does not hold run: SIGTERM to run stops the job, then the stager
+    (SIGCONT + SIGTERM, SIGKILL after a grace), and run dies of SIGTERM."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    started = tmp_path / "started"
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sh", "-c", f"touch {started}; exec sleep 60"]
+    run = procs.start(argv, env=_env(0.2), stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    stager = read_view(dest, "ds").pid
+    os.kill(stager, signal.SIGSTOP)
+    try:
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stager, signal.SIGCONT)
+    assert run.returncode == -signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert not os.path.exists(f"/proc/{stager}")
+    assert not (dest / "ds").exists()
+
+
+@pytest.mark.parametrize("step", ["exchange", "final"])
+def test_a_stager_killed_after_its_publish_is_no_failure(tmpfs, tmp_path, shmstage_bin, step):
+    """Killed after the rename, before the view is removed: the copy is published and is
+    this stager's tree, so run says no failure, exits with the job's status, and removes the
+    dead view (later readers read the copy, not the source)."""
+    src = tmp_path / "ds"
+    sums = _tree(src, 40, 500)
+    dest = tmpfs("64M")
+    argv = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    argv += ["--stage", str(src), "--", "sleep", "0.5"]
+    env = {**_env(0.02), "SHMSTAGE_TEST_KILL_AT": step}
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "exited before" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert read_view(dest, "ds") is None
+    for rel, digest in sums.items():
+        assert hashlib.sha256((dest / "ds" / rel).read_bytes()).hexdigest() == digest
+
+
+def test_a_joined_run_whose_copy_stopped_unpublished_says_so_and_fails(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """Run B joins run A's live copy; A is stopped before the publish: B's job succeeds on
+    the source, and B says in one line that the copy was not published, exiting 1."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    base += ["--stage", str(src), "--"]
+    first = procs.start([*base, "sleep", "30"], env=_env(0.25), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    started, stopped = tmp_path / "started", tmp_path / "stopped"
+    job = f"touch {started}; while [ ! -e {stopped} ]; do sleep 0.05; done; sleep 1"
+    second = procs.start([*base, "sh", "-c", job], stderr=subprocess.PIPE, text=True)
+    _wait(started.exists)
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=60)
+    stopped.touch()
+    _, err = second.communicate(timeout=60)
+    assert "being copied by another shmstage" in err
+    assert second.returncode == 1, err
+    assert err.count("stopped before the copy was published") == 1, err
+    assert not (dest / "ds").exists()
+
+
+class _Counted:
+    """A real socket that counts the calls made on it (which, not their effect, is asserted)."""
+
+    def __init__(self, sock):
+        self.sock, self.calls = sock, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.sock, name)
+        if callable(attr):
+            self.calls.append(name)
+        return attr
+
+
+def _flooded(tmp_path, requests: int):
+    """A demand server with one landed file and a client that sent ``requests`` requests for
+    it and reads nothing; the server's end of that client is wrapped in _Counted."""
+    import socket
+    import struct
+
+    from shmstage.stage.build.demand import DemandServer
+
+    server = DemandServer(str(tmp_path / "d.sock"), 2)
+    server.landed[0] = 1
+    job = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    job.connect(server.path)
+    server.handle([server.sock.fileno()])
+    (fd,) = server.clients
+    counted = _Counted(server.clients[fd].sock)
+    server.clients[fd].sock = counted
+    job.setblocking(False)
+    payload = struct.pack("<I", 0) * requests
+    while payload:
+        try:
+            payload = payload[job.send(payload) :]
+        except BlockingIOError:
+            pass
+        except OSError:  # dropped by the server
+            break
+        server.handle([fd] if fd in server.clients else [])
+    return server, job, fd, counted
+
+
+def test_a_demand_client_that_reads_nothing_costs_a_send_per_buffer_and_is_dropped(tmp_path):
+    """200k answers queued for a job that reads none: appended in place, sent only when the
+    socket can take them (not one send per answer), and the client is dropped past the
+    bound per connection, its buffer never growing beyond it."""
+    from shmstage.stage.build.demand import MAX_UNSENT
+
+    server, job, fd, counted = _flooded(tmp_path, 200_000)
+    assert fd not in server.clients  # dropped: more than MAX_UNSENT left unread
+    assert not server.waiting
+    assert counted.calls.count("send") < 1000, counted.calls.count("send")
+    assert server.clients == {} and MAX_UNSENT < 200_000 * 8
+    job.close()
+    server.close()
+
+
+def test_publish_never_waits_for_a_demand_client_that_reads_nothing(tmp_path):
+    """At the publish, each connection gets what fits in its socket without blocking (no
+    blocking sendall with a timeout per client: 40 such clients held a publish 40 s)."""
+    server, job, fd, counted = _flooded(tmp_path, 20_000)
+    assert fd in server.clients  # its socket is full, answers wait unsent
+    server.publish()
+    assert not {"sendall", "setblocking", "settimeout"} & set(counted.calls), counted.calls
+    assert not server.clients
+    job.close()
+
+
+def test_a_second_run_does_not_join_a_live_copy_of_a_source_changed_since(
+    tmpfs, tmp_path, shmstage_bin, procs
+):
+    """A file changed at the source after the view was listed: a second ``run --no-wait``
+    does not join that copy (its own walk disagrees with the view); it waits for the lock and
+    restages, so its job and the published copy have the new bytes."""
+    src = tmp_path / "ds"
+    _tree(src, 200, 500)
+    dest = tmpfs("64M")
+    base = [*shmstage_bin, "run", "--no-wait", "--no-service", "--dest", str(dest)]
+    base += ["--stage", str(src), "--"]
+    first = procs.start([*base, "sleep", "0.5"], env=_env(0.05), stderr=subprocess.DEVNULL)
+    _wait(lambda: read_view(dest, "ds") is not None)
+    view = read_view(dest, "ds")
+    index = view.files().names.index("d0/f0000.bin")
+    _wait(lambda: index in view.landed_since()[0])  # copied already: its copy is now stale
+    changed = src / "d0" / "f0000.bin"
+    changed.write_bytes(b"new bytes")
+    os.utime(changed, ns=(1, 1))  # whatever the clock's granularity
+    out = tmp_path / "out.json"
+    p = subprocess.run(
+        [*base, sys.executable, JOB, str(dest), "ds", str(out)],
+        env=_env(0.05),  # its own copy still runs when its job starts
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    first.wait(timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "being copied by another shmstage" not in p.stderr
+    got = json.loads(out.read_text())
+    assert got["sums"]["d0/f0000.bin"] == hashlib.sha256(b"new bytes").hexdigest()
+    assert (dest / "ds" / "d0" / "f0000.bin").read_bytes() == b"new bytes"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
@@ -274,7 +275,7 @@ def _stage_locked(
             _kill_at("marker")
             tree = fromdir.build_first(src, store, name, workers, verify, reserve, report, claim)
             _kill_at("build")
-            built = build.Built(tree.bytes, tree.bytes, tree.files)
+            built = build.Built(tree.bytes, tree.bytes, tree.files, tree.entries[0][4])
         else:
             stamp = src.stamp()  # a tar archive: its size, mtime and inode, without a read
             if same and stamp is not None and all(manifest.get(k) == v for k, v in stamp.items()):  # type: ignore[union-attr]
@@ -301,7 +302,9 @@ def _stage_locked(
             peers.barrier()  # all or nothing: publish only once every node has every byte
         report("publishing")
         if kind not in sources.LISTED_KINDS:  # no reader the source path shuts out
-            topaccess.restrict_new(part, source, kind, src, reader)
+            topaccess.restrict_new(part, source, kind, src, reader, built.top_mode)
+        elif built.top_mode is not None:  # closed while in flight (build/tree.py: finish_tree)
+            os.chmod(part, stat.S_IMODE(built.top_mode))
         root = os.lstat(part)
         now = time.time()
         seconds = time.monotonic() - t0

@@ -26,9 +26,12 @@ from shmstage.stage.store import access
 from shmstage.stage.store.layout import Record, Store
 
 
-def restrict_new(part: str, source: str, kind: str, src: Source, reader: Caller | None) -> None:
+def restrict_new(
+    part: str, source: str, kind: str, src: Source, reader: Caller | None, mode: int | None = None
+) -> None:
     """The new copy at ``part`` before its publish: its top's owner from the source top the
-    walk opened, what the source path denies cleared, and the reader let in."""
+    walk opened, its ``mode`` (the source top's: the tree was kept closed while in flight;
+    None: its own) less what the source path denies, and the reader let in."""
     walked = getattr(src, "tree", None)
     top = checked_top(
         source,
@@ -38,7 +41,7 @@ def restrict_new(part: str, source: str, kind: str, src: Source, reader: Caller 
         reader,
     )
     revoke_lapsed(part, source, kind, reader)
-    access.restrict_root(part, source, kind, owner=top)
+    access.restrict_root(part, source, kind, mode, owner=top)
     let_in(part, reader)
 
 

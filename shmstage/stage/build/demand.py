@@ -19,10 +19,18 @@ BACKLOG = 128
 
 
 class Client:
+    """One connection.  Its answers wait in ``outbuf`` from ``sent`` on: appended in place and
+    sent from an offset (no copy of what is still unsent per answer: a client sending many
+    requests and reading nothing must not make the copy loop quadratic)."""
+
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.inbuf = b""
-        self.outbuf = b""
+        self.outbuf = bytearray()
+        self.sent = 0  # bytes of outbuf already sent
+
+    def unsent(self) -> int:
+        return len(self.outbuf) - self.sent
 
 
 class DemandServer:
@@ -56,7 +64,7 @@ class DemandServer:
         return [self.sock.fileno(), *self.clients]
 
     def writers(self) -> list[int]:
-        return [fd for fd, c in self.clients.items() if c.outbuf]
+        return [fd for fd, c in self.clients.items() if c.unsent()]
 
     def handle(self, readable: Iterable[int], writable: Iterable[int] = ()) -> None:
         """Accept, read requests, flush answers: whatever select said is ready."""
@@ -97,6 +105,8 @@ class DemandServer:
         whole = len(raw) - len(raw) % REQUEST.size
         client.inbuf = raw[whole:]
         for (index,) in REQUEST.iter_unpack(raw[:whole]):
+            if client.sock.fileno() < 0:
+                return  # dropped: it did not read its answers
             if index >= self.files:
                 self._answer(client, index, -errno.EINVAL)
             elif self.landed[index]:
@@ -132,30 +142,39 @@ class DemandServer:
             for client in clients:
                 self._answer(client, index, PUBLISHED)
         self.waiting.clear()
+        # What fits in each socket's buffer, never waited for (the view goes only after
+        # this): a job whose answer is lost re-reads the view, finds it gone, reads <final>.
         for client in list(self.clients.values()):
-            with contextlib.suppress(OSError):
-                client.sock.setblocking(True)
-                client.sock.settimeout(1.0)  # a job that does not read is not waited for
-                client.sock.sendall(client.outbuf)
-            client.outbuf = b""
+            self._flush(client)
         self.close()
 
     def _answer(self, client: Client, index: int, status: int) -> None:
+        waiting = client.unsent()
         client.outbuf += ANSWER.pack(index, status)
+        if waiting:  # sent when poll says it is writable (ondemand.py: _wait)
+            if waiting >= MAX_UNSENT:
+                self._drop(client)
+            return
         self._flush(client)
 
     def _flush(self, client: Client) -> None:
-        if not client.outbuf or client.sock.fileno() < 0:
+        if not client.unsent() or client.sock.fileno() < 0:
             return
         try:
-            sent = client.sock.send(client.outbuf)
+            sent = client.sock.send(memoryview(client.outbuf)[client.sent :])
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
             self._drop(client)
             return
-        client.outbuf = client.outbuf[sent:]
-        if len(client.outbuf) > MAX_UNSENT:
+        client.sent += sent
+        if client.sent == len(client.outbuf):
+            client.outbuf.clear()
+            client.sent = 0
+        elif client.sent > MAX_UNSENT:  # drop what was sent, now and then: O(1) per byte
+            del client.outbuf[: client.sent]
+            client.sent = 0
+        if client.unsent() > MAX_UNSENT:
             self._drop(client)
 
     def _drop(self, client: Client) -> None:

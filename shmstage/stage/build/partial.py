@@ -69,6 +69,7 @@ class Built:
     copied: int  # bytes written (not linked, not kept)
     bytes: int  # the tree's data (hard links once)
     files: int
+    top_mode: int | None = None  # the top's mode before its access is set at the publish
 
 
 def current(manifest: dict[str, Any] | None, listing: Listing) -> bool:
@@ -191,8 +192,9 @@ def build(
     finish_tree(part, hard, dirs, src.owner, src.group)
     apply_acls(part, entries)
     if live is not None and live.restrict_top is not None:
-        live.restrict_top(part)  # finish_tree gave the top its source's mode: not yet its own
-    return Built(total, listing.bytes, listing.files)
+        live.restrict_top(part)  # (finish_tree opened it no further than this already did)
+    top = next((d[1] for d in dirs if d[0] == "."), None)
+    return Built(total, listing.bytes, listing.files, top)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,9 @@ def finish_tree(
 ) -> None:
     """Hard links inside the tree, then each directory's owner (or a user's copy's group),
     mode and times (children first: they touch the parent's mtime; an mtime of 0 is left as
-    made)."""
+    made).  The top is never opened beyond what it has now (0700, or a live tree's final
+    access): partial/ is 0711, so an open top would let anyone read the copy before its
+    publish, or forever after a kill; its own access is set at the publish (topaccess.py)."""
     for rel, first in hard:
         os.link(os.path.join(part, first), os.path.join(part, rel), follow_symlinks=False)
     for rel, mode, mtime, atime in reversed(dirs):
@@ -76,7 +78,7 @@ def finish_tree(
         gid = group(rel) if group is not None else None
         if gid is not None:
             copy_group(path, gid)
-        os.chmod(path, mode)
+        os.chmod(path, mode & stat.S_IMODE(os.lstat(path).st_mode) if rel == "." else mode)
         if mtime:
             os.utime(path, ns=(atime if atime >= 0 else mtime, mtime), follow_symlinks=False)
 
