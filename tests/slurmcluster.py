@@ -6,6 +6,9 @@ source bytes can be counted), and a non-root user who submits jobs.  Root only; 
 everything it started by PID and leaves nothing mounted, no user, no bridge.
 
 Run as a script (``make slurm``) it starts a cluster and waits: it prints how to use it.
+SIGTERM or SIGHUP while a cluster lives stops it first (its daemons are in sessions of their
+own: a closed terminal or a CI timeout would not reach them); one whose process was killed
+outright is swept by the next cluster's start (tests/slurmstate.py).
 Long because a cluster is one object: its set-up, use and tear-down share every name.
 """
 
@@ -22,10 +25,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import psutil
+
+from tests.slurmstate import Record, sweep
 
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue")
 PACKAGES = "slurmctld slurmd slurm-client munge"
@@ -124,10 +130,13 @@ class SlurmCluster:
         self.user_made = False
         self.bridge_made = False
         self.image = base / "nfs.ext4"
+        self.record = Record(base, self.image)  # before anything is made: see slurmstate
 
     # --- set-up -----------------------------------------------------------------------------
 
     def start(self, timeout: float = 60) -> SlurmCluster:
+        sweep()  # what a cluster whose process was killed outright left
+        _watch(self)
         try:
             self._start(timeout)
         except BaseException:
@@ -176,6 +185,7 @@ class SlurmCluster:
 
     def _user(self) -> None:
         home = self.home / self.user
+        self.record.add("user", self.user)
         _run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/bin/sh",
               "--user-group", self.user])  # fmt: skip
         self.user_made = True
@@ -225,6 +235,7 @@ class SlurmCluster:
             self.devs.append(out.stdout.strip())
 
     def _bridge(self) -> None:
+        self.record.add("bridge", self.bridge)
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self.bridge_made = True
         _run(["ip", "addr", "add", f"{self.ctld_addr}/24", "dev", self.bridge])
@@ -322,6 +333,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
                 argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, "SLURM_CONF": str(self.conf)},
             )  # fmt: skip
+        self.record.add("pids", self.daemons[name].pid)
 
     def _node(self, i: int) -> None:
         """Node i: namespaces of its own; it waits for its end of a veth pair, takes its
@@ -359,6 +371,8 @@ wait
             )  # fmt: skip
         self.holders.append(holder)
         init = self._until(lambda: self._init_of(holder), 20, f"{name}'s namespaces")
+        self.record.add("pids", init)  # the node's PID 1: the kernel kills the rest with it
+        self.record.add("pids", holder.pid)
         veth = f"shv{self.tag}{i}"
         _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
               str(init)])  # fmt: skip
@@ -544,7 +558,49 @@ wait
         if self.user_made:
             subprocess.run(["userdel", self.user], capture_output=True)
             self.user_made = False
+        for d in self.record.data["dirs"]:
+            shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(self.base, ignore_errors=True)
+        _unwatch(self)
+
+
+# Clusters alive in this process, and the SIGTERM/SIGHUP handlers they replaced.
+_LIVE: list[SlurmCluster] = []
+_PREVIOUS: dict[int, object] = {}
+
+
+def _watch(c: SlurmCluster) -> None:
+    """While ``c`` lives, SIGTERM and SIGHUP stop it, then act as before (signal handlers
+    belong to the main thread: pytest and `make slurm` start clusters there)."""
+    _LIVE.append(c)
+    if _PREVIOUS or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(sig)
+        if previous == signal.SIG_IGN:  # nohup: the signal does not end this process
+            continue
+        _PREVIOUS[sig] = signal.SIG_DFL if previous is None else previous
+        signal.signal(sig, _on_signal)
+
+
+def _unwatch(c: SlurmCluster) -> None:
+    if c in _LIVE:
+        _LIVE.remove(c)
+    if not _LIVE:
+        for sig, previous in _PREVIOUS.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        _PREVIOUS.clear()
+
+
+def _on_signal(signum: int, frame) -> None:
+    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
+    for c in list(_LIVE):
+        c.stop()  # the last one restores the previous handlers
+    if callable(previous):
+        previous(signum, frame)
+    else:  # the default action (die of the signal), now that nothing is left behind
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def main() -> int:
@@ -559,8 +615,10 @@ def main() -> int:
     for i in range(64):
         (data / "train" / f"{i:03}.bin").write_bytes(os.urandom(64 << 10))
     c = SlurmCluster(data)
+    c.record.add("dirs", base)  # swept with the cluster if this process is killed outright
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # `kill`, a closed terminal: stop, clean up
+        signal.signal(sig, lambda *_: stop.append(1))
     try:
         c.start()
         print(
@@ -571,7 +629,8 @@ def main() -> int:
   or as root:           export SLURM_CONF={c.conf}; sinfo; srun -N 4 hostname
   a shell in node1:     nsenter -t {c.init_pid(0)} -m -n -u -p
   logs: {c.base}/log
-Stop it with Ctrl-C or `kill {os.getpid()}` (it removes everything it made).""",
+Stop it with Ctrl-C or `kill {os.getpid()}` (it removes everything it made; so does a
+closed terminal; after a `kill -9`, the next cluster's start removes what this one left).""",
             flush=True,
         )
         while not stop:

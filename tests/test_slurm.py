@@ -13,7 +13,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -850,3 +852,83 @@ def test_two_jobs_staging_on_the_same_nodes_at_once_meet_on_ports_of_their_own(s
     for i in range(2):
         listing = c.on_node(i, ["ls", "-A", f"{c.store}/jobs"]).stdout.split()
         assert {"big", "big2"} <= set(listing), (i, listing)
+
+
+# --- the fixture itself: nothing left behind ------------------------------------------------
+
+UP = """\
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from tests.slurmcluster import SlurmCluster
+c = SlurmCluster(Path({data!r}), nodes=1).start()
+print(c.base, flush=True)
+time.sleep(600)
+"""
+
+
+def _killed_cluster(tmp_path: Path, sig: int) -> tuple[dict, int]:
+    """A 1-node cluster started by a process of its own, which gets ``sig`` once the cluster
+    is up: what the cluster recorded it made, and how the process ended."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "file").write_bytes(b"x" * 4096)
+    root = str(Path(__file__).resolve().parent.parent)
+    up = subprocess.Popen(
+        [sys.executable, "-c", UP.format(root=root, data=str(data))],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        base = Path(up.stdout.readline().strip())
+        state = json.loads((base / "cluster-state.json").read_text())
+    finally:
+        os.kill(up.pid, sig)
+        up.wait(timeout=120)
+        up.stdout.close()
+    return state, up.returncode
+
+
+def _what_is_left(state: dict) -> list[str]:
+    left = [f"pid {p[0]}" for p in state["pids"] if _same_process(p)]
+    if subprocess.run(["ip", "link", "show", state["bridge"]], capture_output=True).returncode == 0:
+        left.append(f"bridge {state['bridge']}")
+    out = subprocess.run(["losetup", "-j", state["image"]], capture_output=True, text=True)
+    left += [f"loop device {line}" for line in out.stdout.splitlines()]
+    if subprocess.run(["id", state["user"]], capture_output=True).returncode == 0:
+        left.append(f"user {state['user']}")
+    return left + [d for d in (state["base"], *state["dirs"]) if os.path.exists(d)]
+
+
+def _same_process(ident: list[float]) -> bool:
+    try:
+        p = psutil.Process(int(ident[0]))
+        return p.create_time() == ident[1] and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_stops_the_cluster_then_kills_the_process(tmp_path, sig) -> None:
+    """A CI timeout (SIGTERM) or a closed terminal (SIGHUP) to the process holding a cluster:
+    the cluster is stopped (daemons, node, loop device, bridge, user, directory), then the
+    process dies of the signal as it would have (before: all of it stayed behind)."""
+    state, rc = _killed_cluster(tmp_path, sig)
+    assert rc == -sig
+    assert state["pids"] and not _what_is_left(state)
+
+
+def test_a_cluster_killed_outright_is_swept_by_the_next_ones_start(tmp_path) -> None:
+    """SIGKILL (no handler, no finalizer runs) leaves everything; the next cluster's start
+    removes it (its owner is dead), then starts as usual."""
+    state, rc = _killed_cluster(tmp_path, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    assert _what_is_left(state)  # the daemons, the node, the bridge... outlived it
+    c = SlurmCluster(tmp_path / "data", nodes=1)
+    try:
+        c.start()
+        assert not _what_is_left(state)
+    finally:
+        stop_cluster(c)

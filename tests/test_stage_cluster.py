@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shmstage.cluster import first_host, resolve, slurm_port
+from shmstage.cluster import PORT_PROBE, first_host, resolve, slurm_port
 from shmstage.cluster.plan import CRC, make_plan
 from shmstage.errors import RefusedError
 
@@ -114,6 +114,18 @@ def test_nodes_default_to_a_slurm_step_with_one_task_per_node(change, nodes) -> 
     assert (spec.nodes, spec.rank, spec.host) == (nodes, 1, "gpu07")  # the step's node 0
     assert spec.port == slurm_port(env) == 30000 + (7 * 16 + 2) % 2048
     assert spec.job == "Slurm job 7 step 2"
+    assert spec.ports == PORT_PROBE  # derived: where node 0 starts looking
+
+
+def test_a_derived_port_is_probed_and_a_given_one_is_exact() -> None:
+    """Jobs 128 apart (or step 16 and the next job's step 0) derive one port: the port is
+    only the first node 0 tries.  A port given (flag or environment) is exactly that one."""
+    jobs = [slurm_port({"SLURM_JOB_ID": str(j), "SLURM_STEP_ID": "0"}) for j in (521, 649)]
+    assert jobs[0] == jobs[1]
+    assert resolve(None, None, None, environ=_STEP).ports == PORT_PROBE
+    assert resolve(2, 0, "head", environ={}).ports == PORT_PROBE  # 29450 and after
+    assert resolve(None, None, "head:1234", environ=_STEP).ports == 1
+    assert resolve(2, 0, "head:29450", environ={}).ports == 1
 
 
 def test_slurm_defaults_yield_to_the_flags() -> None:
@@ -202,6 +214,35 @@ def test_a_rank_claimed_twice_makes_every_node_of_the_job_refuse() -> None:
             other.connect(job="source /elsewhere")
     finally:
         for rv in (second, first, node0):
+            rv.close(failed=True)
+
+
+def test_two_jobs_that_derive_one_port_each_find_their_own_node_0() -> None:
+    """Real sockets: job A's node 0 holds the derived port; job B's node 0 takes the next
+    free one (a third listener holds one more in between); each job's node 1 joins its
+    own store, whatever the order.  With an exact port, B's node 0 is refused as before."""
+    from shmstage.cluster.rendezvous import Rendezvous
+
+    port = _free_ports(1)[0]
+    squatter = socket.create_server(("127.0.0.1", port + 1))  # something else holds port + 1
+    a0, b0, a1, b1 = (
+        Rendezvous("127.0.0.1", port, 2, rank, timeout=20.0, ports=4) for rank in (0, 0, 1, 1)
+    )
+    exact = Rendezvous("127.0.0.1", port, 2, 0, timeout=5.0)
+    try:
+        b1_joined = threading.Thread(target=b1.connect, kwargs={"job": "source /b Slurm job 2"})
+        b1_joined.start()  # before its node 0: it keeps looking along the range
+        a0.connect(job="source /a Slurm job 1")
+        a1.connect(job="source /a Slurm job 1")
+        b0.connect(job="source /b Slurm job 2")
+        b1_joined.join(30)
+        assert (a0.port, a1.port, b0.port, b1.port) == (port, port, port + 2, port + 2)
+        assert sorted(a0.server.claimed) == sorted(b0.server.claimed) == [0, 1]
+        with pytest.raises(Exception, match=f"port {port} in use"):
+            exact.connect(job="source /c")
+    finally:
+        squatter.close()
+        for rv in (b1, b0, a1, a0):
             rv.close(failed=True)
 
 
@@ -775,6 +816,35 @@ def test_two_jobs_on_one_rendezvous_port_do_not_mix(cluster) -> None:
         assert out in ("rc=1\n", "rc=2\n"), (out, err)
         line = _one_line(err)
         assert "in use" in line or "belongs to another job" in line, err
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("pair", ["jobs 128 apart", "two stages of one step"])
+def test_two_jobs_whose_derived_ports_collide_both_publish(cluster, pair) -> None:
+    """Slurm jobs J and J+128 (or two stages of other datasets in one step) derive one
+    rendezvous port: the second node 0 takes the next free port, each node finds its own
+    job's node 0, and all four nodes publish (before: one job failed, "port in use" on
+    its node 0, "belongs to another job" on its node 1)."""
+    job = next(j for j in range(3000, 3128) if _free_from(slurm_port({"SLURM_JOB_ID": str(j)})))
+    other = job + 128 if pair == "jobs 128 apart" else job
+    assert slurm_port({"SLURM_JOB_ID": str(job)}) == slurm_port({"SLURM_JOB_ID": str(other)})
+    body = (
+        f'$EXE stage {cluster.src} --name "$NAME" --dest {cluster.dest} --reserve 0 --quiet '
+        "--nodes 2 --node-rank $JOBRANK >/dev/null; echo rc=$?; "
+        f'test -e {cluster.dest}/"$NAME" && echo published; true'
+    )
+    per_node = {
+        r: f"export SLURM_JOB_ID={job if r < 2 else other} SLURM_STEP_ID=0 "
+        f"SLURM_JOB_NODELIST=127.0.0.1; JOBRANK={r % 2}; NAME={'a' if r < 2 else 'b'}; "
+        for r in range(4)
+    }
+    for _, out, err in _wait_all(cluster.start(body, per_node=per_node), timeout=150):
+        assert out == "rc=0\npublished\n", (out, err)
+
+
+def _free_from(port: int, count: int = 4) -> bool:
+    """Whether ``port`` and the ``count - 1`` after it are free on 127.0.0.1 now."""
+    return not any(_listening(p) for p in range(port, port + count))
 
 
 def _job_body(cluster: Cluster) -> str:

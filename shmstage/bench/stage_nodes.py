@@ -113,7 +113,7 @@ def run_nodes_benchmark(
     created = not dest.exists()
     times: dict[str, list[float]] = {m: [] for m in MODES}
     reads: dict[str, list[int]] = {m: [] for m in MODES}
-    rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout)
+    rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout, spec.ports)
     work: Path | None = None
     try:
         rv.connect()

@@ -92,7 +92,7 @@ def cluster_options(f: Any = None, *, slurm_nodes: bool = True) -> Any:
     takes it only when given: see prepare_cmd)."""
     if f is None:
         return lambda g: cluster_options(g, slurm_nodes=slurm_nodes)
-    from shmstage.cluster import DEFAULT_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN
+    from shmstage.cluster import DEFAULT_PORT, PORT_PROBE, SLURM_PORT_BASE, SLURM_PORT_SPAN
 
     default = (
         "Default: 1, alone; in a Slurm step with one task per node on several nodes (srun -N 4 "
@@ -118,7 +118,10 @@ def cluster_options(f: Any = None, *, slurm_nodes: bool = True) -> Any:
             help=f"Node 0's address for the rendezvous. Default: the first host of "
             "$SLURM_STEP_NODELIST in a Slurm step, else of $SLURM_JOB_NODELIST. Port default "
             f"{DEFAULT_PORT}; under Slurm {SLURM_PORT_BASE} + ($SLURM_JOB_ID * 16 + "
-            f"$SLURM_STEP_ID) mod {SLURM_PORT_SPAN}, so that jobs sharing node 0 do not meet.",
+            f"$SLURM_STEP_ID) mod {SLURM_PORT_SPAN}. A port not given is where node 0 starts: "
+            f"it takes the first free of {PORT_PROBE} from there, and the other nodes find the "
+            "one that names their job (source, --name, --dest, Slurm job and step), so jobs "
+            "or stages that derive one port each meet their own. A port given is exact.",
         ),
         click.option(
             "--timeout",

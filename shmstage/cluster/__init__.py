@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 29450  # not torchrun's 29400: `shmstage run` may stage, then start torchrun
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 30000, 2048  # under Slurm: one port per job and step
+# A port not given is only where node 0 starts looking: two jobs (or two stages of one step)
+# may derive the same one; node 0 takes the first free of PORT_PROBE, the other nodes find
+# the one whose store names their job (its source, --name, --dest, Slurm job and step).
+PORT_PROBE = 32
 
-__all__ = ["DEFAULT_INFLIGHT", "DEFAULT_PORT", "DEFAULT_TIMEOUT", "SLURM_PORT_BASE", "SLURM_PORT_SPAN",
+__all__ = ["DEFAULT_INFLIGHT", "DEFAULT_PORT", "DEFAULT_TIMEOUT", "PORT_PROBE", "SLURM_PORT_BASE", "SLURM_PORT_SPAN",
            "ClusterSpec", "PeerLost", "Peers", "first_host", "resolve", "slurm_nodes", "slurm_port"]  # fmt: skip
 
 # Loaded on first use: every command's --help names DEFAULT_PORT, few stage with --nodes.
@@ -84,7 +88,7 @@ def resolve(
             f"--nodes {nodes} needs --rendezvous HOST[:PORT], node 0's address (under Slurm: "
             "the first host of SLURM_JOB_NODELIST)"
         )
-    host, port = _host_port(rendezvous, slurm_port(env) or DEFAULT_PORT)
+    host, port, given = _host_port(rendezvous, slurm_port(env) or DEFAULT_PORT)
     return ClusterSpec(
         nodes,
         rank,
@@ -94,6 +98,7 @@ def resolve(
         DEFAULT_INFLIGHT if inflight is None else inflight,
         # two jobs that share a rendezvous port must not mix: Slurm names the job
         _slurm_job(env),
+        1 if given else PORT_PROBE,  # an explicit port is exactly that port
     )
 
 
@@ -116,8 +121,9 @@ def slurm_nodes(env: Mapping[str, str]) -> int | None:
 
 def slurm_port(env: Mapping[str, str]) -> int | None:
     """The rendezvous port of a Slurm job's step when none is given, so that two jobs (or
-    two steps of one job) whose node 0 is the same host do not meet on one port:
-    30000 + (SLURM_JOB_ID * 16 + SLURM_STEP_ID) mod 2048, below Linux's ephemeral ports."""
+    two steps of one job) whose node 0 is the same host rarely start on one port:
+    30000 + (SLURM_JOB_ID * 16 + SLURM_STEP_ID) mod 2048, below Linux's ephemeral ports.
+    Where they do (jobs 128 apart, two stages in one step), PORT_PROBE sorts them out."""
     job = env.get("SLURM_JOB_ID", "")
     if not job.isdigit():
         return None
@@ -138,7 +144,8 @@ def _slurm_job(env: Mapping[str, str]) -> str:
     return f"Slurm job {env['SLURM_JOB_ID']}{step}"
 
 
-def _host_port(text: str, default_port: int) -> tuple[str, int]:
+def _host_port(text: str, default_port: int) -> tuple[str, int, bool]:
+    """(host, port, whether the text gave the port)."""
     host, sep, port = text.rpartition(":")
     if not sep or "]" in port:  # no port (or a bare IPv6 address in brackets)
         host, port = text, ""
@@ -149,7 +156,7 @@ def _host_port(text: str, default_port: int) -> tuple[str, int]:
         raise RefusedError(
             f"invalid --rendezvous {text}: give HOST[:PORT], e.g. node01:{DEFAULT_PORT}"
         )
-    return host, int(port) if port else default_port
+    return host, int(port) if port else default_port, bool(port)
 
 
 def first_host(nodelist: str) -> str:

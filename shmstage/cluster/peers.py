@@ -43,6 +43,7 @@ class ClusterSpec:
     timeout: float = DEFAULT_TIMEOUT
     inflight: int = DEFAULT_INFLIGHT  # bytes of pieces this node holds at most
     job: str = ""  # which job this is (e.g. "Slurm job 123"), with the source: see agree
+    ports: int = 1  # > 1: ``port`` was derived; node 0 takes the first free of this many
 
 
 class Peers:
@@ -50,7 +51,7 @@ class Peers:
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout)
+        self.rv = Rendezvous(spec.host, spec.port, spec.nodes, spec.rank, spec.timeout, spec.ports)
         self.tree: Any = None
         self.piece = 0
         self.ring: Ring | None = None  # started early on a node that needs every file

@@ -35,8 +35,13 @@ class PeerLost(ShmstageError):
 class Rendezvous:
     """A store and (on demand) a gloo group for ``nodes`` processes, one per node."""
 
-    def __init__(self, host: str, port: int, nodes: int, rank: int, timeout: float) -> None:
+    def __init__(
+        self, host: str, port: int, nodes: int, rank: int, timeout: float, ports: int = 1
+    ) -> None:
         self.host, self.port, self.nodes, self.rank, self.timeout = host, port, nodes, rank, timeout
+        # > 1: the port was derived, not given: node 0 takes the first free one of
+        # port .. port + ports - 1, the others find the one whose store is this job's
+        self.ports = ports
         self.store: Client | None = None
         self.server: Server | None = None
         self.group: Any = None
@@ -59,27 +64,42 @@ class Rendezvous:
                 "pip install 'shmstage[cluster]', or stage on each node alone without --nodes"
             )
         wait = self.timeout if timeout is None else timeout
-        where = f"{self.host}:{self.port}"
         if self.rank == 0 and self.server is None:
-            try:
-                self.server = Server(self.host, self.port, self.nodes, self.job)
-            except OSError as e:
-                why = (
-                    "in use (another job's rendezvous?)"
-                    if e.errno == errno.EADDRINUSE
-                    else e.strerror
-                )
-                raise ShmstageError(
-                    f"cannot open the rendezvous on {where} (node 0): port {self.port} {why}; "
-                    "pick a free port with --rendezvous HOST:PORT"
-                ) from None
+            self.server = self._listen()
         try:
-            self.store = Client(self.host, self.port, self.nodes, self.rank, self.job, wait)
+            self.store = Client(self.host, self.port, self.nodes, self.rank, self.job, wait,
+                                ports=1 if self.rank == 0 else self.ports)  # fmt: skip
         except StoreLost as e:
             raise PeerLost(str(e)) from None
+        self.port = self.store.port  # the one found: the heartbeat and gloo use it too
         self.store.timeout = self.timeout
         self.store.watch = self.watch
         threading.Thread(target=self._heartbeat, name="shmstage-heartbeat", daemon=True).start()
+
+    def _listen(self) -> Server:
+        """Node 0 opens the store on its port, or (derived) the first free one after it."""
+        last: OSError | None = None
+        for port in range(self.port, self.port + self.ports):
+            try:
+                server = Server(self.host, port, self.nodes, self.job)
+            except OSError as e:
+                last = e
+                if e.errno == errno.EADDRINUSE:
+                    continue  # another job's, or another stage's of this step
+                break
+            self.port = port
+            return server
+        assert last is not None
+        ports = f"ports {self.port}-{self.port + self.ports - 1}" if self.ports > 1 else ""
+        why = (
+            f"{ports or f'port {self.port}'} in use (other jobs' rendezvous?)"
+            if last.errno == errno.EADDRINUSE
+            else f"port {self.port} {last.strerror}"
+        )
+        raise ShmstageError(
+            f"cannot open the rendezvous on {self.host}:{self.port} (node 0): {why}; "
+            "pick a free port with --rendezvous HOST:PORT"
+        )
 
     def gloo(self) -> Any:
         """The gloo group (made once, by every node together)."""
@@ -254,9 +274,8 @@ class Rendezvous:
                 self.store.set(f"fail/{self.rank}", blob, quick)
             elif self.job is not None:  # failed before joining: say why, without joining now
                 # as this job's node: node 0 of another job ignores it (kv.Server._hello)
-                once = Client(
-                    self.host, self.port, self.nodes, self.rank, self.job, quick, main=False
-                )
+                once = Client(self.host, self.port, self.nodes, self.rank, self.job, quick,
+                              main=False, ports=self.ports)  # fmt: skip
                 try:
                     once.set(f"fail/{self.rank}", blob, quick)
                 finally:

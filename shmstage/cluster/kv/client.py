@@ -39,9 +39,11 @@ class Client:
         job: str | None,
         timeout: float,
         main: bool = True,
+        ports: int = 1,
     ) -> None:
         self.host, self.port, self.nodes, self.rank = host, port, nodes, rank
         self.job, self.timeout, self.main = job, timeout, main
+        self.ports = ports  # >1: node 0 listens on one of port .. port + ports - 1
         self.lock = threading.Lock()
         self.unread = False
         self.stores: list[Any] = []  # gloo_store's torch Stores over this client
@@ -53,22 +55,49 @@ class Client:
         return f"{self.host}:{self.port}"
 
     def _connect(self, timeout: float) -> socket.socket:
-        """Connect (retrying while nobody listens yet: node 0 may start later) and say hello."""
+        """Connect (retrying while nobody listens yet: node 0 may start later) and say hello.
+
+        With ``ports`` > 1, node 0 took the first free port of the range: try each in turn
+        and keep the one whose store is this job's (another job's says so, and is skipped)."""
         deadline = time.monotonic() + timeout
+        first = self.port
         while True:
-            sock = self._hello(deadline, timeout)
-            if sock is not None:
-                return sock
+            others: dict[int, _Elsewhere] = {}  # this round's ports that are not this job's
+            for port in range(first, first + self.ports):
+                self.port = port
+                try:
+                    sock = self._hello(deadline, timeout, probing=self.ports > 1)
+                except _Elsewhere as e:
+                    others[port] = e
+                    continue
+                if sock is not None:
+                    return sock
             # closed before answering: node 0 is busy (many connections at once), or gone
             if deadline - time.monotonic() <= 0.2:
+                self.port = first
+                if self.ports == 1:
+                    raise StoreLost(
+                        f"the rendezvous on {self.where} (node 0) closed the connection at "
+                        "once: node 0 gave up already, or something else than shmstage "
+                        "listens there"
+                    )
+                jobs = [p for p, e in sorted(others.items()) if e.kind == "job"]
+                tokens = [e for e in others.values() if e.kind == "token"]
+                if tokens and not jobs:  # only stores that refused this node's token
+                    raise tokens[0].error
                 raise StoreLost(
-                    f"the rendezvous on {self.where} (node 0) closed the connection at once: "
-                    "node 0 gave up already, or something else than shmstage listens there"
+                    f"found no rendezvous of this job ({self.job}) on {self.host} ports "
+                    f"{first}-{first + self.ports - 1} (node 0) within {timeout:g} s"
+                    + (f" (port {', '.join(map(str, jobs))}: other jobs')" if jobs else "")
+                    + "; is node 0 running with the same --rendezvous?"
                 )
             time.sleep(0.2)
 
-    def _hello(self, deadline: float, timeout: float) -> socket.socket | None:
-        """One connection and its hello; None when node 0 closed it without an answer."""
+    def _hello(
+        self, deadline: float, timeout: float, probing: bool = False
+    ) -> socket.socket | None:
+        """One connection and its hello; None when node 0 closed it without an answer.
+        ``probing``: _Elsewhere when nobody listens on this port or another job does."""
         last: OSError | None = None
         while True:
             left = deadline - time.monotonic()
@@ -82,10 +111,14 @@ class Client:
                 sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
                 break
             except OSError as e:
+                if probing:
+                    raise _Elsewhere("closed", e) from None
                 last = e
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        left = deadline - time.monotonic()
+        # probing: a listener that does not answer a hello at once is not this job's node 0
+        sock.settimeout(max(0.001, min(left, 1.0) if probing else left))
         hello = {"op": "hello", "job": self.job, "nodes": self.nodes, "rank": self.rank,
                  "main": self.main, "proof": proof(self.job)}  # fmt: skip
         try:
@@ -96,32 +129,38 @@ class Client:
             return None
         except (OSError, ValueError) as e:
             sock.close()
+            if probing:  # something else than shmstage, or a frozen node 0 of another job
+                raise _Elsewhere("silent", e) from None
             raise StoreLost(self._silent(timeout, e)) from None
         if answer is None:
             sock.close()
             return None
         error = answer.get("error")
-        if error == "token":
+        if error in ("token", "job") and probing:
+            sock.close()  # with a token, another job's node 0 cannot check this job's proof
+            raise _Elsewhere(error, self._refused(error, answer))
+        if error:
             sock.close()
-            raise Mismatch(
+            raise self._refused(error, answer)
+        self._check(answer)
+        sock.settimeout(self.timeout)
+        return sock
+
+    def _refused(self, error: str, answer: dict[str, Any]) -> Mismatch:
+        if error == "token":
+            return Mismatch(
                 f"the rendezvous on {self.where} (node 0) refused this node's {TOKEN_ENV}: "
                 "set the same secret on every node of the job (or on none); nothing was "
                 "published by this node"
             )
         if error == "job":
-            sock.close()
-            raise Mismatch(
+            return Mismatch(
                 f"the rendezvous on {self.where} belongs to another job ({answer.get('job')}), "
                 f"not this one ({self.job}): every node of one job stages the same source "
                 "under the same --name and --dest, and each job needs its own --rendezvous "
                 "port; nothing was published by this node"
             )
-        if error:
-            sock.close()
-            raise Mismatch(str(answer.get("poison") or error))
-        self._check(answer)
-        sock.settimeout(self.timeout)
-        return sock
+        return Mismatch(str(answer.get("poison") or error))
 
     def _silent(self, timeout: float, e: BaseException | None = None) -> str:
         how = f" ({e})" if isinstance(e, OSError) and not isinstance(e, TimeoutError) else ""
@@ -281,3 +320,11 @@ def gloo_store(client: Client) -> Any:
         return store
 
     return keep(_Store())
+
+
+class _Elsewhere(Exception):
+    """Probing a port range: this port is not this job's rendezvous (``error`` says why)."""
+
+    def __init__(self, kind: str, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.kind, self.error = kind, error  # kind: closed, silent, token or job
