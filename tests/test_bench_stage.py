@@ -90,6 +90,15 @@ def test_cat_reads_without_writing(tmp_path: Path) -> None:
     assert list(dest.iterdir()) == []
 
 
+def test_cat_reads_a_few_big_files_in_parallel() -> None:
+    """The read limit reads with every job it has: 4 shards are 4 cats at once (64 files per
+    cat made it one cat reading them one by one, a limit lower than the disk's)."""
+    assert bench.cat_batch(4, 8) == 1
+    assert bench.cat_batch(20, 8) == 3  # 7 cats
+    assert bench.cat_batch(50_000, 8) == 64
+    assert bench.cat_batch(0, 8) == 1
+
+
 def test_benchmark_result_fields(tmp_path: Path) -> None:
     """One run of every tool gives one time each, a median, MB/s and files/s from the source size, and ratios vs shmstage."""
     src = _make_tree(tmp_path)

@@ -135,6 +135,7 @@ def run_stage_benchmark(
     cmd_prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
     jobs = cat_jobs or max(8, 4 * usable_cpus())
     summary = tree_summary(source)
+    per = cat_batch(summary.files, jobs)
     say = progress or (lambda _msg: None)
     times: dict[str, list[float]] = {t: [] for t in tools}
 
@@ -157,9 +158,15 @@ def run_stage_benchmark(
                 if drop_caches:
                     drop_page_cache()
                 else:
-                    _run(tool_argv("cat", source, dest, cat_jobs=jobs), "cat", None)
+                    _run(tool_argv("cat", source, dest, cat_jobs=jobs, cat_per=per), "cat", None)
                 argv = tool_argv(
-                    tool, source, dest, cat_jobs=jobs, shmstage_cmd=cmd_prefix, workers=workers
+                    tool,
+                    source,
+                    dest,
+                    cat_jobs=jobs,
+                    cat_per=per,
+                    shmstage_cmd=cmd_prefix,
+                    workers=workers,
                 )
                 seconds, out = _timed(argv, tool, preexec)
                 if check and tool != "cat":
@@ -169,7 +176,7 @@ def run_stage_benchmark(
                 times[tool].append(seconds)
                 say(f"run {i + 1}/{runs}  {LABELS[tool]:<16} {seconds:8.3f} s")
 
-    commands = {t: _display(t, jobs, workers) for t in tools}
+    commands = {t: _display(t, jobs, per, workers) for t in tools}
     results = tool_results(times, LABELS, commands, summary.bytes, summary.files)
     return StageBenchResult(
         source=str(source),
@@ -258,10 +265,12 @@ def tool_argv(
     dest: str | os.PathLike[str],
     *,
     cat_jobs: int = 8,
+    cat_per: int = 64,
     shmstage_cmd: Sequence[str] | None = None,
     workers: int | None = None,
 ) -> list[str]:
-    """The command that copies ``src`` into the existing directory ``dest`` with ``tool`` (cat: reads only)."""
+    """The command that copies ``src`` into the existing directory ``dest`` with ``tool`` (cat: reads only,
+    ``cat_jobs`` processes at once, ``cat_per`` files each: :func:`cat_batch`)."""
     s, d = os.fspath(src), os.fspath(dest)
     if tool == "cp":
         return ["cp", "-a", f"{s}/.", d]
@@ -277,10 +286,8 @@ def tool_argv(
             d,
         ]
     if tool == "cat":
-        script = (
-            'set -o pipefail; find "$1" -type f -print0 | xargs -0 -r -P "$2" -n 64 cat > /dev/null'
-        )
-        return ["bash", "-c", script, "bash", s, str(cat_jobs)]
+        script = 'set -o pipefail; find "$1" -type f -print0 | xargs -0 -r -P "$2" -n "$3" cat > /dev/null'
+        return ["bash", "-c", script, "bash", s, str(cat_jobs), str(cat_per)]
     if tool != "shmstage":
         raise RefusedError(f"unknown tool '{tool}': choose from {', '.join(TOOLS)}")
     prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
@@ -288,12 +295,19 @@ def tool_argv(
     return argv + (["--workers", str(workers)] if workers else [])
 
 
-def _display(tool: str, jobs: int, workers: int | None) -> str:
+def cat_batch(files: int, jobs: int) -> int:
+    """Files per ``cat`` so that ``jobs`` of them read at once: at most 64 (few processes to
+    start), fewer where the tree has few files (4 shards: one each, all four read in parallel;
+    64 would give one ``cat`` reading them one after the other)."""
+    return max(1, min(64, -(-files // jobs)))
+
+
+def _display(tool: str, jobs: int, per: int, workers: int | None) -> str:
     return {
         "cp": "cp -a SRC/. DEST",
         "rsync": "rsync -a SRC/ DEST/",
         "tar": "tar -C SRC -cf - . | tar -C DEST -xf -",
-        "cat": f"find SRC -type f -print0 | xargs -0 -P {jobs} -n 64 cat > /dev/null",
+        "cat": f"find SRC -type f -print0 | xargs -0 -P {jobs} -n {per} cat > /dev/null",
         "shmstage": "shmstage stage SRC --dest DEST --quiet"
         + (f" --workers {workers}" if workers else ""),
     }[tool]

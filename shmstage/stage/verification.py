@@ -14,7 +14,6 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.identity import Caller, is_denied, reading_as
 from shmstage.stage.build import copier
 from shmstage.stage.sources import kinds as sources
-from shmstage.stage.sources import s3
 from shmstage.stage.sources import tar as tarsrc
 from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, join_ident
 from shmstage.stage.sources.walk import unreadable_by_reader, walk
@@ -93,6 +92,8 @@ def verify(
             _source_there(record.source, stat.S_ISREG, reader)
             bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0), reader)
         elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
+            from shmstage.stage.sources import s3
+
             bad = s3.compare(manifest, path)
         else:
             _source_there(record.source, stat.S_ISDIR, reader)

@@ -14,6 +14,8 @@ NOTE [copier lifecycle]
     build tasks (inherited by fork)
     fork N workers  ----------------------> ignore SIGINT, die with the parent
     send 2N task indices  ---- task pipe -> read 4 bytes: a task index (-1: exit 0)
+      a chunk: STREAM there,               STREAM: take a stream slot, then the
+      its index in the chunk pipe  -------> next chunk from the chunk pipe (in order)
     select(result pipe, 0.2 s)              copy/compare the task's files
        OK       -> progress, send next <--- one record per task (<= PIPE_BUF: atomic)
        MISMATCH -> remember (compare)  <--- one record per differing file
@@ -39,9 +41,11 @@ from shmstage.stage.build.copy import worker
 from shmstage.stage.build.copypipe import (
     COMPARE,
     COPY,
-    Feeder,
+    STREAM,
+    Feeds,
     Job,
     Results,
+    Taken,
     Task,
     Tops,
     check_alive,
@@ -56,8 +60,7 @@ BATCH_FILES = 256
 BATCH_BYTES = 32 << 20
 CHUNK = 64 << 20  # files above 2 chunks are split so several workers share them
 
-# Test hook (documented in docs/staging.md): seconds to sleep after each copied
-# file, so tests can land a signal mid-copy on a tiny dataset.
+# Test hook (docs/staging.md): seconds to sleep per copied file, to land a signal mid-copy.
 SLOW_ENV = "SHMSTAGE_TEST_SLOW_COPY"
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -95,7 +98,7 @@ def default_workers() -> int:
 
 
 def make_tasks(
-    jobs: Sequence[Job], op: int = COPY, chunk: int = CHUNK
+    jobs: Sequence[Job], op: int = COPY, chunk: int | None = None
 ) -> tuple[list[Task], list[int]]:
     """Batches of small files and chunks of big ones; returns (tasks, chunked job indices).
 
@@ -104,6 +107,7 @@ def make_tasks(
     tmpfs serialises writes to one file on its inode lock and file creation in one
     directory on the directory's lock, so workers busy in different places run in
     parallel."""
+    chunk = chunk or CHUNK  # read now: tests make it small
     per_file: list[list[Task]] = []
     per_dir: dict[str, list[Task]] = {}
     chunked: list[int] = []
@@ -172,24 +176,30 @@ def run(
     workers = max(1, min(workers, len(tasks)))
     slow = float(os.environ.get(SLOW_ENV) or 0)
     task_r, task_w = os.pipe()
+    chunk_r, chunk_w = os.pipe()
     res_r, res_w = os.pipe()
     pids: list[int] = []
     alive: set[int] = set()
     results: Results | None = None
     try:
 
-        def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
-            idx = struct.unpack("<i", read_exact(task_r, 4))[0]
-            return None if idx < 0 else (idx, jobs, tasks[idx])
+        def next_task(chunk: bool = False) -> Taken:  # pragma: no cover - child
+            idx = struct.unpack("<i", read_exact(chunk_r if chunk else task_r, 4))[0]
+            if idx < 0:
+                return None if idx == -1 else STREAM
+            return (idx, jobs, tasks[idx])
 
         at = Place(jobs[0][0], os.path.dirname(jobs[0][1]), tops)
-        _fork_workers(workers, pids, alive, (task_w, res_r), next_task, res_w, slow, at)
-        os.close(task_r)
-        os.close(res_w)
-        task_r = res_w = -1
-        feed = Feeder(task_w, 4)
+        _fork_workers(workers, pids, alive, (task_w, chunk_w, res_r), next_task, res_w, slow, at)
+        for fd in (task_r, chunk_r, res_w):
+            os.close(fd)
+        task_r = chunk_r = res_w = -1
+        feed = Feeds(task_w, chunk_w, 4)
+        chunks = [i for i, t in enumerate(tasks) if t.length >= 0]
+        order = [STREAM if t.length >= 0 else i for i, t in enumerate(tasks)]
         feed.add(
-            struct.pack(f"<{len(tasks)}i", *range(len(tasks))) + b"\xff\xff\xff\xff" * len(pids)
+            struct.pack(f"<{len(order) + len(pids)}i", *order, *[-1] * len(pids)),
+            struct.pack(f"<{len(chunks)}i", *chunks),
         )
         feed.push()
         if while_running is not None:
@@ -202,7 +212,7 @@ def run(
         pids.clear()
     finally:
         _kill_workers(pids, alive)
-        for fd in (task_r, task_w, res_r, res_w):
+        for fd in (task_r, task_w, chunk_r, chunk_w, res_r, res_w):
             if fd >= 0:
                 os.close(fd)
     return results.mismatches if results is not None else []
@@ -212,6 +222,7 @@ def run(
 _REC = struct.Struct("<iiqqiqq")
 _INO = (1 << 64) - 1
 _JOB = struct.Struct("<qqqiQQI")  # size, mtime_ns, atime_ns, mode, st_dev, st_ino, len(rel)
+_STREAM_REC = _REC.pack(STREAM, 0, 0, 0, 0, 0, 0)
 
 
 class Stream:
@@ -256,15 +267,16 @@ class Stream:
             self.mem = os.memfd_create("shmstage-jobs", os.MFD_CLOEXEC)
             self.fds.append(self.mem)
             task_r, task_w = os.pipe()
-            self.fds += [task_r, task_w]
+            chunk_r, chunk_w = os.pipe()
             res_r, res_w = os.pipe()
-            self.fds += [res_r, res_w]
+            self.fds += [task_r, task_w, chunk_r, chunk_w, res_r, res_w]
             mem, src, dst = self.mem, self.src_prefix, self.dst_prefix
 
-            def next_task() -> tuple[int, Sequence[Job], Task] | None:  # pragma: no cover - child
-                seq, op, off, span, count, coff, clen = _REC.unpack(read_exact(task_r, _REC.size))
+            def next_task(chunk: bool = False) -> Taken:  # pragma: no cover - child
+                raw = read_exact(chunk_r if chunk else task_r, _REC.size)
+                seq, op, off, span, count, coff, clen = _REC.unpack(raw)
                 if seq < 0:
-                    return None
+                    return None if seq == -1 else STREAM
                 return (
                     seq,
                     _decode_jobs(os.pread(mem, span, off), count, src, dst),
@@ -276,16 +288,16 @@ class Stream:
                 self.workers,
                 self.pids,
                 self.alive,
-                (task_w, res_r),
+                (task_w, chunk_w, res_r),
                 next_task,
                 res_w,
                 slow,
                 Place(self.src_prefix, self.dst_prefix, self.tops),
             )
-            for fd in (task_r, res_w):
+            for fd in (task_r, chunk_r, res_w):
                 self.fds.remove(fd)
                 os.close(fd)
-            self.feed = Feeder(task_w, _REC.size)
+            self.feed = Feeds(task_w, chunk_w, _REC.size)
             self.results = Results(res_r, self.feed, self.alive, self.progress, self._landed)
         except BaseException:
             self.__exit__(None, None, None)
@@ -326,18 +338,20 @@ class Stream:
         tasks, chunked = make_tasks(jobs)
         for i in chunked:
             create_sized(jobs[i][1], jobs[i][2])
-        records = []
+        records, chunks = [], []
         page = self.page
         for t in tasks:
             off, span = offsets[t.first], offsets[t.last] - offsets[t.first]
             sizes = [t.length] if t.length >= 0 else [j[2] for j in jobs[t.first : t.last]]
             self._pages[self.sent] = pages = sum(rounded(n, page) for n in sizes)
             self.handed += pages
-            records.append(
-                _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)
-            )
+            rec = _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)
+            if t.length >= 0:
+                chunks.append(rec)
+                rec = _STREAM_REC
+            records.append(rec)
             self.sent += 1
-        self.feed.add(b"".join(records))
+        self.feed.add(b"".join(records), b"".join(chunks))
         self.feed.push()
         self.results.collect(self.sent, 0)
         return [jobs[i] for i in chunked]
@@ -346,7 +360,7 @@ class Stream:
         """Wait until every task added so far is done (the workers stay)."""
         while True:
             self.feed.push()
-            if self.results.done == self.sent and self.feed.pos == len(self.feed.queue):
+            if self.results.done == self.sent and self.feed.flushed:
                 return
             if not self.results.collect(self.sent, 0.2):
                 check_alive(self.alive)
@@ -390,14 +404,13 @@ def _fork_workers(
     pids: list[int],
     alive: set[int],
     parent_fds: tuple[int, ...],
-    next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
+    next_task: Callable[[bool], Taken],
     res_w: int,
     slow: float,
     at: Place,
 ) -> None:
     """Fork ``workers`` processes running :func:`worker` (pids added as they start)."""
-    # Signals wait until the workers exist: a handler that raises inside fork()'s
-    # at-fork callbacks would be swallowed ("Exception ignored").
+    # Signals wait for the workers: a handler raising in fork()'s at-fork hooks is swallowed.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     slots = os.pipe()  # a byte per stream a worker may run (see streams()); closed here after
     os.write(slots[1], b"s" * min(streams(at.src), workers))

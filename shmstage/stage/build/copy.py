@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import signal
 import time
@@ -31,7 +32,9 @@ from shmstage.stage.build.copypipe import (
     K_WRITE,
     MISMATCH,
     OK,
+    STREAM,
     Job,
+    Taken,
     Task,
     Tops,
     send,
@@ -57,7 +60,7 @@ class _Fail(Exception):
 
 
 def worker(
-    next_task: Callable[[], tuple[int, Sequence[Job], Task] | None],
+    next_task: Callable[[bool], Taken],
     res_w: int,
     slow: float,
     mask: set[signal.Signals],
@@ -85,12 +88,17 @@ def worker(
     state.slots = slots
     state.made = made
     while True:
-        got = next_task()
+        got = next_task(False)
         if got is None:
             return 0
+        if got == STREAM:  # a chunk: the next one in order, once a stream slot is ours
+            state.hold()
+            got = next_task(True)
+        assert isinstance(got, tuple)
         idx, jobs, task = got
         try:
             nbytes, nfiles = _do_task(jobs, task, state, res_w, idx, slow)
+            state.release()
         except _Fail as f:
             send(res_w, ERR, idx, 0, 0, f.err, f.kind, f.path)
             return 0
@@ -119,17 +127,31 @@ class _State:
         self.buf = bytearray(BUF)
         self.buf2 = bytearray(BUF)
         self.slots = (-1, -1)  # the stream slots' pipe (read one to start a stream, give it back)
+        self.holding = False  # a slot is ours (see hold)
         self.made: tuple[int, int] | None = None  # a new file's owner, where known (made_here)
+
+    def hold(self) -> None:
+        """Take one of the streams() slots (for a chunk, before taking the chunk itself).  A
+        worker that dies holding one fails the whole copy anyway (the parent sees it exit)."""
+        os.read(self.slots[0], 1)
+        self.holding = True
+
+    def release(self) -> None:
+        if self.holding:
+            self.holding = False
+            os.write(self.slots[1], b"s")
 
     @contextlib.contextmanager
     def stream(self) -> Iterator[None]:
-        """Hold one of the streams() slots while a big file's bytes are pumped.  A worker
-        that dies holding one fails the whole copy anyway (the parent sees it exit)."""
-        os.read(self.slots[0], 1)
+        """Hold a slot while a big file's bytes are pumped (already held for a chunk)."""
+        if self.holding:
+            yield
+            return
+        self.hold()
         try:
             yield
         finally:
-            os.write(self.slots[1], b"s")
+            self.release()
 
 
 def _do_task(
@@ -183,27 +205,28 @@ def _open_ahead(
     with reading_as(_reader_of(jobs[first], state)):
         for i in range(first, min(last, first + AHEAD)):
             try:
-                opened[i] = _open_src(jobs[i], state)
+                opened[i] = _open_src(jobs[i], state, copy=True)
             except _Fail as f:
                 opened[i] = f
 
 
-def _open_src(job: Job, state: _State) -> int:  # pragma: no cover - child
-    """The job's source file, opened below its tree's root without following any symlink."""
+def _open_src(job: Job, state: _State, copy: bool = False) -> int:  # pragma: no cover - child
+    """The job's source file, opened below its tree's root without following any symlink
+    (``copy``: for :func:`_copy_file`, where a small file is read once, by :func:`_small`)."""
     path, rel = job[0], job[6]
     top = path[: len(path) - len(rel)]
     tree = state.trees.get(top)
     try:
         if tree is None:
             tree = state.trees[top] = SourceTree(top)
-        return tree.open_file(rel, _RD | state.noatime)
+        return tree.open_file(rel, _RD | state.noatime, blocking=not copy or job[2] > SMALL)
     except NotRegular:
         raise _Fail(K_NOTREG, 0, path) from None
     except PermissionError:
         if not state.noatime:
             raise _Fail(K_READ, errno.EACCES, path) from None
         state.noatime = 0  # O_NOATIME needs ownership (or CAP_FOWNER): go without
-        return _open_src(job, state)
+        return _open_src(job, state, copy)
     except FileNotFoundError:
         raise _Fail(K_VANISHED, errno.ENOENT, path) from None
     except OSError as e:
@@ -271,7 +294,7 @@ def _copy_file(
     src, dst, size, mtime, atime, mode = job[:6]
     if isinstance(opened, _Fail):
         raise opened
-    fi = _open_src(job, state) if opened is None else opened
+    fi = _open_src(job, state, copy=True) if opened is None else opened
     try:
         try:
             fo = os.open(dst, _WR_NEW, mode)
@@ -309,7 +332,11 @@ def _copy_file(
 def _small(fi: int, fo: int, size: int, src: str, dst: str) -> int:  # pragma: no cover - child
     """One read, one write: for small files the cheapest path (sendfile costs more per call)."""
     try:
-        data = os.read(fi, size + 1)  # one byte more shows a file that grew
+        try:
+            data = os.read(fi, size + 1)  # one byte more shows a file that grew
+        except BlockingIOError:  # opened O_NONBLOCK (_open_src) and the file system minds
+            fcntl.fcntl(fi, fcntl.F_SETFL, fcntl.fcntl(fi, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            data = os.read(fi, size + 1)
     except OSError as e:
         raise _Fail(K_READ, e.errno or 0, src) from None
     view = memoryview(data)

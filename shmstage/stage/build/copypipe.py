@@ -12,7 +12,7 @@ import os
 import select
 import signal
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shmstage.errors import ShmstageError
@@ -25,6 +25,12 @@ COPY, COMPARE = 0, 1
 OK, ERR, MISMATCH = 0, 1, 2
 (K_NONE, K_READ, K_WRITE, K_VANISHED, K_CHANGED, K_INTERNAL, K_REPLACED) = range(7)
 K_NOTREG = 7  # a FIFO or a device in a walked file's place
+# In the task pipe, in place of a chunk: "take a stream slot, then the next chunk from the
+# chunk pipe".  A slot's holder takes the chunks in the order they were dealt, so each big
+# file is read front to back and no two streams start on one file while others wait (a
+# worker given a chunk first and a slot after would start chunks out of order: one worker
+# that finished a chunk takes the freed slot before the woken waiter runs).
+STREAM = -2
 _HEAD = struct.Struct("<iiqqii i")
 _PIPE_BUF = 4096
 
@@ -56,6 +62,8 @@ class Task:
     length: int = -1  # -1: whole files
 
 
+# What a worker's next_task(chunk) gives: a task (index, jobs, task), STREAM, or None (exit).
+Taken = tuple[int, Sequence[Job], Task] | int | None
 Tops = dict[str, SourceTree]  # a source's top (the jobs' ``src[:-len(rel)]``), opened once
 
 
@@ -67,7 +75,7 @@ class Results:
     def __init__(
         self,
         fd: int,
-        feed: Feeder,
+        feed: Feeds,
         alive: set[int],
         progress: Callable[[int, int], None] | None = None,
         landed: Callable[[int], None] | None = None,
@@ -152,6 +160,32 @@ class Feeder:
                 self.pos += os.write(
                     self.fd, view[self.pos : self.pos + _PIPE_BUF // self.size * self.size]
                 )
+
+
+class Feeds:
+    """The task pipe and the chunk pipe (see STREAM), fed together: chunks first, so a slot's
+    holder finds the chunk its STREAM record stands for."""
+
+    def __init__(self, task_fd: int, chunk_fd: int, size: int) -> None:
+        self.tasks = Feeder(task_fd, size)
+        self.chunks = Feeder(chunk_fd, size)
+
+    def add(self, records: bytes, chunks: bytes = b"") -> None:
+        self.chunks.add(chunks)
+        self.tasks.add(records)
+
+    def push(self) -> None:
+        self.chunks.push()
+        self.tasks.push()
+
+    def finish(self) -> None:
+        self.chunks.finish()
+        self.tasks.finish()
+
+    @property
+    def flushed(self) -> bool:
+        """Every record added is in its pipe."""
+        return all(f.pos == len(f.queue) for f in (self.chunks, self.tasks))
 
 
 def check_alive(alive: set[int]) -> None:

@@ -8,16 +8,19 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmstage.errors import RefusedError
 from shmstage.identity import Caller, Share, is_denied, reading_as
-from shmstage.stage.sources import azure, gcs, s3, s3store, tarformat
+from shmstage.stage.sources import tarformat
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.callerenv import caller_environment
 from shmstage.stage.sources.directory import DirSource
 from shmstage.stage.sources.tar import TarSource
 from shmstage.stage.sources.walk import unreadable_by_reader
+
+if TYPE_CHECKING:  # the object stores' modules load when one is used (http.client, ssl: 25 ms)
+    from shmstage.stage.sources.s3store import S3Url
 
 # Schemes of object stores (docs/object-stores.md); Azure's other spellings (obstore's and
 # fsspec's: azure, abfs, abfss, adl) are recorded as az://.  A kind is its recorded scheme.
@@ -72,8 +75,10 @@ def location_of(raw: str) -> str:
     return os.path.realpath(raw)
 
 
-def _parse(scheme: str, raw: str) -> s3store.S3Url:
+def _parse(scheme: str, raw: str) -> S3Url:
     """The object-store URL in ``raw``, parsed by its store's module."""
+    from shmstage.stage.sources import azure, gcs, s3store
+
     if scheme == "s3":
         return s3store.parse(raw)
     if scheme == "gs":
@@ -91,6 +96,8 @@ def open_listed(
     """The ``Source`` behind a listed kind's location.  With a reader or ``credentials``, the
     store is opened with the caller's credentials only (s3store.caller_environment) and the
     copy is the reader's, shared as ``share`` says."""
+    from shmstage.stage.sources import azure, gcs, s3
+
     cls = {"gs": gcs.GCSSource, "az": azure.AzureSource, "s3": s3.S3Source}[kind]
     if reader is None and credentials is None:
         return cls(location)
