@@ -25,7 +25,6 @@ from shmstage.config.model import (
     StoreTmpfsConfig,
     TierConfig,
 )
-from shmstage.config.schema import parse_config
 from shmstage.stage.cache.makeroom import CachePolicy
 from shmstage.stage.cache.tiers import joined, split
 
@@ -61,6 +60,14 @@ __all__ = [
 
 DEFAULT_PATH = "/etc/shmstage.yaml"
 ENV_VAR = "SHMSTAGE_CONFIG"
+
+
+def parse_config(text: str, path: str = "<config>") -> NodeConfig:
+    """The node config in ``text`` (:func:`shmstage.config.schema.parse_config`); the schema
+    and the YAML parser load only when a config is read, not for every command."""
+    from shmstage.config.schema import parse_config as parse
+
+    return parse(text, path)
 
 
 def config_path(path: str | os.PathLike[str] | None = None) -> tuple[str, bool]:
