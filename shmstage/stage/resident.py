@@ -17,13 +17,21 @@ from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 from shmstage.capacity import check_fit
-from shmstage.errors import CapacityError, RefusedError
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.stage import engine, staging
 from shmstage.stage.build import estimate
 from shmstage.stage.build.estimate import page_size, rounded
 from shmstage.stage.cache import makeroom
 from shmstage.stage.cache.makeroom import CachePolicy
-from shmstage.stage.cache.tiers import Placed, check_request, holding, joined, refusal, why_not_ours
+from shmstage.stage.cache.tiers import (
+    Placed,
+    check_request,
+    holding,
+    joined,
+    refusal,
+    split,
+    why_not_ours,
+)
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.sources.base import Listing
 from shmstage.stage.store import counters, inflight
@@ -34,6 +42,7 @@ from shmstage.stage.store.views import PARTIAL, read_view, remove_view, write_vi
 _SLACK_PAGES = 16  # kept free beyond the reserve: rounding
 _TRIES = 5  # choices made again after another stager took the room (then: its refusal)
 _POLL = 0.05
+OFFER = "or keep the part that fits in RAM with --partial; jobs read the rest from the source"
 
 
 def stage(
@@ -94,6 +103,28 @@ def stage(
     else:
         counters.add(tier, hits=1)
     return Placed(**ds.__dict__, tier=tier, tier_index=tiers.index(tier))
+
+
+def offer(
+    e: CapacityError,
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None = None,
+    reserve: int | str | None = None,
+) -> CapacityError:
+    """``e``, a stage's refusal for room, also saying that ``--partial`` would keep the part
+    that fits, where :func:`stage` would keep some of ``src``: a directory, and a tier with
+    room beyond its reserve (the caller knows the rest: no --partial, --nodes or --no-wait)."""
+    try:
+        kind, _ = sources.resolve(os.fspath(src), None)
+        room = any(
+            check_fit((_SLACK_PAGES + 1) * page_size(tier), tier, reserve).fits
+            for tier in split(dest)
+        )
+    except ShmstageError:  # the source gone or unreadable since: the refusal as it was
+        return e
+    if kind != "dir" or not room:
+        return e
+    return CapacityError(e.message, hint=f"{e.hint}; {OFFER}" if e.hint else OFFER)
 
 
 @dataclass(frozen=True)
