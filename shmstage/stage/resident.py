@@ -42,24 +42,19 @@ from shmstage.stage.store.views import PARTIAL, read_view, remove_view, write_vi
 _SLACK_PAGES = 16  # kept free beyond the reserve: rounding
 _TRIES = 5  # choices made again after another stager took the room (then: its refusal)
 _POLL = 0.05
+_PLACING = ("dest", "make_room", "policies")  # engine.stage's own arguments, not staging.stage's
 OFFER = "or keep the part that fits in RAM with --partial; jobs read the rest from the source"
 
 
-def stage(
-    src: str | os.PathLike[str],
-    *,
-    name: str | None = None,
-    dest: str | os.PathLike[str] | None = None,
-    reserve: int | str | None = None,
-    make_room: bool = False,
-    policies: Mapping[str, CachePolicy] | None = None,
-    **kw: Any,
-) -> Placed:
-    """:func:`engine.stage` when ``src`` fits a tier (with ``make_room``: after evicting);
-    else its largest part that fits into the tier that holds it, or the fastest, with the
-    rest read from the source (see the module docstring).  ``kw`` as engine.stage's."""
-    reader, credentials = kw.get("reader"), kw.get("credentials")
-    tiers, policies, name = check_request(src, name, dest, policies, reader)
+def stage(src: str | os.PathLike[str], **kw: Any) -> Placed:
+    """:func:`engine.stage` (``kw``: its arguments) when ``src`` fits a tier (with
+    ``make_room``: after evicting); else its largest part that fits into the tier that holds
+    it, or the fastest, with the rest read from the source (see the module docstring)."""
+    reader = kw.get("reader")
+    tiers, policies, name = check_request(
+        src, kw.get("name"), kw.get("dest"), kw.get("policies"), reader
+    )
+    kw.update(name=name, policies=policies)
     kind, source = sources.resolve(os.fspath(src), reader)
     if kind != "dir":
         what = "a tar archive" if kind == "tar" else "an object-store prefix"
@@ -70,15 +65,13 @@ def stage(
     if kw.get("peers") is not None:
         raise RefusedError("--partial stages on one node: drop --nodes, or stage each node alone")
     plan = engine.plan(
-        src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
-        force=bool(kw.get("force")), reader=reader, credentials=credentials,
+        src, name=name, dest=kw.get("dest"), reserve=kw.get("reserve"),
+        make_room=bool(kw.get("make_room")), policies=policies, force=bool(kw.get("force")),
+        reader=reader, credentials=kw.get("credentials"),
     )  # fmt: skip
     if plan.tier is not None:  # it fits: exactly what stage does without --partial
         try:
-            return engine.stage(
-                src, name=name, dest=dest, reserve=reserve, make_room=make_room,
-                policies=policies, **kw,
-            )  # fmt: skip
+            return engine.stage(src, **kw)
         except CapacityError:
             pass  # the plan's estimate fit, the copy's count did not (nothing was kept)
     else:
@@ -87,10 +80,11 @@ def stage(
             raise why  # not a question of room
     tier = _tier(tiers, name)
     book = Store(tier).book
+    copy = {k: v for k, v in kw.items() if k not in _PLACING}  # staging.stage's arguments
     for attempt in range(_TRIES):
-        subset = Subset(source, reserve, policies.get(tier))
+        subset = Subset(source, kw.get("reserve"), policies.get(tier))
         try:
-            ds = staging.stage(src, name=name, dest=tier, reserve=reserve, subset=subset, **kw)
+            ds = staging.stage(src, dest=tier, subset=subset, **copy)
             break
         except CapacityError:
             # Another stager claimed room after our choice (two --partial at once): wait
@@ -98,10 +92,7 @@ def stage(
             if attempt + 1 == _TRIES or not pending(book):
                 raise
             _await_claims(book)
-    if ds.changed:
-        counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
-    else:
-        counters.add(tier, hits=1)
+    counters.add_stage(tier, ds.changed, ds.copied_bytes)
     return Placed(**ds.__dict__, tier=tier, tier_index=tiers.index(tier))
 
 
