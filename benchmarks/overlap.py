@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stage as stage_bench  # noqa: E402  (benchmarks/stage.py: the dataset, the namespace)
+from overlap_job import sectors_read, shape_options  # noqa: E402  (the job's own)
 from overlap_report import MB, MODES, WIDE, Run, Setup, render, summarize  # noqa: E402
 
 from shmstage.bench.throttle import blkio_throttle  # noqa: E402
@@ -56,10 +57,6 @@ def log(msg: str) -> None:
 
 def boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def sectors(loop: str) -> int:
-    return 512 * int(Path(f"/sys/block/{Path(loop).name}/stat").read_text().split()[2])
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
@@ -141,7 +138,7 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
         argv += ["--", *job, "--data", "{staged}"]
     watch = Publish(s.dest / NAME)
     watch.start()
-    before = sectors(s.loop)
+    before = sectors_read(s.loop)
     t0 = boottime()
     try:
         proc = subprocess.run(
@@ -150,7 +147,7 @@ def one_run(mode: str, i: int, s: Setup, throttle, workdir: Path) -> Run:  # noq
         if proc.returncode != 0:
             tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
             raise SystemExit(f"Error: {mode} run {i + 1} failed ({proc.returncode}): {tail}")
-        read = sectors(s.loop) - before
+        read = sectors_read(s.loop) - before
         watch.done.set()
         watch.join()
         r = json.loads(out.read_text())
@@ -195,14 +192,14 @@ def walk_metadata(loop: str, src: Path) -> int:
     """Bytes a listing of the freshly mounted tree reads (inodes, directories): not data.
     (The mount's own reads come before a run's count starts.)"""
     subprocess.run(["mount", "-o", "ro,noload", loop, str(src)], check=True)
-    before = sectors(loop)
+    before = sectors_read(loop)
     try:
         for d, _, files in os.walk(src):
             for f in files:
                 os.lstat(os.path.join(d, f))
     finally:
         subprocess.run(["umount", str(src)], check=True)
-    return sectors(loop) - before
+    return sectors_read(loop) - before
 
 
 def make_image(data: Path, image: Path, size: int) -> None:
@@ -221,10 +218,7 @@ def main() -> int:
     ap.add_argument("--mbps", type=int, default=50, help="source read limit (default: 50)")
     ap.add_argument("--runs", type=int, default=3, help="runs per mode, interleaved; median")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=32, help="files per batch (default: 32)")
-    ap.add_argument("--workers", type=int, default=4, help="the job's reader threads")
-    ap.add_argument("--prefetch", type=int, default=8, help="batches the job reads ahead")
+    shape_options(ap)  # the job's --epochs, --batch, --workers, --prefetch
     ap.add_argument(
         "--compute-ms",
         type=float,

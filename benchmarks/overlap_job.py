@@ -38,9 +38,20 @@ def exec_time() -> float:
 
 
 def sectors_read(device: str | None) -> int:
+    """Bytes read so far from block ``device`` (``loop3`` or ``/dev/loop3``; None: 0)."""
     if not device:
         return 0
-    return 512 * int(Path(f"/sys/block/{device}/stat").read_text().split()[2])
+    return 512 * int(Path(f"/sys/block/{Path(device).name}/stat").read_text().split()[2])
+
+
+def shape_options(ap: argparse.ArgumentParser) -> None:
+    """The job's shape: its options, and benchmarks/overlap.py's (which passes them on)."""
+    ap.add_argument("--epochs", type=int, default=3, help="epochs to run (default: 3)")
+    ap.add_argument("--batch", type=int, default=32, help="files per batch (default: 32)")
+    ap.add_argument("--workers", type=int, default=4, help="the job's reader threads (default: 4)")
+    ap.add_argument(
+        "--prefetch", type=int, default=8, help="batches the job reads ahead (default: 8)"
+    )
 
 
 class PlainFiles:
@@ -86,11 +97,8 @@ def evict(root: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=32, help="files per batch")
+    shape_options(ap)
     ap.add_argument("--compute-ms", type=float, default=50.0, help="sleep per batch")
-    ap.add_argument("--workers", type=int, default=4, help="reader threads")
-    ap.add_argument("--prefetch", type=int, default=8, help="batches read ahead")
     ap.add_argument(
         "--ask-ahead",
         type=int,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shmstage import nowait
-from shmstage.errors import KilledBy, RefusedError, ShmstageError
+from shmstage.errors import CapacityError, KilledBy, RefusedError, ShmstageError
 from shmstage.supervisor import CommandNotFound, SignalHold, spawn
 
 ENV_DATA = "SHMSTAGE_DATA"
@@ -339,6 +339,7 @@ def run(
         if requests:
             from shmstage import stage as engine
             from shmstage.cluster import Peers
+            from shmstage.stage import resident
 
             with Peers(cluster) if cluster is not None else contextlib.nullcontext() as peers:
                 for r in requests:
@@ -361,17 +362,16 @@ def run(
                         stagers += [stager] if stager is not None else []
                         joins += [joined] if joined is not None else []
                         continue
-                    ds, lease = _stage_leased(
-                        r,
-                        dest,
-                        log,
-                        peers,
-                        service,
-                        make_room=make_room,
-                        policies=policies,
-                        reserve=reserve,
-                        **({"partial": True} if partial else {}),
-                    )
+                    try:
+                        ds, lease = _stage_leased(
+                            r, dest, log, peers, service, make_room=make_room,
+                            policies=policies, reserve=reserve,
+                            **({"partial": True} if partial else {}),
+                        )  # fmt: skip
+                    except CapacityError as e:  # --partial takes no --no-wait, no --nodes
+                        if partial or no_wait or peers is not None:
+                            raise
+                        raise resident.offer(e, r.source, dest, reserve) from None
                     held.append(lease)
                     staged.append(ds)
                     if log is not None:

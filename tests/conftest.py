@@ -24,6 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from shmstage.libc import load_libc
+from tests.nodeservice import Service
 
 CLONE_NEWNS = 0x00020000
 MS_REC = 16384
@@ -160,6 +161,22 @@ def open_tmpfs():
     yield t
     t.cleanup()
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def service_world(open_tmpfs) -> Path:
+    """The 256M tmpfs of the ``service`` fixture, every user can reach: its store, socket, config."""
+    return open_tmpfs("256M")
+
+
+@pytest.fixture
+def service(service_world, shmstage_bin, procs):
+    """A real `shmstage serve` as root on ``service_world`` (tests/nodeservice.py), stopped at
+    the end; clients run as other users through ``service.run(..., uid=ALICE)``."""
+    svc = Service(service_world, shmstage_bin, procs)
+    svc.start()
+    yield svc
+    svc.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from shmstage.errors import RefusedError
 from shmstage.stage.store import leases
-from tests.test_service import ALICE, BOB, Service, as_user, make_ds
+from tests.nodeservice import ALICE, BOB, as_user, make_ds
 
 pytestmark = pytest.mark.root
 
@@ -35,16 +35,6 @@ HOG = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-@pytest.fixture
-def service(open_tmpfs, shmstage_bin, procs):
-    svc = Service(open_tmpfs("256M"), shmstage_bin, procs)
-    svc.start()
-    yield svc
-    if svc.proc is not None and svc.proc.poll() is None:
-        svc.proc.terminate()
-        svc.proc.wait(timeout=30)
 
 
 def hog(procs, uid: int, paths: list[Path]) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_service import ALICE, BOB, Service, as_user, make_ds, own
+from tests.nodeservice import ALICE, BOB, as_user, make_ds, own
 
 pytestmark = pytest.mark.root
 
@@ -32,16 +32,6 @@ def _holds_secret(root: Path) -> list[str]:
             except OSError:
                 pass
     return found
-
-
-@pytest.fixture
-def service(open_tmpfs, shmstage_bin, procs):
-    svc = Service(open_tmpfs("256M"), shmstage_bin, procs)
-    svc.start()
-    yield svc
-    if svc.proc is not None and svc.proc.poll() is None:
-        svc.proc.terminate()
-        svc.proc.wait(timeout=30)
 
 
 def test_a_symlink_swapped_in_during_a_stage_through_the_service_copies_nothing_secret(

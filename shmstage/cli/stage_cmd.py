@@ -219,7 +219,9 @@ def stage_cmd(
             click.echo(dumps(part) if as_json else _render_partial(part, p.name))
             return
         click.echo(dumps(p) if as_json else _render_plan(p))
-        if why is not None:  # what the real run would say
+        if isinstance(why, CapacityError) and spec is None:  # what the real run would say
+            why = resident.offer(why, src, dest, reserve)
+        if why is not None:
             raise api.refused(why, dest, not no_service)
         return
     if spec is not None and not no_service and not quiet:
@@ -249,6 +251,10 @@ def stage_cmd(
                 service=not no_service,
                 **({"partial": True} if partial else {}),
             )
+    except CapacityError as e:
+        if partial or spec is not None:  # --partial refuses --nodes (resident.stage)
+            raise
+        raise resident.offer(e, src, dest, reserve) from None
     finally:
         if bar is not None:
             bar.close()

@@ -147,10 +147,7 @@ def stage(
                             continue  # another stager took the room first
                         skipped.append(Skipped(tier, skip_reason(e)))
                         break
-                if ds.changed:
-                    counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
-                else:
-                    counters.add(tier, hits=1)
+                counters.add_stage(tier, ds.changed, ds.copied_bytes)
                 return Placed(
                     **ds.__dict__, tier=tier, tier_index=index, skipped=tuple(skipped),
                     evicted=tuple(evicted), notes=tuple(notes),

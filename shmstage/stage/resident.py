@@ -17,13 +17,21 @@ from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 from shmstage.capacity import check_fit
-from shmstage.errors import CapacityError, RefusedError
+from shmstage.errors import CapacityError, RefusedError, ShmstageError
 from shmstage.stage import engine, staging
 from shmstage.stage.build import estimate
 from shmstage.stage.build.estimate import page_size, rounded
 from shmstage.stage.cache import makeroom
 from shmstage.stage.cache.makeroom import CachePolicy
-from shmstage.stage.cache.tiers import Placed, check_request, holding, joined, refusal, why_not_ours
+from shmstage.stage.cache.tiers import (
+    Placed,
+    check_request,
+    holding,
+    joined,
+    refusal,
+    split,
+    why_not_ours,
+)
 from shmstage.stage.sources import kinds as sources
 from shmstage.stage.sources.base import Listing
 from shmstage.stage.store import counters, inflight
@@ -34,23 +42,19 @@ from shmstage.stage.store.views import PARTIAL, read_view, remove_view, write_vi
 _SLACK_PAGES = 16  # kept free beyond the reserve: rounding
 _TRIES = 5  # choices made again after another stager took the room (then: its refusal)
 _POLL = 0.05
+_PLACING = ("dest", "make_room", "policies")  # engine.stage's own arguments, not staging.stage's
+OFFER = "or keep the part that fits in RAM with --partial; jobs read the rest from the source"
 
 
-def stage(
-    src: str | os.PathLike[str],
-    *,
-    name: str | None = None,
-    dest: str | os.PathLike[str] | None = None,
-    reserve: int | str | None = None,
-    make_room: bool = False,
-    policies: Mapping[str, CachePolicy] | None = None,
-    **kw: Any,
-) -> Placed:
-    """:func:`engine.stage` when ``src`` fits a tier (with ``make_room``: after evicting);
-    else its largest part that fits into the tier that holds it, or the fastest, with the
-    rest read from the source (see the module docstring).  ``kw`` as engine.stage's."""
-    reader, credentials = kw.get("reader"), kw.get("credentials")
-    tiers, policies, name = check_request(src, name, dest, policies, reader)
+def stage(src: str | os.PathLike[str], **kw: Any) -> Placed:
+    """:func:`engine.stage` (``kw``: its arguments) when ``src`` fits a tier (with
+    ``make_room``: after evicting); else its largest part that fits into the tier that holds
+    it, or the fastest, with the rest read from the source (see the module docstring)."""
+    reader = kw.get("reader")
+    tiers, policies, name = check_request(
+        src, kw.get("name"), kw.get("dest"), kw.get("policies"), reader
+    )
+    kw.update(name=name, policies=policies)
     kind, source = sources.resolve(os.fspath(src), reader)
     if kind != "dir":
         what = "a tar archive" if kind == "tar" else "an object-store prefix"
@@ -61,15 +65,13 @@ def stage(
     if kw.get("peers") is not None:
         raise RefusedError("--partial stages on one node: drop --nodes, or stage each node alone")
     plan = engine.plan(
-        src, name=name, dest=dest, reserve=reserve, make_room=make_room, policies=policies,
-        force=bool(kw.get("force")), reader=reader, credentials=credentials,
+        src, name=name, dest=kw.get("dest"), reserve=kw.get("reserve"),
+        make_room=bool(kw.get("make_room")), policies=policies, force=bool(kw.get("force")),
+        reader=reader, credentials=kw.get("credentials"),
     )  # fmt: skip
     if plan.tier is not None:  # it fits: exactly what stage does without --partial
         try:
-            return engine.stage(
-                src, name=name, dest=dest, reserve=reserve, make_room=make_room,
-                policies=policies, **kw,
-            )  # fmt: skip
+            return engine.stage(src, **kw)
         except CapacityError:
             pass  # the plan's estimate fit, the copy's count did not (nothing was kept)
     else:
@@ -78,10 +80,11 @@ def stage(
             raise why  # not a question of room
     tier = _tier(tiers, name)
     book = Store(tier).book
+    copy = {k: v for k, v in kw.items() if k not in _PLACING}  # staging.stage's arguments
     for attempt in range(_TRIES):
-        subset = Subset(source, reserve, policies.get(tier))
+        subset = Subset(source, kw.get("reserve"), policies.get(tier))
         try:
-            ds = staging.stage(src, name=name, dest=tier, reserve=reserve, subset=subset, **kw)
+            ds = staging.stage(src, dest=tier, subset=subset, **copy)
             break
         except CapacityError:
             # Another stager claimed room after our choice (two --partial at once): wait
@@ -89,11 +92,30 @@ def stage(
             if attempt + 1 == _TRIES or not pending(book):
                 raise
             _await_claims(book)
-    if ds.changed:
-        counters.add(tier, misses=1, copied_bytes=ds.copied_bytes)
-    else:
-        counters.add(tier, hits=1)
+    counters.add_stage(tier, ds.changed, ds.copied_bytes)
     return Placed(**ds.__dict__, tier=tier, tier_index=tiers.index(tier))
+
+
+def offer(
+    e: CapacityError,
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None = None,
+    reserve: int | str | None = None,
+) -> CapacityError:
+    """``e``, a stage's refusal for room, also saying that ``--partial`` would keep the part
+    that fits, where :func:`stage` would keep some of ``src``: a directory, and a tier with
+    room beyond its reserve (the caller knows the rest: no --partial, --nodes or --no-wait)."""
+    try:
+        kind, _ = sources.resolve(os.fspath(src), None)
+        room = any(
+            check_fit((_SLACK_PAGES + 1) * page_size(tier), tier, reserve).fits
+            for tier in split(dest)
+        )
+    except ShmstageError:  # the source gone or unreadable since: the refusal as it was
+        return e
+    if kind != "dir" or not room:
+        return e
+    return CapacityError(e.message, hint=f"{e.hint}; {OFFER}" if e.hint else OFFER)
 
 
 @dataclass(frozen=True)

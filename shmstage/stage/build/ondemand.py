@@ -92,13 +92,22 @@ def socket_path(store: Store) -> str:
     return f"\0shmstage-{me()}"
 
 
+@dataclass(frozen=True)
+class Fill:
+    """What build/partial.py's step 4 copies, as :func:`fromdir.fill` takes it: the files
+    ``wants`` of ``source`` into ``part`` (partial/<name>), counted by ``tick``, by
+    ``workers`` copy processes (None: the default)."""
+
+    source: DirSource
+    wants: Sequence[Want]
+    part: str
+    tick: Tick
+    workers: int | None
+
+
 def fill_live(
     live: Live,
-    source: DirSource,
-    wants: Sequence[Want],
-    part: str,
-    tick: Tick,
-    workers: int | None,
+    fill: Fill,
     checksum: bool,
     meanwhile: Callable[[], None] | None,
     *,
@@ -110,6 +119,7 @@ def fill_live(
 ) -> None:
     """build/partial.py's step 4 for a live stage: view, demand socket, demand-ordered copy.
     ``hard`` (hard links inside the tree) loses the links made here as their files land."""
+    source, wants, part, workers = fill.source, fill.wants, fill.part, fill.workers
     files = sorted(
         [e for e in entries if e[1] == "f"] + [_as_file(h, entries) for h in hard],
         key=lambda e: e[0],
@@ -147,7 +157,7 @@ def fill_live(
     for rel, first in hard:
         links.setdefault(first, []).append(rel)
     try:
-        _Copy(live, source, wants, part, tick, workers, index, links).run(meanwhile)
+        _Copy(live, fill, index, links).run(meanwhile)
     except BaseException:
         live.failed()  # jobs see EOF now, and read what did not land from the source
         raise
@@ -205,20 +215,12 @@ class _Copy:
     """The copy loop: the copier's results, the demand socket and the feeding in one select."""
 
     def __init__(
-        self,
-        live: Live,
-        source: DirSource,
-        wants: Sequence[Want],
-        part: str,
-        tick: Tick,
-        workers: int | None,
-        index: dict[str, int],
-        links: dict[str, list[str]],
+        self, live: Live, fill: Fill, index: dict[str, int], links: dict[str, list[str]]
     ) -> None:
-        self.live, self.source, self.part = live, source, part
-        self.tick = tick
-        self.workers = workers or copier.default_workers()
-        self.jobs = jobs_of(source, wants, part)
+        self.live, self.source, self.part = live, fill.source, fill.part
+        self.tick = fill.tick
+        self.workers = fill.workers or copier.default_workers()
+        self.jobs = jobs_of(fill.source, fill.wants, fill.part)
         self.index = index
         self.links = links
         self.job_of = {index[job[6]]: j for j, job in enumerate(self.jobs)}

@@ -180,8 +180,8 @@ def build(
     tick = claim.counting(Counter(report, total, len(wants)))
     if live is not None:
         ondemand.fill_live(
-            live, src, wants, part, tick, workers, verify == "checksum", write_manifest,
-            store=store, name=name, entries=entries, hard=hard, dirs=dirs,
+            live, ondemand.Fill(src, wants, part, tick, workers), verify == "checksum",
+            write_manifest, store=store, name=name, entries=entries, hard=hard, dirs=dirs,
         )  # fmt: skip
     else:
         fill(src, wants, part, tick, workers, verify == "checksum", write_manifest)

@@ -46,6 +46,14 @@ def read(dest: str | os.PathLike[str]) -> Counters:
     return Counters(**values)
 
 
+def add_stage(dest: str | os.PathLike[str], changed: bool, copied_bytes: int) -> None:
+    """Count one stage into ``dest``: a miss and the bytes it copied, or a hit (current)."""
+    if changed:
+        add(dest, misses=1, copied_bytes=copied_bytes)
+    else:
+        add(dest, hits=1)
+
+
 def add(dest: str | os.PathLike[str], **increments: int) -> None:
     """Add ``increments`` (e.g. ``hits=1``) to the counters of ``dest``, atomically."""
     unknown = set(increments) - set(Counters.__dataclass_fields__)
