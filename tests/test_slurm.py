@@ -964,6 +964,7 @@ def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_i
         src = f"{c.nfs}/ds"
         script = (
             "set -e; ls -A /dev/shm > $HOME/shm-$1.ls; "
+            "stat -f -c '%b %S' /dev/shm > $HOME/shm-$1.size; "
             f"shmstage stage {src} --dest /dev/shm/shmstage-$USER --json --no-service > $HOME/shm-$1.json; "
             f"shmstage stage {src} --dest {c.store}/shmstage-$USER --json --no-service > $HOME/store-$1.json"
         )  # fmt: skip
@@ -971,6 +972,9 @@ def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_i
         for job in range(2):
             _srun(c, ["sh", "-c", script, "sh", str(job)])
             assert (c.user_home / f"shm-{job}.ls").read_text() == ""  # no prolog mark, no copy
+            # a tmpfs of the kernel's default size (half the RAM), not the node's 256M one
+            blocks, size = map(int, (c.user_home / f"shm-{job}.size").read_text().split())
+            assert blocks * size == psutil.virtual_memory().total // 2 // size * size
             shm, store = (json.loads((c.user_home / f"{d}-{job}.json").read_text())
                           for d in ("shm", "store"))  # fmt: skip
             assert (shm["bytes"], store["bytes"]) == (c.sizes["ds"], c.sizes["ds"])
