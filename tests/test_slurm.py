@@ -407,6 +407,56 @@ def test_cluster_staging_md_prepare_nodes_reads_the_source_once(slurm):
     assert len(set(sums)) == 1 and sums[0].count("\n") == 97
 
 
+def test_cluster_staging_md_srun_one_task_per_node_reads_the_source_once(slurm):
+    """`srun -N 4 --ntasks-per-node=1 shmstage stage SRC` (cluster-staging.md), run by the
+    user from the submit host: --nodes, the rank and node 0 come from the step, the 4 nodes
+    read the source about once between them and each publishes the same copy."""
+    c = slurm
+    wipe_stores(c)
+    line = inline("cluster-staging.md", "srun -N 4 --ntasks-per-node=1 shmstage")
+    assert line == "srun -N 4 --ntasks-per-node=1 shmstage stage SRC"
+    size = c.sizes["datasets/imagenet/train"]
+    before = c.read()
+    out = c.as_user(line.replace("SRC", f"{c.nfs}/datasets/imagenet/train").split())
+    read = c.read() - before
+    assert out.stdout.split() == [f"{c.dest}/train"] * 4, (out.stdout, out.stderr)
+    assert size <= read < 1.5 * size, (read, size, out.stderr)
+    sums = digests(c, f"{c.dest}/train", 4)
+    assert len(set(sums)) == 1 and sums[0].count("\n") == 97
+
+
+def test_cluster_staging_md_two_stages_in_one_step_meet_their_own_node_0(slurm):
+    """cluster-staging.md's `srun -N2 --ntasks-per-node=1 bash -c 'shmstage stage A &
+    shmstage stage B; wait'`: two cluster stages of one step derive the same port; each
+    finds its own node 0 and both publish on both nodes."""
+    c = slurm
+    wipe_stores(c)
+    line = inline("cluster-staging.md", "srun -N2 --ntasks-per-node=1 bash -c")
+    assert line.endswith("'shmstage stage A & shmstage stage B; wait'")
+    a, b = f"{c.nfs}/imagenet", f"{c.nfs}/datasets/imagenet/train"
+    argv = line.replace("stage A", f"stage {a}").replace("stage B", f"stage {b}")
+    out = c.as_user(["sh", "-c", argv])
+    assert sorted(out.stdout.split()) == sorted([f"{c.dest}/imagenet", f"{c.dest}/train"] * 2)
+    for i in range(2):
+        listing = c.on_node(i, ["ls", "-A", c.dest]).stdout.split()
+        assert {"imagenet", "train"} <= set(listing), (i, listing)
+
+
+def test_cluster_staging_md_sallocs_shell_stages_alone(slurm):
+    """cluster-staging.md: `salloc`'s shell (an allocation of 2 nodes, no step) takes no
+    --nodes from Slurm: `salloc -N 2 shmstage stage SRC` stages on the submit host alone
+    instead of waiting for a node 1 that never comes."""
+    c = slurm
+    src = c.user_home / "salloc-src"
+    _dataset(src, classes=1, per_class=4)
+    subprocess.run(["chown", "-R", f"{c.uid}:{c.gid}", str(src)], check=True)
+    dest = c.user_home / "salloc-dest"
+    out = c.as_user(["salloc", "-N", "2", "shmstage", "stage", str(src), "--dest", str(dest),
+                     "-q"], timeout=60)  # fmt: skip
+    assert out.stdout.split() == [f"{dest}/salloc-src"], (out.stdout, out.stderr)
+    assert "Granted job allocation" in out.stderr and "Error" not in out.stderr, out.stderr
+
+
 def test_bench_md_cluster_bench_runs_on_every_node(slurm):
     """docs/bench.md's `srun ... shmstage bench stage ... --nodes $SLURM_JOB_NUM_NODES`: it
     runs to the end on 2 nodes as the user and reports each mode's source bytes."""
@@ -490,6 +540,28 @@ def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ran
     assert all(r["rank"] == int(r["torch_rank"]) for r in rows)
 
 
+def test_run_md_srun_cpus_per_task_matters_to_an_exact_step_only(slurm):
+    """run.md: `srun` does not pass sbatch's `--cpus-per-task` on, yet a step that is not
+    `--exact` gets all the job's CPUs on the node anyway; an `--exact` step's task gets one
+    CPU unless `--cpus-per-task=$SLURM_CPUS_PER_TASK` or `SRUN_CPUS_PER_TASK` says it again."""
+    c = slurm
+    if c.cpus < 2:
+        pytest.skip("needs nodes of 2 CPUs or more")
+    doc = " ".join((ROOT / "docs" / "run.md").read_text().split())
+    assert "`srun` does not pass `sbatch`'s `--cpus-per-task` on to its step" in doc
+    assert "an `--exact` step's task gets one CPU" in doc and "`SRUN_CPUS_PER_TASK`" in doc
+    script = (
+        "srun nproc\n"
+        "srun --exact nproc\n"
+        "srun --exact --cpus-per-task=$SLURM_CPUS_PER_TASK nproc\n"
+        "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK srun --exact nproc\n"
+    )
+    job = c.sbatch(script, "--nodes=1", f"--cpus-per-task={c.cpus}")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    want = [str(c.cpus), "1", str(c.cpus), str(c.cpus)]
+    assert c.output(job).split() == want, c.output(job)
+
+
 @pytest.fixture(scope="module")
 def wide_slurm(tmp_path_factory):
     """Nodes that declare 8 CPUs (tasks unbound, sharing the machine's), so the docs' 8 tasks
@@ -526,6 +598,38 @@ def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_s
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
         assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8(x2)", machine), r
         assert r["workers"] == r["loader_workers"] == max(1, machine // 8 - 1), r
+
+
+# A train.py that only says what the loader counts (8 of TRAIN's full ones cost seconds here)
+RANKS = """\
+import json, os
+from pathlib import Path
+from shmstage.loader import default_num_workers, local_ranks
+out = Path(os.environ["HOME"], "ranks", os.environ["SLURM_JOB_ID"])
+out.mkdir(parents=True, exist_ok=True)
+(out / os.environ["SLURM_PROCID"]).write_text(json.dumps({
+    "ranks": local_ranks(), "workers": default_num_workers(),
+    "cpus": len(os.sched_getaffinity(0)), "torchrun": "LOCAL_WORLD_SIZE" in os.environ,
+}))
+"""
+
+
+def test_loader_md_plain_srun_tasks_count_the_steps_tasks_on_their_node(wide_slurm):
+    """loader.md: in a task of `srun --ntasks-per-node=8 python train.py` (no shmstage run,
+    no torchrun) the loader counts the step's 8 tasks on its node, sharing its CPUs."""
+    c = wide_slurm
+    line = inline("loader.md", "srun --ntasks-per-node=8 python train.py")
+    assert line == "srun --ntasks-per-node=8 python train.py"
+    light = c.user_home / "light"
+    light.mkdir(exist_ok=True)
+    os.chown(light, c.uid, c.gid)
+    _user_file(c, "light/train.py", RANKS)
+    job = c.sbatch(line + "\n", "--nodes=1", "--ntasks-per-node=8", f"--chdir={light}")
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    rows = {f.name: json.loads(f.read_text()) for f in (c.user_home / "ranks" / job).iterdir()}
+    machine = len(os.sched_getaffinity(0))
+    want = {"ranks": 8, "workers": max(1, machine // 8 - 1), "cpus": machine, "torchrun": False}
+    assert rows == {str(r): want for r in range(8)}, rows
 
 
 # --- docs/service.md: the node service under Slurm ----------------------------------------------
@@ -566,47 +670,184 @@ def test_service_md_job_stages_through_the_service_leased_until_the_batch_script
     assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
 
 
+def test_service_md_or_run_form_stages_through_the_service_leased_for_the_job(service_slurm):
+    """docs/service.md's other form, `srun shmstage run --stage /nfs/imagenet -- torchrun ...
+    --data {staged}` (the `...` as in the line above it): on a node where the dataset is not
+    staged, the user's run has the service copy it (the copy is root's, in root's store),
+    torchrun's 8 ranks read {staged}, leased while the job runs, released when it ends."""
+    c = service_slurm
+    script = block("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+    lines = script.splitlines()
+    torchrun = next(x for x in lines if x.startswith("srun torchrun "))
+    args = re.fullmatch(r"srun torchrun (.*) --data \"\$DATA\"", torchrun)[1]
+    other = next(x for x in lines if x.startswith("# or: srun shmstage run"))
+    assert " torchrun ... --data {staged}" in other
+    run = other.removeprefix("# or: ").replace("torchrun ...", f"torchrun {args}")
+    head = [x for x in lines if x.startswith(("#!", "#SBATCH"))]
+    copy = f"{c.dest}/imagenet"
+    evict = f"shmstage evict imagenet --dest {c.dest} --force >/dev/null 2>&1"
+    (out,) = on_nodes(c, f"{evict}; ls -A {c.dest} 2>/dev/null; true")  # whatever ran before
+    assert "imagenet" not in out.split(), out
+    job = c.sbatch(recipe(c, "\n".join([*head, run]) + "\n"))
+    assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    assert re.search(r"staged imagenet: 96 files, .* copied\)", c.output(job)), c.output(job)
+    rows = trained(c, job)
+    assert len(rows) == 8 and all(r["ranks"] == 8 for r in rows), rows
+    for r in rows:
+        assert (r["data"], r["files"], r["bytes"]) == (copy, 96, c.sizes["imagenet"]), r
+        assert r["leases"] and r["leases"][0], r  # the run's lease, while the job ran
+    (out,) = on_nodes(c, f"stat -c %u {c.dest} {copy}; shmstage list --json --dest {c.dest}")
+    store_owner, copy_owner, listed = out.split("\n", 2)
+    assert (store_owner, copy_owner) == ("0", "0")  # the service copied it: the user cannot
+    (row,) = [d for d in json.loads(listed) if d["path"] == copy]
+    assert row["leased_by"] == []  # shmstage run exited with the job: its lease went too
+    log = (c.base / "log" / "serve-node1.log").read_text()
+    assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
+
+
 # --- docs/run.md: Slurm's signals and `shmstage run` --------------------------------------------
 
+# Counts each delivery of SIGUSR1 and SIGTERM (the wakeup fd gets a byte per delivery, even
+# when two land before the handler runs), in a file; exits when FILE.stop appears.
 SIGJOB = """\
-import os, signal, sys, time
+import os, select, signal, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-got = []
-signal.signal(signal.SIGUSR1, lambda *_: got.append(1) or out.write_text(f"{len(got)}\\n"))
-out.write_text("0\\n")
+r, w = os.pipe()
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
+got = {signal.SIGUSR1: 0, signal.SIGTERM: 0}
+for sig in got:
+    signal.signal(sig, lambda *_: None)
+out.write_text("USR1=0 TERM=0\\n")
 while not out.with_suffix(".stop").exists():
-    time.sleep(0.05)
+    if select.select([r], [], [], 0.2)[0]:
+        for b in os.read(r, 64):
+            got[signal.Signals(b)] += 1
+        out.write_text(f"USR1={got[signal.SIGUSR1]} TERM={got[signal.SIGTERM]}\\n")
 """
 
+SIG_FORMS = {  # run.md's table's columns, as a batch script's last line
+    "`srun shmstage run ...` in the batch script": "srun shmstage run --stage {src} -- python sigjob.py {out}",
+    "`exec shmstage run ...` (shmstage is the batch shell)": "exec shmstage run --stage {src} -- python sigjob.py {out}",
+}  # fmt: skip
+# "twice": two that land together merge into one (run.md)
+TIMES = {"never": {0}, "once": {1}, "once or twice": {1, 2}, "twice": {1, 2}}
+RUNNING = (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
 
-@pytest.mark.parametrize(
-    "form",
-    [("srun shmstage run --stage {src} -- python sigjob.py {out}", "--signal=USR1"),
-     ("exec shmstage run --stage {src} -- python sigjob.py {out}", "--batch --signal=USR1")],
-    ids=["step-wide", "batch-shell"],
-)  # fmt: skip
-def test_run_md_slurm_signals_reach_the_job_exactly_once(slurm, form):
-    """docs/run.md: `scancel --signal=USR1` signals every process of the step, the job
-    included, and shmstage does not forward it again; a batch script that `exec`s shmstage
-    gets `scancel -b`'s signal alone and forwards it.  Either way the job sees it once."""
+
+def signal_table() -> list[list[str]]:
+    """docs/run.md's table of Slurm's signals: [sender, srun form, exec form] per row."""
+    text = (ROOT / "docs" / "run.md").read_text()
+    lines = [x.strip() for x in text.splitlines() if x.strip().startswith("| ")]
+    head = next(i for i, x in enumerate(lines) if x.startswith("| Sent with |"))
+    assert [c.strip() for c in lines[head].strip("|").split("|")][1:] == list(SIG_FORMS)
+    rows = []
+    for line in lines[head + 1 :]:  # the |---| line is not among them
+        if not line.startswith("| `"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def _count(out: Path, sig: str) -> int:
+    return int(re.search(rf"{sig}=(\d+)", out.read_text())[1]) if out.exists() else -1
+
+
+def test_run_md_slurm_signals_reach_the_job_as_its_table_says(slurm):
+    """Every row of docs/run.md's table of Slurm's signals (scancel's step, -b and --full
+    signals, sbatch's timed --signal=USR1@60 and B:USR1@60, scancel's and the time limit's
+    SIGTERM), sent to a job of each form (`srun shmstage run`, `exec shmstage run`), all at
+    once: the job's process counts each delivery, and the job ends as the table says."""
     c = slurm
-    script, flags = form
-    sigjob = c.user_home / "sigjob.py"
-    sigjob.write_text(SIGJOB)
-    out = c.user_home / f"sig-{len(flags)}.count"
-    out.unlink(missing_ok=True)
-    out.with_suffix(".stop").unlink(missing_ok=True)
-    job = c.sbatch(script.format(src=f"{c.nfs}/imagenet", out=out) + "\n", "--nodes=1")
+    (c.user_home / "sigjob.py").write_text(SIGJOB)
+    rows = signal_table()
+    assert len(rows) == 7, rows
+    jobs = []  # (row, form, job id, count file, signal, want times, want state)
+    for r, row in enumerate(rows):
+        sender = re.match(r"`([^`]*)`", row[0])[1]
+        for f, form in enumerate(SIG_FORMS.values()):
+            out = c.user_home / f"sig-{r}-{f}.count"
+            out.unlink(missing_ok=True)
+            out.with_suffix(".stop").unlink(missing_ok=True)
+            body = form.format(src=f"{c.nfs}/imagenet", out=out) + "\n"
+            # a timed signal: --time=10 (minutes) until the test brings the limit near
+            head = f"#!/bin/bash\n{sender}\n#SBATCH --time=10\n" if "--signal=" in sender else ""
+            head = f"#!/bin/bash\n{sender}\n" if "--time=" in sender else head
+            sig = re.search(r"--signal=(?:B:)?(\w+)", sender)
+            cell = row[1 + f]
+            state = "FAILED" if "bash dies" in cell else "COMPLETED"
+            state = {"scancel JOB": "CANCELLED"}.get(sender, state)
+            state = "TIMEOUT" if "--time=" in sender else state
+            times = TIMES[re.match(r"once or twice|\w+", cell)[0]]
+            job = c.sbatch(head + body, "--nodes=1")
+            jobs.append((sender, f, job, out, sig[1] if sig else "TERM", times, state))
+    log = c.base / "log" / "slurmctld.log"
+    env = c.env()
     try:
-        c.until(lambda: out.exists() and out.read_text() == "0\n", 120, "the job to start")
-        c.as_user(["scancel", *flags.split(), job])
-        c.until(lambda: out.read_text() != "0\n", 30, "the signal")
-        time.sleep(0.5)  # a second delivery (shmstage forwarding it again) would land by now
-        assert out.read_text() == "1\n"
+        for _, _, job, out, *_ in jobs:
+            c.until(lambda o=out: _count(o, "USR1") == 0, 180, f"job {job} to start")
+        # slurmctld logs the timed warnings it sends at debug level only
+        subprocess.run(["scontrol", "setdebug", "debug"], env=env, check=True)
+        timed = []
+        for sender, _, job, *_ in jobs:
+            if "--time=" in sender:  # the limit reached at slurmctld's next check (30 s)
+                _scontrol_update(c, job, "TimeLimit=0")
+            elif "--signal=" in sender and sender.startswith("#SBATCH"):
+                _bring_warning_near(c, job)
+                timed.append(job)
+            else:
+                c.as_user([x if x != "JOB" else job for x in sender.split()])
+        warned = f"warning signal {int(signal.SIGUSR1)} to JobId="
+
+        def all_warned():
+            text = log.read_text()
+            return all(f"{warned}{job}\n" in text for job in timed)
+
+        c.until(all_warned, 120, "slurmctld's timed warnings (checked every 30 s)")
+        for job in timed:  # the warning is out: the limit back, the job stops when told
+            _scontrol_update(c, job, "TimeLimit=10", check=False)  # (or it ended: bash died)
+
+        def settled():  # the jobs the table ends have ended; the others got their signal
+            for _, _, job, out, sig, times, state in jobs:
+                if state != "COMPLETED" and c.show("job", job).get("JobState") in RUNNING:
+                    return False
+                if state == "COMPLETED" and _count(out, sig) < min(times):
+                    return False
+            return True
+
+        deadline = time.monotonic() + 120  # then the assertion below says what is missing
+        while not settled() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)  # a second or a late delivery would land by now
+        got = {(s, f): _count(out, sig) for s, f, _, out, sig, *_ in jobs}
     finally:
-        out.with_suffix(".stop").touch()
-    assert c.wait_job(job) == "COMPLETED", c.output(job)
+        subprocess.run(["scontrol", "setdebug", "info"], env=env, check=False)
+        for *_, out, _, _, _ in jobs:
+            out.with_suffix(".stop").touch()
+    states = {(s, f): c.wait_job(job) for s, f, job, *_ in jobs}
+    want = {(s, f): (times, state) for s, f, _, _, _, times, state in jobs}
+    print("DEBUG", got, states)
+    wrong = {k: (got[k], states[k]) for k, (times, state) in want.items()
+             if got[k] not in times or states[k] != state}  # fmt: skip
+    assert not wrong, (wrong, want, [c.output(j[2]) for j in jobs])
+
+
+def _scontrol_update(c: SlurmCluster, job: str, what: str, check: bool = True) -> None:
+    """``scontrol update JobId=JOB WHAT`` as root (only root may lengthen a time limit)."""
+    subprocess.run(["scontrol", "update", f"JobId={job}", what], env=c.env(), check=check,
+                   capture_output=True, timeout=30)  # fmt: skip
+
+
+def _bring_warning_near(c: SlurmCluster, job: str) -> None:
+    """Shorten ``job``'s time limit so that slurmctld's next time-limit check (every 30 s)
+    sends its 60 s warning, and the check after cannot reach the limit first: the end 50 to
+    90 s away (a warning goes out once the end is within its 60 s plus the 30 s period)."""
+    start = time.mktime(time.strptime(c.show("job", job)["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    ran = time.time() - start
+    minutes = -(-(ran + 50) // 60)
+    time.sleep(max(0.0, 60 * minutes - ran - 90))
+    _scontrol_update(c, job, f"TimeLimit={int(minutes)}")
 
 
 # --- issue 24 items 4-5: job_container/tmpfs, a cancelled job, a node that hangs ----------------
@@ -723,6 +964,7 @@ def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_i
         src = f"{c.nfs}/ds"
         script = (
             "set -e; ls -A /dev/shm > $HOME/shm-$1.ls; "
+            "stat -f -c '%b %S' /dev/shm > $HOME/shm-$1.size; "
             f"shmstage stage {src} --dest /dev/shm/shmstage-$USER --json --no-service > $HOME/shm-$1.json; "
             f"shmstage stage {src} --dest {c.store}/shmstage-$USER --json --no-service > $HOME/store-$1.json"
         )  # fmt: skip
@@ -730,6 +972,9 @@ def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_i
         for job in range(2):
             _srun(c, ["sh", "-c", script, "sh", str(job)])
             assert (c.user_home / f"shm-{job}.ls").read_text() == ""  # no prolog mark, no copy
+            # a tmpfs of the kernel's default size (half the RAM), not the node's 256M one
+            blocks, size = map(int, (c.user_home / f"shm-{job}.size").read_text().split())
+            assert blocks * size == psutil.virtual_memory().total // 2 // size * size
             shm, store = (json.loads((c.user_home / f"{d}-{job}.json").read_text())
                           for d in ("shm", "store"))  # fmt: skip
             assert (shm["bytes"], store["bytes"]) == (c.sizes["ds"], c.sizes["ds"])
