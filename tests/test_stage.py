@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -12,9 +13,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from shmstage.errors import CapacityError, RefusedError, ShmstageError
@@ -195,6 +198,61 @@ def test_stream_slots_take_the_chunks_in_the_order_they_were_dealt(tmpfs, tmp_pa
             started.append(line)
     dealt = [f"{n}.bin {k}" for k in range(6) for n in "abc"]
     assert started == dealt  # one slot: one chunk at a time, in the dealt order
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_a_pipe_the_copier_cannot_make_leaves_no_descriptor_open(tmp_path, monkeypatch, fail_at):
+    """EMFILE on the copier's n-th pipe (task, chunk, result, stream slots): the error goes
+    up and every descriptor made so far is closed (a node service lives on after it)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    (tmp_path / "dst").mkdir()
+    jobs = [(f"{tmp_path}/src/f", f"{tmp_path}/dst/f", 1, 0, 0, 0o644, "f")]
+    real, calls = os.pipe, [0]
+
+    def pipe() -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real()
+
+    for make in (
+        lambda: copier.run(jobs, copier.make_tasks(jobs)[0], 2),
+        lambda: copier.Stream(f"{tmp_path}/src/", f"{tmp_path}/dst/", 2).__enter__(),
+    ):
+        before = set(os.listdir("/proc/self/fd"))
+        calls[0] = 0
+        monkeypatch.setattr(os, "pipe", pipe)
+        with pytest.raises(OSError, match="Too many open files"):
+            make()
+        monkeypatch.setattr(os, "pipe", real)
+        assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_copy_worker_killed_mid_copy_is_named_with_its_signal(tmpfs, tmp_path, monkeypatch):
+    """A worker killed by a signal makes the stage fail with that signal named, however the
+    other workers ended (they take the end markers and exit: the results pipe ends first)."""
+    monkeypatch.setenv(copier.SLOW_ENV, "0.05")
+    src = make_tree(tmp_path / "ds", files=80)
+    dest = tmpfs("64M") / "d"
+
+    def kill_one() -> None:  # a worker, once the copy runs (0.05 s per file: seconds left)
+        for _ in range(500):
+            kids = psutil.Process().children()
+            if kids:
+                time.sleep(0.3)
+                kids[0].send_signal(signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=kill_one)
+    t.start()
+    try:
+        with pytest.raises(ShmstageError, match="killed by signal 15 \\(SIGTERM\\)"):
+            stage(src, dest=dest, workers=4)
+    finally:
+        t.join()
+    assert not (dest / "ds").exists()
 
 
 # --- refusals -------------------------------------------------------------------------

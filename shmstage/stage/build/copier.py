@@ -49,6 +49,7 @@ from shmstage.stage.build.copypipe import (
     Task,
     Tops,
     check_alive,
+    pipes,
     read_exact,
 )
 
@@ -175,13 +176,12 @@ def run(
         return []
     workers = max(1, min(workers, len(tasks)))
     slow = float(os.environ.get(SLOW_ENV) or 0)
-    task_r, task_w = os.pipe()
-    chunk_r, chunk_w = os.pipe()
-    res_r, res_w = os.pipe()
+    fds: list[int] = []  # closed at the end: each pipe's ends listed as soon as it exists
     pids: list[int] = []
     alive: set[int] = set()
     results: Results | None = None
     try:
+        task_r, task_w, chunk_r, chunk_w, res_r, res_w = pipes(fds, 3)
 
         def next_task(chunk: bool = False) -> Taken:  # pragma: no cover - child
             idx = struct.unpack("<i", read_exact(chunk_r if chunk else task_r, 4))[0]
@@ -192,8 +192,8 @@ def run(
         at = Place(jobs[0][0], os.path.dirname(jobs[0][1]), tops)
         _fork_workers(workers, pids, alive, (task_w, chunk_w, res_r), next_task, res_w, slow, at)
         for fd in (task_r, chunk_r, res_w):
+            fds.remove(fd)
             os.close(fd)
-        task_r = chunk_r = res_w = -1
         feed = Feeds(task_w, chunk_w, 4)
         chunks = [i for i, t in enumerate(tasks) if t.length >= 0]
         order = [STREAM if t.length >= 0 else i for i, t in enumerate(tasks)]
@@ -212,9 +212,8 @@ def run(
         pids.clear()
     finally:
         _kill_workers(pids, alive)
-        for fd in (task_r, task_w, chunk_r, chunk_w, res_r, res_w):
-            if fd >= 0:
-                os.close(fd)
+        for fd in fds:
+            os.close(fd)
     return results.mismatches if results is not None else []
 
 
@@ -266,10 +265,7 @@ class Stream:
         try:
             self.mem = os.memfd_create("shmstage-jobs", os.MFD_CLOEXEC)
             self.fds.append(self.mem)
-            task_r, task_w = os.pipe()
-            chunk_r, chunk_w = os.pipe()
-            res_r, res_w = os.pipe()
-            self.fds += [task_r, task_w, chunk_r, chunk_w, res_r, res_w]
+            task_r, task_w, chunk_r, chunk_w, res_r, res_w = pipes(self.fds, 3)
             mem, src, dst = self.mem, self.src_prefix, self.dst_prefix
 
             def next_task(chunk: bool = False) -> Taken:  # pragma: no cover - child
@@ -412,10 +408,11 @@ def _fork_workers(
     """Fork ``workers`` processes running :func:`worker` (pids added as they start)."""
     # Signals wait for the workers: a handler raising in fork()'s at-fork hooks is swallowed.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    slots = os.pipe()  # a byte per stream a worker may run (see streams()); closed here after
-    os.write(slots[1], b"s" * min(streams(at.src), workers))
-    made = made_here(at.dst)
+    slots: list[int] = []  # a byte per stream a worker may run (see streams()); closed here after
     try:
+        pipes(slots, 1)
+        os.write(slots[1], b"s" * min(streams(at.src), workers))
+        made = made_here(at.dst)
         with warnings.catch_warnings():
             # Python 3.12+ warns about fork() in a threaded process; workers only
             # make os.* calls on inherited data, never locks held by other threads.
@@ -427,7 +424,9 @@ def _fork_workers(
                     try:
                         for fd in parent_fds:
                             os.close(fd)
-                        code = worker(next_task, res_w, slow, blocked, at.tops, slots, made)
+                        code = worker(
+                            next_task, res_w, slow, blocked, at.tops, (slots[0], slots[1]), made
+                        )
                     finally:
                         os._exit(code)
                 pids.append(pid)

@@ -92,7 +92,11 @@ class Results:
         got = False
         # (once every task is done, the pipe's only news can be the workers' exit: EOF)
         while self.done < until and select.select([self.fd], [], [], timeout)[0]:
-            status, seq, nbytes, nfiles, err, kind, text = _read_record(self.fd)
+            try:
+                status, seq, nbytes, nfiles, err, kind, text = _read_record(self.fd)
+            except ShmstageError:  # EOF: every worker is gone; say how the first one went
+                check_alive(self.alive, wait=True)
+                raise
             if status == ERR:
                 raise _failure(err, kind, text)
             if status == MISMATCH:
@@ -188,9 +192,10 @@ class Feeds:
         return all(f.pos == len(f.queue) for f in (self.chunks, self.tasks))
 
 
-def check_alive(alive: set[int]) -> None:
+def check_alive(alive: set[int], wait: bool = False) -> None:
+    """Raise if a worker died or exited early (``wait``: they are all exiting, reap each)."""
     for pid in list(alive):
-        got, status = os.waitpid(pid, os.WNOHANG)
+        got, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
         if got:
             alive.discard(pid)
             if os.WIFSIGNALED(status):
@@ -203,6 +208,14 @@ def check_alive(alive: set[int]) -> None:
                 raise ShmstageError(
                     f"a copy worker exited early with status {os.WEXITSTATUS(status)}"
                 )
+
+
+def pipes(fds: list[int], n: int) -> list[int]:
+    """``n`` new pipes' (read, write) ends, each listed in ``fds`` as soon as it exists (a
+    later one failing, EMFILE, leaves none unlisted for the caller to close)."""
+    for _ in range(n):
+        fds += os.pipe()
+    return fds[-2 * n :]
 
 
 def read_exact(fd: int, n: int) -> bytes:
