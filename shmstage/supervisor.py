@@ -71,10 +71,12 @@ class CannotExecute(ShmstageError):
 #   else to the job's process alone, like `kill PID`.  torchrun starts its workers in
 #   sessions of their own, so torchrun alone gets the signal and stops them itself.
 # - A signal that reaches the job without passing through us is not ours to forward:
-#   Slurm's scancel / `--signal=USR1@T` signal every process of a step (proctrack/cgroup
-#   or linuxproc) from slurmstepd.  So a signal whose sender is slurmstepd is not forwarded,
-#   except when shmstage is the batch shell itself (`exec shmstage run ...` in an sbatch
-#   script, no SLURM_STEP_ID): `--signal=B:USR1` and `scancel -b` reach only that process.
+#   under proctrack/linuxproc Slurm's scancel / `--signal=USR1@T` signal every process of a
+#   step from slurmstepd.  So a signal whose sender is slurmstepd is not forwarded, except
+#   when shmstage is the batch shell itself (`exec shmstage run ...` in an sbatch script, no
+#   SLURM_STEP_ID): `--signal=B:USR1` and `scancel -b` reach only that process; and except
+#   under proctrack/cgroup, which signals only a step's tasks (slurmstepd's children: us),
+#   SIGKILL excepted, so the job gets Slurm's signals only from us.
 # - The signals are blocked before the fork, so none is lost between spawn and wait; the
 #   child unblocks them in preexec_fn.  Python handlers stay installed as a fallback for a
 #   signal delivered to another thread (which does not block it).
@@ -335,7 +337,8 @@ def sent_to_whole_slurm_step(
 
     Then the job received it from Slurm too, and forwarding it would deliver it twice.  Not
     so when shmstage is the batch shell (the batch step, without SLURM_STEP_ID, and
-    slurmstepd our parent): ``--signal=B:SIG`` and ``scancel -b`` signal only that process.
+    slurmstepd our parent): ``--signal=B:SIG`` and ``scancel -b`` signal only that process;
+    nor under proctrack/cgroup, which signals only the step's tasks (``slurm_signals_tasks_only``).
     See NOTE [run: signals and the child].
     """
     if si_code != _SI_USER or si_pid <= 0 or si_uid != 0:  # slurmstepd runs as root
@@ -349,7 +352,31 @@ def sent_to_whole_slurm_step(
         return False
     environ = os.environ if environ is None else environ
     batch_shell = not environ.get("SLURM_STEP_ID", "").isdigit() and os.getppid() == si_pid
-    return not batch_shell
+    return not batch_shell and not slurm_signals_tasks_only(environ)
+
+
+def slurm_signals_tasks_only(environ: Mapping[str, str], cgroups: str | None = None) -> bool:
+    """Whether Slurm signals only its step's tasks (the processes slurmstepd started), not
+    their children: proctrack/cgroup does, for every signal but SIGKILL (its
+    proctrack_p_signal: "only signal slurm tasks unless signal is SIGKILL"); linuxproc
+    signals every descendant.  Known from our cgroups (``cgroups``: /proc/self/cgroup), which
+    proctrack/cgroup names after the job and step: .../job_<id>/step_<id> in the freezer
+    hierarchy (cgroup v1) or the unified one (v2)."""
+    job = environ.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        return False
+    if cgroups is None:
+        try:
+            with open("/proc/self/cgroup", encoding="utf-8") as f:
+                cgroups = f.read()
+        except OSError:  # no cgroups: no proctrack/cgroup either
+            return False
+    for line in cgroups.splitlines():
+        _, controllers, path = line.split(":", 2)
+        proctrack = controllers == "" or "freezer" in controllers.split(",")  # v2, or v1's
+        if proctrack and f"/job_{job}/step_" in path:
+            return True
+    return False
 
 
 def _descends(p: psutil.Process, ancestors: Collection[int]) -> bool:

@@ -17,6 +17,7 @@ import pytest
 
 from shmstage import launch
 from shmstage.launch import PlaceholderError, StageRequest, check_placeholders, substitute
+from shmstage.supervisor import slurm_signals_tasks_only
 
 # --- placeholders (unit) ----------------------------------------------------
 
@@ -748,6 +749,25 @@ def test_each_signal_reaches_the_job_once(shmstage_bin, tmp_path, how, sig):
             p.kill()
             p.wait()
         kill_job(ready)
+
+
+@pytest.mark.parametrize(
+    ("cgroups", "job", "want"),
+    [
+        ("6:freezer:/slurm_node1/uid_1001/job_7/step_0\n4:memory:/\n0::/\n", "7", True),
+        ("0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n", "7", True),
+        ("4:memory:/slurm_node1/uid_1001/job_7/step_0\n6:freezer:/\n0::/\n", "7", False),
+        ("6:freezer:/slurm_node1/uid_1001/job_17/step_0\n0::/\n", "7", False),
+        ("6:freezer:/slurm_node1/uid_1001/job_7/step_0\n0::/\n", None, False),
+    ],
+    ids=["v1-proctrack-cgroup", "v2-proctrack-cgroup", "v1-task-cgroup", "other-job", "no-job"],
+)
+def test_proctrack_cgroup_is_known_by_the_steps_own_cgroup(cgroups, job, want):
+    """Slurm signals only a step's tasks under proctrack/cgroup, whose freezer (v1) or unified
+    (v2) cgroup is named after the job's step: then shmstage forwards slurmstepd's signals;
+    not under linuxproc (no such cgroup; task/cgroup's memory one alone says nothing)."""
+    env = {"SLURM_JOB_ID": job} if job else {}
+    assert slurm_signals_tasks_only(env, cgroups) is want
 
 
 @pytest.mark.timeout(60)
