@@ -17,8 +17,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from shmstage.paths import is_within
 
 _UNLIMITED = 1 << 62  # cgroup v1 reports "no limit" as ~2^63 rounded to a page
@@ -165,6 +163,8 @@ def mounts(proc: str = "/proc") -> list[Mount]:
     found = mounts_from_mountinfo(proc)
     if found:
         return found
+    import psutil  # only where mountinfo is missing (~15 ms to import: most commands never need it)
+
     return [
         Mount(p.device, p.mountpoint, p.fstype, tuple(p.opts.split(",")))
         for p in psutil.disk_partitions(all=True)
@@ -436,8 +436,25 @@ def usable_cpus(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int
 
 
 def memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Memory:
+    total, available = node_memory(proc)
+    return Memory(total, available, cgroup_memory(proc, cgroup_root))
+
+
+def node_memory(proc: str = "/proc") -> tuple[int, int]:
+    """The node's MemTotal and MemAvailable in bytes, from ``proc``/meminfo (what psutil's
+    virtual_memory reports; psutil, ~15 ms to import, only for a kernel without MemAvailable)."""
+    fields: dict[str, int] = {}
+    for line in (_read(f"{proc}/meminfo") or "").splitlines():
+        key, _, rest = line.partition(":")
+        value = rest.split()
+        if key in ("MemTotal", "MemAvailable") and value and value[0].isdigit():
+            fields[key] = int(value[0]) * (1024 if value[1:] == ["kB"] else 1)
+    if len(fields) == 2:
+        return fields["MemTotal"], fields["MemAvailable"]
+    import psutil  # before Linux 3.14, or no /proc: psutil estimates what is available
+
     vm = psutil.virtual_memory()
-    return Memory(vm.total, vm.available, cgroup_memory(proc, cgroup_root))
+    return vm.total, vm.available
 
 
 # --- CPU and limits ---------------------------------------------------------

@@ -40,6 +40,5 @@ def serve_cmd(socket_path: str | None, config_path: str | None) -> None:
             "start it with `systemctl start shmstage` or sudo"
         )
     service = Service(socket_path, config_path)
-    service.bind()
     service.serve(log)
     log("stopped")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import click
 
@@ -29,6 +30,9 @@ from shmstage.stage import (
     summary,
 )
 from shmstage.stage.cache.tiers import refusal
+
+if TYPE_CHECKING:
+    from shmstage.cluster.peers import ClusterSpec, Peers
 
 
 class ProgressLine:
@@ -199,7 +203,6 @@ def stage_cmd(
     With --nodes N (one shmstage per node), the nodes read SRC once between
     them and exchange the rest; every node publishes, or none.
     """
-    from shmstage.cluster import Peers
     from shmstage.service import api
 
     spec = cluster_spec(nodes, node_rank, rendezvous, timeout, inflight, dest, not no_service)
@@ -234,7 +237,7 @@ def stage_cmd(
     bar = ProgressLine() if not quiet and stderr_is_tty() else None
     progress = bar if bar is not None or quiet else _log_waiting
     try:
-        with Peers(spec) if spec is not None else nullcontext() as peers:
+        with _peers(spec) if spec is not None else nullcontext() as peers:
             ds = api.stage(
                 src,
                 name=name,
@@ -271,6 +274,14 @@ def stage_cmd(
         if note:
             log(note)
     click.echo(ds.path)
+
+
+def _peers(spec: ClusterSpec) -> Peers:
+    """The cluster's peers for ``--nodes`` (cluster/peers.py and its exchange load only here:
+    ~20 ms a one-node stage does not spend)."""
+    from shmstage.cluster import Peers
+
+    return Peers(spec)
 
 
 def _placement(ds: Placed, dest: str) -> list[str]:

@@ -58,13 +58,13 @@ def resolve(
     """This node's place from the flags, each unset one falling back to Slurm's variables
     (``slurm_nodes``, SLURM_NODEID, the first host of the step's or the job's node list, a
     port derived from the job: ``slurm_port``); None for one node."""
-    from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec
-
     env = os.environ if environ is None else environ
     if nodes is None:
         nodes = slurm_nodes(env)
     if nodes is None or nodes == 1:
-        return None
+        return None  # one node: the exchange's modules (~20 ms) are not loaded
+    from shmstage.cluster.peers import DEFAULT_INFLIGHT, DEFAULT_TIMEOUT, ClusterSpec
+
     if nodes < 1:
         raise RefusedError(f"invalid --nodes {nodes}: must be at least 1")
     if rank is None and env.get("SLURM_NODEID", "").isdigit():

@@ -5,6 +5,7 @@ engine publishes as root), and the few rules of who may remove what.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pwd
 import stat
@@ -34,12 +35,25 @@ Progress = Callable[[Any], None]
 
 def warm_up() -> None:
     """Import, in the service before it forks, what the ops import lazily (a child forked
-    while another thread imports would wait forever on the import lock)."""
+    while another thread imports would wait forever on the import lock): the object
+    stores' modules, and what a one-off command loads only when it needs it (archives,
+    run --no-wait's live copy, threaded walks)."""
     for src in ("s3://x/y", "gs://x/y", "az://x/y", "/x.tar", "/x.tar.gz", "/x"):
         try:
             kinds.location_of(src)
         except Exception:  # noqa: S112 - only the imports matter here
             continue
+    for module in LAZY:
+        importlib.import_module(module)
+
+
+# Loaded on first use by the commands (a directory's one-off stage spends no time on them).
+LAZY = (
+    "concurrent.futures",
+    "shmstage.stage.build.ondemand",
+    "shmstage.stage.build.untar",
+    "shmstage.stage.sources.tar",
+)
 
 
 def make_keeper(service: Any) -> Any:

@@ -149,14 +149,18 @@ class Service:
     # --- the loop -----------------------------------------------------------------------
 
     def serve(self, log: Callable[[str], None]) -> None:
-        """Accept until SIGTERM/SIGINT; then stop the running requests and return."""
-        assert self.listener is not None
+        """:meth:`bind` (unless bound), accept until SIGTERM/SIGINT; then stop the running
+        requests and return.  The signals are ours before the socket answers: a SIGTERM
+        sent as soon as it does stops the service cleanly (exit 0, the socket removed)."""
         ops.warm_up()  # imported before any fork: a child never waits on an import lock
         old = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
         threading.stack_size(512 * 1024)  # a thread per connection, thousands at once
         workers: list[threading.Thread] = []
-        log(f"serving {','.join(self.tiers)} on {self.path} (shmstage {__version__})")
         try:
+            if self.listener is None:
+                self.bind()
+            assert self.listener is not None
+            log(f"serving {','.join(self.tiers)} on {self.path} (shmstage {__version__})")
             while not self.stopping.is_set():
                 ready = select.select([self.listener, self.wake_r], [], [])[0]
                 if self.listener not in ready:

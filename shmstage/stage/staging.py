@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmstage.errors import CapacityError, PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, Share
 from shmstage.paths import is_within
 from shmstage.stage import topaccess
-from shmstage.stage.build import copier, fromdir, ondemand
+from shmstage.stage.build import copier, fromdir
 from shmstage.stage.build import partial as build
 from shmstage.stage.signals import signals_raise
 from shmstage.stage.sources import acls
@@ -43,6 +43,9 @@ from shmstage.stage.store.partial import (
 from shmstage.stage.store.reserve import Claim
 from shmstage.stage.store.trees import rmtree
 from shmstage.stage.verification import VERIFY_MODES
+
+if TYPE_CHECKING:
+    from shmstage.stage.build import ondemand  # run --no-wait's (loaded where it is used)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from typing import Any
 from shmstage.errors import CapacityError
 from shmstage.identity import Caller, reading_as
 from shmstage.stage.sources import kinds, tarformat
-from shmstage.stage.sources.tar import scan
 
 SHORT_SYMLINK = 128  # tmpfs keeps targets shorter than this (with their NUL) inside the inode
 _HUGE_DEFAULT = 2 << 20
@@ -145,6 +144,8 @@ def estimate(
         if os.path.isdir(path):
             return _walk(path, page)
         tarformat.detect(path)  # by content, like stage: refuses what is not a readable tar
+        from shmstage.stage.sources.tar import scan  # archives only
+
         return of_archive(scan(path), page)
 
 

@@ -24,10 +24,10 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmstage.errors import ShmstageError
-from shmstage.stage.build import fromdir, ondemand, untar
+from shmstage.stage.build import fromdir
 from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
 from shmstage.stage.build.tree import (
     Counter,
@@ -43,9 +43,22 @@ from shmstage.stage.sources.walk import Entry, walk
 from shmstage.stage.store import Store, rmtree
 from shmstage.stage.store.reserve import Claim
 
-# The sources whose files build/ writes, by kind; every other kind (an object store) fetches
-# its own through ``Source.fetch``.  A source knows nothing of build/: the lookup is here.
-FILLERS: dict[str, Callable[..., Any]] = {"dir": fromdir.fill, "tar": untar.fill}
+if TYPE_CHECKING:
+    from shmstage.stage.build import ondemand
+
+
+def filler_of(kind: str) -> Callable[..., Any] | None:
+    """The filler of the sources whose files build/ writes, by kind; every other kind (an
+    object store) fetches its own through ``Source.fetch`` (None).  A source knows nothing of
+    build/: the lookup is here.  untar loads only for an archive (a directory's stage skips
+    its import)."""
+    if kind == "dir":
+        return fromdir.fill
+    if kind == "tar":
+        from shmstage.stage.build import untar
+
+        return untar.fill
+    return None
 
 
 def fill(
@@ -58,7 +71,7 @@ def fill(
     meanwhile: Callable[[], None] | None = None,
 ) -> Any:
     """Write ``wants`` under ``root`` from ``src`` (see ``Source.fetch`` for the contract)."""
-    filler = FILLERS.get(src.kind)
+    filler = filler_of(src.kind)
     if filler is None:
         return src.fetch(wants, root, tick, workers, checksum, meanwhile)
     return filler(src, wants, root, tick, workers, checksum, meanwhile)
@@ -179,6 +192,8 @@ def build(
     total = sum(w.size for w in wants)
     tick = claim.counting(Counter(report, total, len(wants)))
     if live is not None:
+        from shmstage.stage.build import ondemand  # run --no-wait only
+
         ondemand.fill_live(
             live, ondemand.Fill(src, wants, part, tick, workers), verify == "checksum",
             write_manifest, store=store, name=name, entries=entries, hard=hard, dirs=dirs,

@@ -20,7 +20,7 @@ s3, gs, az  one LIST (s3list.py; gcs.py    GETs from a thread pool, ranged parts
 ========== ============================== ====================================== ==============
 
 A source knows nothing of DEST's store or of build/: where build/ writes a kind's files it
-looks up its filler by kind (build/partial.py ``FILLERS``); the other kinds ``fetch`` their
+looks up its filler by kind (build/partial.py ``filler_of``); the other kinds ``fetch`` their
 own.  ``kinds.resolve`` turns what the user typed into a kind and the location the store
 records.
 """

@@ -16,7 +16,6 @@ from shmstage.stage.sources import tarformat
 from shmstage.stage.sources.base import Source
 from shmstage.stage.sources.callerenv import caller_environment
 from shmstage.stage.sources.directory import DirSource
-from shmstage.stage.sources.tar import TarSource
 from shmstage.stage.sources.walk import unreadable_by_reader
 
 if TYPE_CHECKING:  # the object stores' modules load when one is used (http.client, ssl: 25 ms)
@@ -124,5 +123,7 @@ def open_source(
     if kind == "dir":
         return DirSource(location, peers, reader)
     if kind == "tar":
+        from shmstage.stage.sources.tar import TarSource  # archives only
+
         return TarSource(location, strip_components, reader)
     return open_listed(kind, location, reader, credentials, share)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -142,7 +141,7 @@ class InFlight:
         # cannot wait on another stager while the tier's max_size lock is held.
         where = _in_flight_dir(store, create=True)
         while True:
-            self.path = os.path.join(where, f"{name}.{secrets.token_hex(8)}")
+            self.path = os.path.join(where, f"{name}.{os.urandom(8).hex()}")
             try:
                 self.fd = os.open(
                     self.path,
