@@ -48,8 +48,9 @@ test: deps $(BIN)/shmstage lint
 
 # A real 4-node Slurm on this machine (root: namespaces, a bridge, loop devices, a user),
 # as tests/test_slurm.py runs it; it prints how to submit jobs, Ctrl-C stops and removes it.
+# (-m from the checkout: the script imports tests.slurmstate)
 slurm: deps $(BIN)/shmstage
-	$(BIN)/python tests/slurmcluster.py
+	$(BIN)/python -m tests.slurmcluster
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .cache/azurite

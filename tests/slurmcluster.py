@@ -15,6 +15,7 @@ Long because a cluster is one object: its set-up, use and tear-down share every 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pwd
 import random
@@ -47,6 +48,21 @@ def missing() -> str | None:
     if need:
         return f"Slurm is not installed (apt-get install {PACKAGES}): missing {' '.join(need)}"
     return None
+
+
+# Numbers this process's clusters: a test module keeps several alive at once, whose users
+# and bridges need names of their own (two random digits met within one run).
+_SERIAL = itertools.count()
+CGROUP = "/sys/fs/cgroup"
+CGROUP_CONTROLLERS = ("freezer", "memory", "cpuset", "devices")  # what Slurm's cgroup/v1 uses
+
+
+def cgroup_missing() -> str | None:
+    """Why Slurm's cgroup plugins (cgroup/v1) cannot run here, or None."""
+    mounts = [m.split() for m in Path("/proc/self/mounts").read_text().splitlines()]
+    have = {m[1] for m in mounts if m[2] == "cgroup"}
+    need = [c for c in CGROUP_CONTROLLERS if f"{CGROUP}/{c}" not in have]
+    return f"no cgroup v1 {' '.join(need)} under {CGROUP} (Slurm's cgroup/v1)" if need else None
 
 
 def _free_port() -> int:
@@ -85,7 +101,9 @@ class SlurmCluster:
     own /etc is never written; a text starting with #! is made executable); ``cpus``: CPUs
     each node declares (default: this machine's; more is allowed, SlurmdParameters=
     config_overrides, then best with ``task_plugin="task/none"``: task/affinity would bind
-    tasks to CPUs that do not exist)."""
+    tasks to CPUs that do not exist); ``proctrack``: Slurm's ProctrackType (proctrack/cgroup,
+    or task/cgroup in ``task_plugin``: cgroup v1, see ``cgroup_missing``; slurmd makes its
+    hierarchy per node, slurm_<node> in each controller, removed with the cluster)."""
 
     def __init__(
         self,
@@ -98,6 +116,7 @@ class SlurmCluster:
         node_files: dict[str, str] | None = None,
         cpus: int | None = None,
         task_plugin: str = "task/affinity",
+        proctrack: str = "proctrack/linuxproc",
     ) -> None:
         # 0755: the user reaches the config, the munge socket, its home, the source.  Not
         # under /tmp: job_container/tmpfs gives each job a /tmp of its own.
@@ -107,7 +126,7 @@ class SlurmCluster:
         self.conf_extra, self.files, self.node_setup = conf_extra, dict(files or {}), node_setup
         self.node_files = dict(node_files or {})
         self.cpus = cpus or os.cpu_count() or 1
-        self.task_plugin = task_plugin
+        self.task_plugin, self.proctrack = task_plugin, proctrack
         if job_container:  # each job gets a private /tmp and /dev/shm (made under BasePath)
             self.conf_extra += "\nJobContainerType=job_container/tmpfs\nPrologFlags=Contain\n"
             self.files["job_container.conf"] = f"AutoBasePath=true\nBasePath={base}/jc\n"
@@ -119,7 +138,7 @@ class SlurmCluster:
         self.home = base / "home"
         self.bin = base / "venv" / "bin"  # shmstage as the job's user can start it
         self.munge_socket = base / "munge" / "munge.socket.2"
-        tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
+        tag = f"{os.getpid() % 10000:04d}{next(_SERIAL) % 100:02d}"  # unique among live ones
         self.tag = tag
         self.bridge = f"shsb{tag}"
         self.user = f"shmslurm{tag}"
@@ -131,6 +150,13 @@ class SlurmCluster:
         self.bridge_made = False
         self.image = base / "nfs.ext4"
         self.record = Record(base, self.image)  # before anything is made: see slurmstate
+        if "cgroup" in proctrack + task_plugin:
+            self.files.setdefault(
+                "cgroup.conf", f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={CGROUP}\n"
+            )
+            for ctl in CGROUP_CONTROLLERS:  # rmtree rmdir's a cgroup (its files stay: EPERM)
+                for name in self.names:
+                    self.record.add("dirs", f"{CGROUP}/{ctl}/slurm_{name}")
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -268,7 +294,7 @@ SlurmctldLogFile={b}/log/slurmctld.log
 SlurmdLogFile={b}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
+ProctrackType={self.proctrack}
 TaskPlugin={self.task_plugin}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

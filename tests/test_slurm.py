@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.slurmcluster import SlurmCluster, missing
+from tests.slurmcluster import SlurmCluster, cgroup_missing, missing
 
 pytestmark = pytest.mark.root
 
@@ -52,6 +52,14 @@ def block(doc: str, line: str) -> str:
         if line in body.splitlines() or any(line in b for b in body.splitlines()):
             return body
     raise AssertionError(f"docs/{doc} has no code block with {line!r}")
+
+
+def job_script(doc: str, line: str) -> str:
+    """The job script of docs/``doc`` holding ``line``, for sbatch as printed: it must start
+    with #! (sbatch refuses any other: "This does not look like a batch script")."""
+    script = block(doc, line)
+    assert script.startswith("#!/bin/bash\n"), f"docs/{doc}: sbatch refuses {script!r}"
+    return script
 
 
 def inline(doc: str, start: str) -> str:
@@ -233,7 +241,7 @@ def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(
     wipe_stores(c)
     for out in on_nodes(c, "shmstage prepare --config /etc/shmstage.yaml --json"):
         assert json.loads(out)["failed"] is False
-    script = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    script = job_script("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
     assert "shmstage prepare --config /etc/shmstage.yaml" in script
     job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
@@ -258,7 +266,7 @@ def test_cluster_md_job_script_on_unprepared_nodes_fails_naming_the_root_step(sl
     c = slurm
     wipe_stores(c)
     on_nodes(c, "mount -o remount,size=256M /dev/shm")  # as the cluster started: not converged
-    script = block("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
+    script = job_script("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
     job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
     assert c.wait_job(job) == "FAILED"
     out = c.output(job)
@@ -372,7 +380,7 @@ def test_cluster_staging_md_recipe_reads_the_source_once_across_four_nodes(slurm
     together), every node publishes the same copy, and the job's `run` copies nothing."""
     c = slurm
     wipe_stores(c)
-    script = block(
+    script = job_script(
         "cluster-staging.md", "srun --ntasks-per-node=1 --ntasks=$SLURM_JOB_NUM_NODES \\"
     )
     size = c.sizes["datasets/imagenet/train"]
@@ -518,18 +526,22 @@ def shell_lines(script: str) -> list[str]:
 
 def test_torchrun_recipe_stages_once_per_node_and_each_rank_counts_the_nodes_ranks(slurm):
     """The torchrun recipe (#SBATCH ... --cpus-per-task=64, `head` from scontrol, srun
-    shmstage run -- torchrun --nproc-per-node 8 ...), on 2 nodes with 2 CPUs per task: every
-    node stages its copy, torchrun's 8 ranks per node read it, and each counts 8 local ranks
+    shmstage run -- torchrun --nproc-per-node 8 ...), on 2 nodes with 2 CPUs per task: the
+    nodes' runs stage together (one task per node), reading the source about once between
+    them, torchrun's 8 ranks per node read the node's copy, and each counts 8 local ranks
     (torchrun's LOCAL_WORLD_SIZE) sharing the task's CPUs."""
     c = slurm
     wipe_stores(c)
     head = 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
-    script = block("run.md", head)
+    script = job_script("run.md", head)
     # quickstart.md prints the same script, wrapped differently
-    assert shell_lines(block("quickstart.md", head)) == shell_lines(script)
+    assert shell_lines(job_script("quickstart.md", head)) == shell_lines(script)
     assert "#SBATCH --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --cpus-per-task=64" in script
+    before = c.read()
     job = c.sbatch(recipe(c, script), "--nodes=2", f"--cpus-per-task={c.cpus}")
     assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
+    read, size = c.read() - before, c.sizes["imagenet"]
+    assert size <= read < 1.5 * size, (read, size, c.output(job))  # each alone: 2x the source
     rows = trained(c, job)
     assert sorted(r["host"] for r in rows) == ["node1"] * 8 + ["node2"] * 8, rows
     for r in rows:
@@ -652,7 +664,7 @@ def test_service_md_job_stages_through_the_service_leased_until_the_batch_script
     the user goes through the service (the store stays root's), torchrun's 8 ranks read $DATA,
     the lease holds while the batch script runs and is gone once it exits."""
     c = service_slurm
-    script = block("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+    script = job_script("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
     job = c.sbatch(recipe(c, script))
     assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
     rows = trained(c, job)
@@ -676,7 +688,7 @@ def test_service_md_or_run_form_stages_through_the_service_leased_for_the_job(se
     staged, the user's run has the service copy it (the copy is root's, in root's store),
     torchrun's 8 ranks read {staged}, leased while the job runs, released when it ends."""
     c = service_slurm
-    script = block("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+    script = job_script("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
     lines = script.splitlines()
     torchrun = next(x for x in lines if x.startswith("srun torchrun "))
     args = re.fullmatch(r"srun torchrun (.*) --data \"\$DATA\"", torchrun)[1]
@@ -703,6 +715,85 @@ def test_service_md_or_run_form_stages_through_the_service_leased_for_the_job(se
     assert row["leased_by"] == []  # shmstage run exited with the job: its lease went too
     log = (c.base / "log" / "serve-node1.log").read_text()
     assert "Traceback" not in log and "Error" not in c.output(job), (log, c.output(job))
+
+
+# The batch script's shell function: the job's memory cgroup (task/cgroup, cgroup v1) and the
+# tmpfs pages charged to it and its steps, in bytes.
+JOB_SHMEM = """\
+shmem() {
+  m=$(grep ':memory:' /proc/self/cgroup | cut -d: -f3)
+  grep '^total_shmem ' "/sys/fs/cgroup/memory${m%%/step_*}/memory.stat" | cut -d' ' -f2
+}
+"""
+
+
+def test_service_md_under_constrainramspace_only_a_copy_made_in_the_job_is_charged_to_it(
+    tmp_path_factory,
+):
+    """service.md and cluster.md under task/cgroup with ConstrainRAMSpace: the service's copy
+    (service.md's `DATA=$(shmstage stage ... --lease-for $$ -q)`) is not charged to the job's
+    memory cgroup; a copy the job makes itself (an `srun shmstage stage` step) is, all of it."""
+    why = missing() or cgroup_missing()
+    if why:
+        pytest.skip(why)
+    doc = " ".join((ROOT / "docs" / "service.md").read_text().split())
+    assert "The pages land in `shmstage.slice`, not in the job's cgroup" in doc
+    doc = " ".join((ROOT / "docs" / "cluster.md").read_text().split())
+    assert "unless the copy runs inside the job (`srun` form above), where they are charged " \
+        "to the job" in doc  # fmt: skip
+    conf = "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nConstrainRAMSpace=yes\n"
+    c = make_cluster(tmp_path_factory, service=True, nodes=1, proctrack="proctrack/cgroup",
+                     task_plugin="task/cgroup,task/affinity", files={"cgroup.conf": conf})  # fmt: skip
+    try:
+        stage = next(x for x in job_script("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+                     .splitlines() if x.startswith("DATA=$(shmstage stage"))  # fmt: skip
+        script = recipe(c, (
+            f"#!/bin/bash\n{JOB_SHMEM}echo start $(shmem)\n{stage}\necho service $(shmem) $DATA\n"
+            "srun shmstage stage /nfs/imagenet --dest /dev/shm/shmstage-$USER -q\n"
+            "echo job $(shmem)\n"
+        ))  # fmt: skip
+        job = c.sbatch(script, "--nodes=1")
+        assert c.wait_job(job) == "COMPLETED", c.output(job)
+        lines = c.output(job).splitlines()
+        assert f"/dev/shm/shmstage-{c.user}/imagenet" in lines, lines  # the job's own copy
+        out = dict(x.split(" ", 1) for x in lines if x.startswith(("start ", "service ", "job ")))
+        size = c.sizes["imagenet"]
+        service, data = out["service"].split()
+        assert data == f"{c.dest}/imagenet", out  # the service's copy, in root's store
+        assert int(service) - int(out["start"]) < size // 4, out  # not charged to the job
+        assert int(out["job"]) - int(service) >= size, out  # the job's own copy: charged
+    finally:
+        stop_cluster(c)
+
+
+def test_cluster_staging_md_on_service_nodes_only_a_given_nodes_stages_together(tmp_path_factory):
+    """cluster-staging.md (run.md too): on 4 nodes whose service serves the store, the user's
+    `srun -N 4 --ntasks-per-node=1 shmstage stage SRC` stages through each node's service,
+    each node alone (root's copies; every node reads all of SRC); with `--nodes` given (as
+    root: the store is root's) it stages together in the step's own processes, says so in
+    one line per node, and reads SRC about once between them."""
+    c = make_cluster(tmp_path_factory, service=True)
+    try:
+        line = inline("cluster-staging.md", "srun -N 4 --ntasks-per-node=1 shmstage")
+        before = c.read()
+        out = c.as_user(line.replace("SRC", f"{c.nfs}/imagenet").split())
+        read, size = c.read() - before, c.sizes["imagenet"]
+        assert out.stdout.split() == [f"{c.dest}/imagenet"] * 4, (out.stdout, out.stderr)
+        assert read >= 4 * size and "note:" not in out.stderr, (read, size, out.stderr)
+        assert on_nodes(c, f"stat -c %u {c.dest}/imagenet") == ["0\n"] * 4  # the services'
+        src, size = f"{c.nfs}/datasets/imagenet/train", c.sizes["datasets/imagenet/train"]
+        before = c.read()
+        out = subprocess.run(
+            [*line.replace("SRC", src).split(), "--nodes", "4"], capture_output=True,
+            text=True, timeout=120, env=c.env(HOME=str(c.base), USER="root", LOGNAME="root"),
+        )  # fmt: skip
+        read = c.read() - before
+        assert out.stdout.split() == [f"{c.dest}/train"] * 4, (out.stdout, out.stderr)
+        assert size <= read < 1.5 * size, (read, size, out.stderr)
+        notes = [x for x in out.stderr.splitlines() if x.startswith("note: staging with --nodes")]
+        assert len(notes) == 4 and "runs in this process" in notes[0], out.stderr
+    finally:
+        stop_cluster(c)
 
 
 # --- docs/run.md: Slurm's signals and `shmstage run` --------------------------------------------
@@ -827,10 +918,61 @@ def test_run_md_slurm_signals_reach_the_job_as_its_table_says(slurm):
             out.with_suffix(".stop").touch()
     states = {(s, f): c.wait_job(job) for s, f, job, *_ in jobs}
     want = {(s, f): (times, state) for s, f, _, _, _, times, state in jobs}
-    print("DEBUG", got, states)
     wrong = {k: (got[k], states[k]) for k, (times, state) in want.items()
              if got[k] not in times or states[k] != state}  # fmt: skip
     assert not wrong, (wrong, want, [c.output(j[2]) for j in jobs])
+
+
+@pytest.mark.parametrize("proctrack", ["proctrack/cgroup", "proctrack/pgid"])
+def test_run_md_step_wide_signals_under_proctrack_cgroup_and_pgid(tmp_path_factory, proctrack):
+    """run.md: proctrack/cgroup signals only a step's tasks (SIGKILL excepted), shmstage
+    here, which forwards them: the job of `srun shmstage run ...` gets `scancel
+    --signal=USR1` and scancel's SIGTERM once each, as the table says of linuxproc, and is
+    killed with its step.  proctrack/pgid signals the task's process group only, which the
+    job's own session is outside: the job never gets the USR1, gets the SIGTERM only when
+    Slurm SIGKILLs shmstage (KillWait later: the kernel's parent-death signal), and,
+    handling it, outlives its Slurm job."""
+    why = missing() or (proctrack == "proctrack/cgroup" and cgroup_missing())
+    if why:
+        pytest.skip(why)
+    doc = " ".join((ROOT / "docs" / "run.md").read_text().split())
+    assert "proctrack/cgroup signals only a step's tasks, the processes slurmstepd started " \
+        "(SIGKILL excepted)" in doc  # fmt: skip
+    assert "With the deprecated proctrack/pgid, Slurm signals only the process group of a " \
+        "step's task" in doc and "do not `srun` shmstage under proctrack/pgid." in doc  # fmt: skip
+    pgid = proctrack == "proctrack/pgid"
+    data = tmp_path_factory.mktemp("nfs-proctrack")
+    with _cluster(data, {"ds": _dataset(data / "ds", 1, 4)}, nodes=1, proctrack=proctrack) as c:
+        _user_file(c, "sigjob.py", SIGJOB)
+        out = c.user_home / "proctrack.count"
+        form = SIG_FORMS["`srun shmstage run ...` in the batch script"]
+        job = c.sbatch(form.format(src=f"{c.nfs}/ds", out=out) + "\n", "--nodes=1")
+
+        def sigjob() -> list[psutil.Process]:  # the job's python (srun's argv names it too)
+            procs = psutil.Process(c.init_pid(0)).children(recursive=True)
+            return [
+                p for p in procs if p.name().startswith("python") and "sigjob.py" in p.cmdline()
+            ]
+
+        try:
+            c.until(lambda: _count(out, "USR1") == 0, 120, f"job {job} to start")
+            shmstage = sigjob()[0].parent()
+            assert shmstage.name() == "shmstage", shmstage
+            c.as_user(["scancel", "--signal=USR1", job])
+            c.as_user(["scancel", job])
+            time.sleep(2)  # both would have landed by now
+            assert out.read_text() == ("USR1=0 TERM=0\n" if pgid else "USR1=1 TERM=1\n")
+            shmstage.wait(timeout=30)  # Slurm's SIGKILL, KillWait (5 s) after the SIGTERM
+            if pgid:
+                c.until(lambda: _count(out, "TERM") == 1, 10, "the parent-death SIGTERM")
+                time.sleep(1)
+                assert sigjob() and out.read_text() == "USR1=0 TERM=1\n"  # handled: goes on
+            else:
+                c.until(lambda: not sigjob(), 10, "the job to be killed with its step")
+        finally:
+            out.with_suffix(".stop").touch()
+        c.until(lambda: not sigjob(), 30, "the job to stop when told")
+        assert c.wait_job(job) == "CANCELLED"
 
 
 def _scontrol_update(c: SlurmCluster, job: str, what: str, check: bool = True) -> None:
@@ -953,17 +1095,30 @@ def _srun(c: SlurmCluster, argv: list[str]):
 def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_it(
     tmp_path_factory,
 ):
-    """Under job_container/tmpfs each job starts with an empty /dev/shm of its own (the
-    prolog's /dev/shm is the node's, which the job never sees): a dataset staged there is
-    copied again by the next job, one staged in a store outside /dev/shm is reused."""
+    """Under job_container/tmpfs, set up as cluster.md says (JobContainerType=, PrologFlags=
+    Contain, which implies Alloc, a job_container.conf with BasePath=), each job starts with
+    an empty /dev/shm and /tmp of its own, removed at its end (the prolog's /dev/shm is the
+    node's, which the job never sees): a dataset staged there is copied again by the next
+    job, one staged in a store outside /dev/shm is reused."""
     why = missing()
     if why:
         pytest.skip(why)
     data = tmp_path_factory.mktemp("nfs-jc")
     with _cluster(data, {"ds": _dataset(data / "ds")}, nodes=1, job_container=True) as c:
+        conf = c.conf.read_text().splitlines()
+        for start in ("JobContainerType=", "PrologFlags=Contain"):
+            assert inline("cluster.md", start) in conf, start
+        assert (
+            inline("cluster.md", "BasePath=") in (c.conf.parent / "job_container.conf").read_text()
+        )
+        shown = subprocess.run(["scontrol", "show", "config"], env=c.env(), capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+        flags = re.search(r"^PrologFlags\s*=\s*(\S+)$", shown, re.M)[1]
+        assert "Alloc" in flags.split(","), flags  # Slurm's own view: Contain implies Alloc
         src = f"{c.nfs}/ds"
         script = (
-            "set -e; ls -A /dev/shm > $HOME/shm-$1.ls; "
+            "set -e; ls -A /dev/shm > $HOME/shm-$1.ls; ls -A /tmp > $HOME/tmp-$1.ls; "
+            "touch /tmp/left-by-$1; echo $SLURM_JOB_ID > $HOME/job-$1; "
             "stat -f -c '%b %S' /dev/shm > $HOME/shm-$1.size; "
             f"shmstage stage {src} --dest /dev/shm/shmstage-$USER --json --no-service > $HOME/shm-$1.json; "
             f"shmstage stage {src} --dest {c.store}/shmstage-$USER --json --no-service > $HOME/store-$1.json"
@@ -972,6 +1127,7 @@ def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_i
         for job in range(2):
             _srun(c, ["sh", "-c", script, "sh", str(job)])
             assert (c.user_home / f"shm-{job}.ls").read_text() == ""  # no prolog mark, no copy
+            assert (c.user_home / f"tmp-{job}.ls").read_text() == ""  # nor the last job's file
             # a tmpfs of the kernel's default size (half the RAM), not the node's 256M one
             blocks, size = map(int, (c.user_home / f"shm-{job}.size").read_text().split())
             assert blocks * size == psutil.virtual_memory().total // 2 // size * size
@@ -983,6 +1139,46 @@ def test_job_container_tmpfs_loses_a_dev_shm_copy_between_jobs_the_store_keeps_i
         # the node's own /dev/shm: the prolog's mark, none of the jobs' copies
         assert c.on_node(0, ["ls", "-A", "/dev/shm"]).stdout.split() == ["prolog-mark"]
         assert "ds" in c.on_node(0, ["ls", "-A", f"{c.store}/shmstage-{c.user}"]).stdout.split()
+        # the jobs' own /tmp and /dev/shm (under BasePath, a directory per job) are gone
+        # (a job whose namespace Slurm failed to set up, retried by _srun, leaves its own)
+        ran = [(c.user_home / f"job-{job}").read_text().strip() for job in range(2)]
+
+        def left():
+            out = c.on_node(0, ["ls", "-A", f"{c.base}/jc/node1"]).stdout.split()
+            return set(out) & set(ran)
+
+        c.until(lambda: not left(), 30, "the jobs' directories under BasePath to go")
+
+
+def test_cluster_md_without_prologflags_alloc_a_nodes_prolog_waits_for_its_first_step(
+    slurm_edges,
+):
+    """cluster.md's case for PrologFlags=Alloc: without it (this cluster's slurm.conf has a
+    Prolog= and no PrologFlags) the prolog runs on the batch script's node before the script,
+    and on another node only when the job's first srun step reaches it."""
+    c = slurm_edges
+    assert "PrologFlags" not in c.conf.read_text()
+    doc = " ".join((ROOT / "docs" / "cluster.md").read_text().split())
+    assert (
+        "Without it the prolog runs on the batch script's node before the script, and on each "
+        "other node only when the first `srun` step reaches it" in doc
+    )
+    go = c.user_home / "prolog-go"
+    go.unlink(missing_ok=True)
+    script = (
+        f"echo batch $(cat /dev/shm/prolog-mark)\ntouch {go}.started\n"
+        f"while [ ! -e {go} ]; do sleep 0.1; done\nsrun -l cat /dev/shm/prolog-mark\n"
+    )
+    job = c.sbatch(script, "--nodes=2", "--ntasks-per-node=1", "-w", "node[1-2]")
+    try:
+        c.until(lambda: Path(f"{go}.started").exists(), 60, "the batch script to start")
+        mark = c.on_node(1, ["cat", "/dev/shm/prolog-mark"]).stdout.strip()
+        assert mark != job  # node2: allocated, its prolog not run yet
+    finally:
+        go.touch()
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    lines = sorted(c.output(job).splitlines())
+    assert lines == [f"0: {job}", f"1: {job}", f"batch {job}"], lines
 
 
 def test_a_job_cancelled_mid_stage_publishes_nothing_and_the_next_job_stages(slurm_edges):
@@ -1012,6 +1208,37 @@ def test_a_job_cancelled_mid_stage_publishes_nothing_and_the_next_job_stages(slu
     job = c.sbatch(stage, "--nodes=2", "--ntasks-per-node=1", "-w", "node[1-2]")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     assert [_tree(c, i, f"{dest}/big") for i in range(2)] == [want, want]
+
+
+@pytest.mark.parametrize("proctrack", ["proctrack/cgroup", "proctrack/linuxproc"])
+def test_cluster_staging_md_two_stages_in_one_step_without_the_wait(tmp_path_factory, proctrack):
+    """cluster-staging.md's `srun -N2 --ntasks-per-node=1 bash -c 'shmstage stage A & shmstage
+    stage B; wait'` without its `wait`, A slower than B: the step ends when B's shell exits.
+    Under proctrack/cgroup Slurm kills A then, on both nodes (A publishes nowhere); under
+    proctrack/linuxproc A outlives its step (it publishes; srun waits for its output)."""
+    why = missing() or (proctrack == "proctrack/cgroup" and cgroup_missing())
+    if why:
+        pytest.skip(why)
+    data = tmp_path_factory.mktemp("nfs-nowait")
+    sizes = _edge_data(data)
+    (data / "tiny").mkdir()
+    (data / "tiny" / "one").write_bytes(b"x" * 4096)
+    with _cluster(data, sizes, nodes=2, proctrack=proctrack) as c:
+        line = inline("cluster-staging.md", "srun -N2 --ntasks-per-node=1 bash -c")
+        assert line.endswith("; wait'")
+        dest = f"{c.store}/nowait"
+        a, b = (f"stage {c.nfs}/{name} --dest {dest} --no-service -q" for name in ("big", "tiny"))
+        argv = line.replace("stage A", a).replace("stage B", b).replace("; wait'", "'")
+        killed = proctrack == "proctrack/cgroup"
+        # 4 MiB a node: killed, A is far from done when B is (32 s); outliving, done in 4 s
+        with _slow_source(c, range(2), (128 << 10) if killed else (1 << 20)):
+            out = c.as_user(["sh", "-c", argv])
+        want = ["tiny"] if killed else ["big", "tiny"]
+        assert sorted(out.stdout.split()) == sorted([f"{dest}/{x}" for x in want] * 2), out
+        for i in range(2):
+            assert _stagers(c, i) == [], (i, _stagers(c, i))
+            listing = c.on_node(i, ["ls", dest]).stdout.split()
+            assert listing == want, (i, listing)
 
 
 def test_a_node_that_hangs_mid_stage_fails_the_step_on_every_node(slurm_edges):
@@ -1082,9 +1309,17 @@ def test_only_a_step_of_one_task_per_node_stages_together(slurm_edges):
 
 def test_two_jobs_staging_on_the_same_nodes_at_once_meet_on_ports_of_their_own(slurm_edges):
     """Two 2-node jobs on node1-2 at the same time, each `srun shmstage stage SRC` taking
-    --nodes, rank, node 0 and the port from its step: both publish (the port comes from the
-    job id; on one fixed port the second job's node 0 would find it in use and fail)."""
+    --nodes, rank, node 0 and the port from its step: node 0 listens on each job's port of
+    cluster-staging.md's formula, and both publish (on one fixed port the second job's node 0
+    would find it in use and fail)."""
     c = slurm_edges
+    doc = " ".join((ROOT / "docs" / "cluster-staging.md").read_text().split())
+    assert "`30000 + ($SLURM_JOB_ID × 16 + $SLURM_STEP_ID) mod 2048`" in doc
+
+    def listening() -> set[int]:
+        out = c.on_node(0, ["ss", "-Htln"]).stdout  # State Recv-Q Send-Q Local:Port Peer
+        return {int(x.split()[3].rsplit(":", 1)[1]) for x in out.splitlines()}
+
     with _slow_source(c, range(2), 1 << 20):
         jobs = [
             c.sbatch(f"srun shmstage stage {c.nfs}/{name} --dest {c.store}/jobs --no-service -q\n",
@@ -1092,6 +1327,8 @@ def test_two_jobs_staging_on_the_same_nodes_at_once_meet_on_ports_of_their_own(s
             for name in ("big", "big2")
         ]  # fmt: skip
         c.until(lambda: _sources_staged(c, 0) == {"big", "big2"}, 120, "both jobs to stage at once")
+        ports = {30000 + (int(job) * 16 + 0) % 2048 for job in jobs}  # step 0: the first srun
+        c.until(lambda: ports <= listening(), 60, f"node 0 to listen on {ports}")
         states = [c.wait_job(job) for job in jobs]
     assert states == ["COMPLETED", "COMPLETED"], [c.output(job) for job in jobs]
     for i in range(2):
@@ -1177,3 +1414,36 @@ def test_a_cluster_killed_outright_is_swept_by_the_next_ones_start(tmp_path) -> 
         assert not _what_is_left(state)
     finally:
         stop_cluster(c)
+
+
+def test_make_slurm_starts_a_cluster_its_printed_line_submits_to_and_ctrl_c_removes_it():
+    """README's `make slurm` (the Makefile's recipe, run from the checkout as make runs it):
+    it prints a cluster whose `su ... srun -N 4 hostname` line, run as printed, answers from
+    the 4 nodes as the user; Ctrl-C (SIGINT to its process group) removes all it made."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    makefile = (ROOT / "Makefile").read_text()
+    (recipe_line,) = re.findall(r"^slurm:.*\n\t(.*)$", makefile, re.M)
+    argv = recipe_line.replace("$(BIN)/python", sys.executable).split()
+    up = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True)  # fmt: skip
+    try:
+        printed = []
+        while not printed or not printed[-1].startswith("Stop it with"):
+            line = up.stdout.readline()
+            assert line, (printed, up.stderr.read())
+            printed.append(line)
+        text = "".join(printed)
+        base = Path(re.search(r"^  logs: (\S+)/log$", text, re.M)[1])
+        state = json.loads((base / "cluster-state.json").read_text())
+        submit = re.search(r"^  submit as its user: +(su .*)$", text, re.M)[1]
+        out = subprocess.run(submit, shell=True, capture_output=True, text=True, timeout=60)
+        assert sorted(out.stdout.split()) == ["node1", "node2", "node3", "node4"], out
+        user = re.fullmatch(r"su -s /bin/sh (\S+) -c .*", submit)[1]
+        assert user == state["user"]
+    finally:
+        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
+        _, err = up.communicate(timeout=60)
+    assert up.returncode == 0 and err.endswith("stopped; nothing left behind\n"), err
+    assert state["pids"] and not _what_is_left(state)
