@@ -685,7 +685,9 @@ def test_a_second_run_does_not_join_a_live_copy_of_a_source_changed_since(
     out = tmp_path / "out.json"
     p = subprocess.run(
         [*base, sys.executable, JOB, str(dest), "ds", str(out)],
-        env=_env(0.05),  # its own copy still runs when its job starts
+        # its own copy (of the one changed file, once the first run published) still runs
+        # when its job starts: a second per copied file, not a race with the job's start
+        env=_env(1.0),
         capture_output=True,
         text=True,
         timeout=120,

@@ -735,11 +735,17 @@ def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin, procs):
     assert verify("other", dest=dest, checksum=True).ok
 
 
+CHANGED = "its size or mtime differs from the scan, or another file was renamed into its place"
+
+
 @pytest.mark.parametrize(
     "how,message",
     [
-        ("rewrite", "changed during the copy: {f} (its size or mtime differs from the scan)"),
+        ("rewrite", "changed during the copy: {f} (" + CHANGED + ")"),
         ("delete", "vanished during the copy: {f}"),
+        # the same size and mtime, another inode: the worker may have opened f9 ahead, and
+        # must not copy the file the rename took out of the tree
+        ("rename", "changed during the copy: {f} (" + CHANGED + ")"),
     ],
 )
 def test_source_changing_during_copy_is_an_error(
@@ -760,6 +766,11 @@ def test_source_changing_during_copy_is_an_error(
     wait_for(lambda: partial_files(dest, "ds") >= 1)
     if how == "rewrite":
         (src / "f9").write_bytes(b"y" * 2000)
+    elif how == "rename":
+        st = (src / "f9").stat()
+        (src / "f9.new").write_bytes(b"y" * 1000)
+        os.utime(src / "f9.new", ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.rename(src / "f9.new", src / "f9")
     else:
         (src / "f9").unlink()
     _, err = p.communicate(timeout=60)
@@ -768,6 +779,30 @@ def test_source_changing_during_copy_is_an_error(
     assert err == f"Error: source file {what}; re-run when the source is stable\n"
     assert not (dest / "ds").exists()
     assert os.listdir(dest / ".shmstage" / "partial") == []
+
+
+def test_a_worker_out_of_file_descriptors_reads_ahead_less_and_copies_all(tmpfs, tmp_path, shmstage_bin):
+    """Each worker opens the next files of its batch ahead (their reads queued): with a
+    low open-file limit it runs out of descriptors doing so, gives some back, and copies
+    every file all the same (it used to be one open at a time)."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    for i in range(600):
+        (src / f"f{i:03d}").write_bytes(os.urandom(100 + i))
+
+    def low_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+    dest = tmpfs("16M") / "d"
+    r = subprocess.run(
+        [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "2", "-q"],
+        capture_output=True, text=True, timeout=120, preexec_fn=low_limit,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert verify("ds", dest=dest, checksum=True).ok
+    assert sorted(p.name for p in (dest / "ds").iterdir()) == sorted(p.name for p in src.iterdir())
 
 
 def test_unreadable_file_is_named(request):

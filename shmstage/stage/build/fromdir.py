@@ -55,7 +55,7 @@ def fill(
             copier.create_sized(jobs[i][1], jobs[i][2])
     finally:
         os.umask(old_umask)
-    nworkers = workers or copier.default_workers()
+    nworkers = workers or copier.default_workers(source.location)
     if source.peers is not None:
         if meanwhile is not None:
             meanwhile()
@@ -131,7 +131,7 @@ def build_first(
     os.chmod(part, 0o700)  # never setgid (inherited from DEST): new files get our egid
     page = page_size(store.dest)
     src_prefix, part_prefix = source.prefix, part + "/"
-    nworkers = workers or copier.default_workers()
+    nworkers = workers or copier.default_workers(source.location)
     walker = Walker(
         source.location,
         threads=scan_threads(source.location),
