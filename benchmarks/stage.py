@@ -353,6 +353,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workers", type=int, help="pass --workers N to shmstage stage")
     p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also time the shmstage of another checkout (tool 'baseline': before/after side by "
+        "side), e.g. `git worktree add /tmp/before REV`",
+    )
+    p.add_argument(
         "--warm", action="store_true", help="keep the page cache warm instead of dropping it (root)"
     )
     p.add_argument(
@@ -366,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def as_installed(pycache: Path) -> None:
+def as_installed(pycache: Path, baseline: Path | None = None) -> None:
     """Run shmstage as an installed package runs: with its modules' bytecode cached (kept in
     ``pycache``, outside the tree).  An editable install under PYTHONDONTWRITEBYTECODE
     compiles every module at every start (~0.06 s of each run here); the peers are binaries."""
@@ -374,6 +381,8 @@ def as_installed(pycache: Path) -> None:
     os.environ["PYTHONPYCACHEPREFIX"] = str(pycache)
     sys.pycache_prefix = str(pycache)
     compileall.compile_dir(str(Path(shmstage.__file__).parent), quiet=1)
+    if baseline is not None:
+        compileall.compile_dir(str(baseline / "shmstage"), quiet=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         usage(f"unknown tool {', '.join(bad) or '(none)'}: choose from {', '.join(TOOLS)}")
     if args.runs < 1:
         usage("--runs must be at least 1")
+    if ("baseline" in tools) != (args.baseline is not None):
+        usage("--baseline CHECKOUT and the tool 'baseline' go together")
+    if args.baseline is not None and not (args.baseline / "shmstage").is_dir():
+        usage(f"{args.baseline} has no shmstage package: pass a checkout of this repository")
     if not root and args.dest is None:
         usage("mounting a private tmpfs needs root: run as root or pass --dest DIR (a tmpfs)")
     if "throttled" in keys and (not root or args.warm):
@@ -407,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if where is not None and where.fstype == "tmpfs":
         usage(f"{args.workdir} is on tmpfs: the datasets must be on a real disk; pass --workdir")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    as_installed(args.workdir / "pycache")
+    as_installed(args.workdir / "pycache", args.baseline)
     paths = {s.dataset.name: ensure_dataset(s.dataset, args.workdir) for s in wanted}
 
     results: list[tuple[Shape, StageBenchResult | str]] = []
@@ -434,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                     throttle_bps=args.throttle * 1_000_000 if shape.throttled else None,
                     workers=args.workers,
                     progress=lambda m: log("  " + m),
+                    baseline=args.baseline,
                 )
             except BenchError as e:  # a tool failed: report it, go on with the other shapes
                 log(f"{shape.title}: {e}")

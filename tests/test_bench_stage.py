@@ -120,6 +120,32 @@ def test_benchmark_result_fields(tmp_path: Path) -> None:
     assert not (tmp_path / "dest").exists(), "the benchmark leaves nothing behind"
 
 
+def test_baseline_runs_another_checkouts_shmstage_side_by_side(tmp_path: Path) -> None:
+    """The tool ``baseline`` stages with the shmstage package of another checkout (here this
+    one's, copied and marked), also when run from a checkout's root (where ``python -m``
+    would find that one's first), checked like shmstage's copy; without a checkout it is
+    refused."""
+    src = _make_tree(tmp_path)
+    other = tmp_path / "before"
+    shutil.copytree(Path(bench.__file__).parents[1], other / "shmstage")
+    main = other / "shmstage" / "__main__.py"
+    main.write_text("import sys\nprint('BASELINE', file=sys.stderr)\n" + main.read_text())
+    argv = bench.tool_argv("baseline", src, tmp_path / "x", baseline=other)
+    assert argv[0] == sys.executable and argv[3] == str(other) and argv[4] == "stage"
+    here = Path(bench.__file__).parents[2]  # this checkout's root: its shmstage in '.'
+    ran = subprocess.run(
+        [*argv[:4], "--version"], capture_output=True, text=True, check=True, cwd=here
+    )
+    assert ran.stderr == "BASELINE\n" and ran.stdout.startswith("shmstage"), ran
+    result = bench.run_stage_benchmark(
+        src, tmp_path / "dest", tools=("shmstage", "baseline"), runs=1, baseline=other
+    )
+    assert [r.tool for r in result.tools] == ["shmstage", "baseline"]
+    assert result.get("baseline").label == "shmstage (baseline)"
+    with pytest.raises(RefusedError, match="baseline=CHECKOUT"):
+        bench.run_stage_benchmark(src, tmp_path / "dest", tools=("baseline",), runs=1)
+
+
 def test_runs_are_interleaved_round_robin(tmp_path: Path) -> None:
     """Tools alternate within each round and the order rotates between rounds; no ratios without shmstage."""
     src = _make_tree(tmp_path)

@@ -423,11 +423,11 @@ def test_stripped_away_hard_link_target_is_refused(tmp_path):
 @pytest.mark.parametrize("flag", ["-z", "-J", None])
 def test_archive_cut_between_check_and_extraction_fails_cleanly(tmpfs, tmp_path, monkeypatch, flag):
     """Damage met while extracting (the archive was cut after the check) discards the partial tree."""
-    from shmstage.stage import verification as engine
+    from shmstage.stage.sources import tar as tarsrc
 
     src = make_tree(tmp_path / "src", files=8, size=200_000)
     arc = tar(src, tmp_path / "data.tar", *([flag] if flag else []))
-    real_scan = engine.tarsrc.scan
+    real_scan = tarsrc.scan
 
     def scan_then_cut(path, *args):
         archive = real_scan(path, *args)
@@ -435,7 +435,7 @@ def test_archive_cut_between_check_and_extraction_fails_cleanly(tmpfs, tmp_path,
             f.truncate(os.path.getsize(path) // 2)
         return archive
 
-    monkeypatch.setattr(engine.tarsrc, "scan", scan_then_cut)
+    monkeypatch.setattr(tarsrc, "scan", scan_then_cut)
     dest = tmpfs("64M") / "s"
     with pytest.raises(ShmstageError) as e:
         stage(arc, dest=dest)

@@ -55,6 +55,7 @@ LABELS: dict[str, str] = {
     "tar": "tar | tar",
     "cat": "cat (read limit)",
     "shmstage": "shmstage stage",
+    "baseline": "shmstage (baseline)",
 }
 _NEEDS = {
     "cp": ("cp",),
@@ -126,12 +127,19 @@ def run_stage_benchmark(
     shmstage_cmd: Sequence[str] | None = None,
     check: bool = True,
     progress: Callable[[str], None] | None = None,
+    baseline: str | os.PathLike[str] | None = None,
 ) -> StageBenchResult:
-    """Time each tool copying ``src`` into ``dest_root`` ``runs`` times, interleaved; medians and ratios."""
+    """Time each tool copying ``src`` into ``dest_root`` ``runs`` times, interleaved; medians and
+    ratios.  ``baseline``: a checkout whose ``shmstage`` the tool ``baseline`` runs (this one's
+    earlier version, side by side)."""
     source = Path(src).resolve()
     dest_base = Path(dest_root).resolve()
     tools = tuple(tools)
     _validate(source, dest_base, tools, runs, drop_caches, throttle_bps)
+    if "baseline" in tools and not (baseline and Path(baseline, "shmstage").is_dir()):
+        raise RefusedError(
+            f"the baseline tool needs baseline=CHECKOUT with a shmstage package, not {baseline}"
+        )
     cmd_prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
     jobs = cat_jobs or max(8, 4 * usable_cpus())
     summary = tree_summary(source)
@@ -167,10 +175,12 @@ def run_stage_benchmark(
                     cat_per=per,
                     shmstage_cmd=cmd_prefix,
                     workers=workers,
+                    baseline=baseline,
                 )
                 seconds, out = _timed(argv, tool, preexec)
                 if check and tool != "cat":
-                    copy = _staged_path(out, tool) if tool == "shmstage" else dest
+                    staged = tool in ("shmstage", "baseline")
+                    copy = _staged_path(out, tool) if staged else dest
                     _check_copy(tool, summary, copy)
                 shutil.rmtree(dest)
                 times[tool].append(seconds)
@@ -268,9 +278,11 @@ def tool_argv(
     cat_per: int = 64,
     shmstage_cmd: Sequence[str] | None = None,
     workers: int | None = None,
+    baseline: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The command that copies ``src`` into the existing directory ``dest`` with ``tool`` (cat: reads only,
-    ``cat_jobs`` processes at once, ``cat_per`` files each: :func:`cat_batch`)."""
+    ``cat_jobs`` processes at once, ``cat_per`` files each: :func:`cat_batch`; baseline:
+    the ``shmstage`` package of the checkout ``baseline``, by this interpreter)."""
     s, d = os.fspath(src), os.fspath(dest)
     if tool == "cp":
         return ["cp", "-a", f"{s}/.", d]
@@ -288,11 +300,20 @@ def tool_argv(
     if tool == "cat":
         script = 'set -o pipefail; find "$1" -type f -print0 | xargs -0 -r -P "$2" -n "$3" cat > /dev/null'
         return ["bash", "-c", script, "bash", s, str(cat_jobs), str(cat_per)]
-    if tool != "shmstage":
+    if tool == "baseline":  # first on sys.path: ahead of the current directory's checkout
+        prefix = [sys.executable, "-c", _FROM_CHECKOUT, os.fspath(baseline or ".")]
+    elif tool != "shmstage":
         raise RefusedError(f"unknown tool '{tool}': choose from {', '.join(TOOLS)}")
-    prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
+    else:
+        prefix = list(shmstage_cmd) if shmstage_cmd else default_shmstage_cmd()
     argv = [*prefix, "stage", s, "--dest", d, "--name", "bench", "--quiet"]
     return argv + (["--workers", str(workers)] if workers else [])
+
+
+_FROM_CHECKOUT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module('shmstage', run_name='__main__', alter_sys=True)"
+)
 
 
 def cat_batch(files: int, jobs: int) -> int:
@@ -309,6 +330,8 @@ def _display(tool: str, jobs: int, per: int, workers: int | None) -> str:
         "tar": "tar -C SRC -cf - . | tar -C DEST -xf -",
         "cat": f"find SRC -type f -print0 | xargs -0 -P {jobs} -n {per} cat > /dev/null",
         "shmstage": "shmstage stage SRC --dest DEST --quiet"
+        + (f" --workers {workers}" if workers else ""),
+        "baseline": "python -m shmstage stage SRC --dest DEST --quiet (BASELINE's shmstage)"
         + (f" --workers {workers}" if workers else ""),
     }[tool]
 

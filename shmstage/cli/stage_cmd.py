@@ -110,8 +110,8 @@ def _log_waiting(p: Progress) -> None:
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
-    help="Copy processes. Default: 4 per CPU, 8 to 32. For s3://, gs://, az://: requests in "
-    "flight, default 32.",
+    help="Copy processes. Default: 2 per CPU from a local disk, 4 per CPU (8 to 32) from a "
+    "network file system. For s3://, gs://, az://: requests in flight, default 32.",
 )
 @click.option(
     "--verify",

@@ -9,7 +9,6 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shmstage import metrics as node_metrics
 from shmstage.errors import RefusedError
 from shmstage.service.client import Connection, connect
 from shmstage.service.protocol import socket_path
@@ -212,5 +211,7 @@ def metrics(
 ) -> Any:
     conn = service_for(dest, service)
     if conn is None:
+        from shmstage import metrics as node_metrics  # the metrics command's alone
+
         return node_metrics.collect(dest, policies)
     return conn.call("metrics", {"dest": _dest_arg(dest)})

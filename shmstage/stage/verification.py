@@ -14,7 +14,6 @@ from shmstage.errors import RefusedError, ShmstageError
 from shmstage.identity import Caller, is_denied, reading_as
 from shmstage.stage.build import copier
 from shmstage.stage.sources import kinds as sources
-from shmstage.stage.sources import tar as tarsrc
 from shmstage.stage.sources.beneath import SOURCE_TOP, SourceTree, join_ident
 from shmstage.stage.sources.walk import unreadable_by_reader, walk
 from shmstage.stage.store import access
@@ -90,6 +89,8 @@ def verify(
         damaged = {d.path for d in diffs}
         if record.kind == "tar":
             _source_there(record.source, stat.S_ISREG, reader)
+            from shmstage.stage.sources import tar as tarsrc  # archives only
+
             bad = tarsrc.compare(record.source, path, manifest.get("strip_components", 0), reader)
         elif record.kind in sources.LISTED_KINDS:  # against the ETags: no download
             from shmstage.stage.sources import s3

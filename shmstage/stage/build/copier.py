@@ -1,11 +1,10 @@
 """The parallel copier's parent side: forked worker processes copy (or compare) batches of
 files (the worker is copy.py, the pipes' records copypipe.py).
 
-Threads are not enough for many small files (the GIL serialises the per-file
-Python work), so the work runs in processes, a few syscalls per file
-(open, sendfile, fstat, futimens, fadvise, close), batched so that one pipe
-message moves up to a few hundred files.  Big files are split into chunks that
-several workers copy at once.
+Threads are not enough for many small files (the GIL serialises the per-file Python
+work), so the work runs in processes, a few syscalls per file, batched so that one pipe
+message moves up to a few hundred files.  Big files are split into chunks that several
+workers copy at once.
 
 NOTE [copier lifecycle]
 
@@ -67,12 +66,10 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def streams(src: str) -> int:
-    """Big files (chunks) copied at once from ``src``: one per CPU from a local disk.  Each is
-    a sendfile, a memcpy that keeps a CPU busy while the disk's readahead runs ahead; more
-    streams than CPUs only split the CPUs and the disk's sequential reads (4 shards of 512
-    MiB on 2 CPUs: 2 streams 1.0 s, 8 streams 1.1-3.0 s).  From a network file system each
-    stream waits on round trips, not a CPU: no limit there (every worker may stream), nor on
-    small files, which wait on the disk."""
+    """Big files (chunks) copied at once from ``src``: one per CPU from a local disk (each is a
+    sendfile, a memcpy that keeps a CPU busy; 4 shards of 512 MiB on 2 CPUs: 2 streams 1.0
+    s, 8 streams 1.1-3.0 s); no limit from a network file system, where streams wait on
+    round trips."""
     from shmstage.system import is_network_fs, mount_of, usable_cpus
 
     mount = mount_of(src)
@@ -91,16 +88,12 @@ class Place(NamedTuple):
 
 
 def default_workers(src: str | None = None) -> int:
-    """Workers for a copy from ``src``.  Each keeps the reads of the next files of its batch
-    under way (copy.py's _Ahead), so from a local disk two per CPU keep the disk busy:
-    more only take CPU from the walk that feeds them (50k 2 KiB files, cold, 2-CPU VM,
-    median of 8: 8 workers 2.29 s, 4 workers 1.97 s).  A network file system's opens are
-    round trips, one at a time per worker: more workers than CPUs there (and where ``src``
-    is not said: comparisons, the live copy of run --no-wait)."""
+    """Workers for a copy from ``src``: 2 per CPU from a local disk, each with the reads of
+    its next files under way (copy.py's _Ahead; 50k 2 KiB files, cold, 2 CPUs: 8 workers
+    2.29 s, 4 1.97 s); 4 per CPU (8 to 32) from a network file system or an unknown ``src``."""
     from shmstage.system import is_network_fs, mount_of, usable_cpus
 
-    cpus = usable_cpus()
-    mount = mount_of(src) if src is not None else None
+    cpus, mount = usable_cpus(), mount_of(src) if src is not None else None
     if mount is None or is_network_fs(mount.fstype):
         return min(32, max(8, 4 * cpus))
     return min(32, max(2, 2 * cpus))
