@@ -14,6 +14,7 @@ import os
 import re
 import resource
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -449,11 +450,19 @@ def node_memory(proc: str = "/proc") -> tuple[int, int]:
         value = rest.split()
         if key in ("MemTotal", "MemAvailable") and value and value[0].isdigit():
             fields[key] = int(value[0]) * (1024 if value[1:] == ["kB"] else 1)
-    if len(fields) == 2:
+    if len(fields) == 2 and 0 < fields["MemAvailable"] <= fields["MemTotal"]:
         return fields["MemTotal"], fields["MemAvailable"]
-    import psutil  # before Linux 3.14, or no /proc: psutil estimates what is available
+    # Before Linux 3.14, no /proc, or a value psutil does not take as it stands (0: it
+    # estimates; more than the total, as lxcfs may say: it takes MemFree): psutil's answer.
+    import psutil
 
-    vm = psutil.virtual_memory()
+    was, psutil.PROCFS_PATH = psutil.PROCFS_PATH, proc
+    try:
+        with warnings.catch_warnings():  # fields it would have liked: its guess stands
+            warnings.simplefilter("ignore", RuntimeWarning)
+            vm = psutil.virtual_memory()
+    finally:
+        psutil.PROCFS_PATH = was
     return vm.total, vm.available
 
 

@@ -685,3 +685,16 @@ def test_a_partial_stage_goes_through_the_service_and_the_user_reads_it_all(
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["partial", str(6 * 50 * 1024)]
+
+
+def test_the_service_loads_the_archive_codecs_before_it_reads_as_anyone():
+    """A user's .tar.gz read through the service imports gzip while reading as that user, who
+    may not be able to read the interpreter's library (a python under /root, 0700): the
+    service imports the codecs, and what the commands load lazily, before its first fork."""
+    code = (
+        "import sys; from shmstage.service import ops; ops.warm_up(); "
+        "print(sorted(m for m in ('tarfile', 'gzip', 'bz2', 'lzma', 'zlib', "
+        "'concurrent.futures', 'shmstage.stage.build.untar') if m not in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout == "[]\n", r.stdout + r.stderr

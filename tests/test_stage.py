@@ -735,17 +735,14 @@ def test_enospc_mid_copy_is_clean(tmpfs, tmp_path, shmstage_bin, procs):
     assert verify("other", dest=dest, checksum=True).ok
 
 
-CHANGED = "its size or mtime differs from the scan, or another file was renamed into its place"
-
-
 @pytest.mark.parametrize(
     "how,message",
     [
-        ("rewrite", "changed during the copy: {f} (" + CHANGED + ")"),
+        ("rewrite", "changed during the copy: {f} (its size or mtime differs from the scan)"),
         ("delete", "vanished during the copy: {f}"),
-        # the same size and mtime, another inode: the worker may have opened f9 ahead, and
-        # must not copy the file the rename took out of the tree
-        ("rename", "changed during the copy: {f} (" + CHANGED + ")"),
+        # the same size and mtime, another inode, the old one still linked in the tree: the
+        # worker queued f9's reads ahead, and must not copy what the rename took out of it
+        ("rename", "{f} is not the file the scan found"),
     ],
 )
 def test_source_changing_during_copy_is_an_error(
@@ -768,6 +765,7 @@ def test_source_changing_during_copy_is_an_error(
         (src / "f9").write_bytes(b"y" * 2000)
     elif how == "rename":
         st = (src / "f9").stat()
+        os.link(src / "f9", src / "f9.old")  # (not copied: the scan did not list it)
         (src / "f9.new").write_bytes(b"y" * 1000)
         os.utime(src / "f9.new", ns=(st.st_atime_ns, st.st_mtime_ns))
         os.rename(src / "f9.new", src / "f9")
@@ -776,7 +774,10 @@ def test_source_changing_during_copy_is_an_error(
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1
     what = message.format(f=src / "f9")
-    assert err == f"Error: source file {what}; re-run when the source is stable\n"
+    if how == "rename":
+        assert err.startswith(f"Error: source file {what}"), err
+    else:
+        assert err == f"Error: source file {what}; re-run when the source is stable\n"
     assert not (dest / "ds").exists()
     assert os.listdir(dest / ".shmstage" / "partial") == []
 

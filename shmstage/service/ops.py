@@ -5,6 +5,7 @@ engine publishes as root), and the few rules of who may remove what.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pwd
@@ -44,15 +45,23 @@ def warm_up() -> None:
         except Exception:  # noqa: S112 - only the imports matter here
             continue
     for module in LAZY:
-        importlib.import_module(module)
+        with contextlib.suppress(ImportError):  # a Python built without lzma, say
+            importlib.import_module(module)
 
 
-# Loaded on first use by the commands (a directory's one-off stage spends no time on them).
+# Loaded on first use by the commands (a directory's one-off stage spends no time on them),
+# and the archive codecs they load while reading as the caller, who may not be able to
+# read the interpreter's own library (a python under /root).
 LAZY = (
     "concurrent.futures",
     "shmstage.stage.build.ondemand",
     "shmstage.stage.build.untar",
     "shmstage.stage.sources.tar",
+    "tarfile",
+    "gzip",
+    "bz2",
+    "lzma",
+    "zlib",
 )
 
 

@@ -89,7 +89,7 @@ class Service:
         self.listener: socket.socket | None = None
         self.held: int | None = None  # the flock that says this service owns the socket
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.keeper = ops.make_keeper(self)
+        self.keeper: Any = None  # made once the socket is ours (bind): it takes over leases
 
     # --- the socket ---------------------------------------------------------------------
 
@@ -133,6 +133,8 @@ class Service:
         os.chmod(self.path, 0o666)
         listener.listen(socket.SOMAXCONN)
         self.listener, self.held = listener, lock
+        if self.keeper is None:  # a refused second service never touches the live one's leases
+            self.keeper = ops.make_keeper(self)
 
     def close(self) -> None:
         if self.listener is not None:

@@ -5,7 +5,7 @@ checked against what the walk found, and written with a few syscalls (open, send
 read/write, fstat, futimens, fadvise, close); big files' chunks are written in place by
 several workers, at most ``streams()`` big streams at once.  The parent side is
 copier.py (NOTE [copier lifecycle]); the records both sides exchange are copypipe.py's.
-Long because each kind of task (whole files with their reads ahead, a chunk, a
+Long because each kind of task (whole files with their reads queued ahead, a chunk, a
 comparison) goes through the one open-and-check path here, private to the worker.
 """
 
@@ -16,7 +16,6 @@ import errno
 import fcntl
 import os
 import signal
-import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -175,12 +174,16 @@ def _do_task(
         elif not _same_range(job, task.offset, task.length, state):
             send(res_w, MISMATCH, idx, 0, 0, 0, 0, job[6])
         return task.length, int(last)
-    ahead = _Ahead(jobs, task.first, task.last, state)
+    ahead = _ReadAhead(jobs, task.first, task.last, state)
+    opened: dict[int, int | _Fail] = {}
     try:
         for i in range(task.first, task.last):
             job = jobs[i]
             if task.op == COPY:
-                _copy_file(job, state, ahead.take(i))
+                ahead.past(i)
+                if i not in opened and _reader_of(job, state) is not None:
+                    _open_ahead(jobs, i, task.last, state, opened)
+                _copy_file(job, state, opened.pop(i, None))
                 if slow:
                     time.sleep(slow)
             elif not _same_range(job, 0, job[2], state):
@@ -188,14 +191,16 @@ def _do_task(
             nbytes += job[2]
             nfiles += 1
     finally:
-        ahead.close()
+        for fd in opened.values():
+            if isinstance(fd, int):
+                os.close(fd)
     return nbytes, nfiles
 
 
-AHEAD = 128  # source files a worker keeps opened ahead, their reads under way (and...)
-AHEAD_BYTES = 16 << 20  # ...at most this much of them: the page cache they fill meanwhile
+AHEAD = 64  # source files a reader's worker opens in one switch of its file-system ids
+READ_AHEAD = 128  # source files whose reads a worker keeps queued ahead of its copy (and...)
+READ_AHEAD_BYTES = 16 << 20  # ...at most this much of them: the page cache they fill meanwhile
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
-_ROOM = 4  # fds given back when the table is full: a file's copy, and its big-file slot
 
 
 def _reader_of(job: Job, state: _State) -> Caller | None:  # pragma: no cover - child
@@ -204,76 +209,90 @@ def _reader_of(job: Job, state: _State) -> Caller | None:  # pragma: no cover - 
     return tree.reader if tree is not None else None
 
 
-class _Ahead:
-    """The next files of a copy batch, opened ahead, their reads under way.
+def _open_ahead(
+    jobs: Sequence[Job], first: int, last: int, state: _State, opened: dict[int, int | _Fail]
+) -> None:  # pragma: no cover - child
+    """Open the sources of the next jobs as their reader in one switch (~10 us) instead of
+    one per file; each failure is kept and raised when its file's turn comes, as it would
+    have been.  The destination side is written as this process, outside the switch."""
+    with reading_as(_reader_of(jobs[first], state)):
+        for i in range(first, min(last, first + AHEAD)):
+            try:
+                opened[i] = _open_src(jobs[i], state, copy=True)
+            except _Fail as f:
+                opened[i] = f
 
-    A small file's copy is one read that waits on the disk, and a worker waits for one file
-    at a time: eight workers keep eight reads in flight, where a cold disk (a network
-    block device most of all) serves many times that.  So a worker opens the next ``AHEAD``
-    files of its batch (at most ``AHEAD_BYTES`` of them, big files' streams never) and asks
-    the kernel for each one's bytes (POSIX_FADV_WILLNEED: the reads are queued, nothing
-    waits); by a file's turn its bytes are on the way or in RAM.  50k 2 KiB files, cold,
-    2-CPU VM, 8 workers: the copy took 3.35 s without and 2.22 s with (median of 4).
 
-    The files are opened exactly as their turn would (:func:`_open_src`, as their reader:
-    one switch of the file-system ids for the lot), and each failure is kept and raised at
-    its file's turn, as it would have been; what is opened is still checked against the walk
-    after the copy.  A full fd table (EMFILE) only ends the look ahead."""
+class _ReadAhead:
+    """The reads of the next files of a copy batch, queued before their turn.
+
+    A small file's copy is one read that waits on the disk, and a worker copies one file at
+    a time: a few workers keep a few reads in flight where a cold disk (a network block
+    device most of all) serves many more.  So a worker asks the kernel for the bytes of the
+    next ``READ_AHEAD`` files of its batch (at most ``READ_AHEAD_BYTES``, big files' streams
+    never): each is opened as its turn would open it, told POSIX_FADV_WILLNEED (the reads
+    are queued, nothing waits) and closed.  Only the page cache remembers it: each file is
+    opened again at its turn and checked as before, so what is copied is what the path
+    holds then; a hint that fails (a file gone, no fd left) is no hint.  50k 2 KiB files,
+    cold, 2-CPU VM, 8 workers: the copy took 3.35 s without and 2.22 s with (median of 4).
+    The window is refilled when half of it has been copied: one switch of the reader's
+    file-system ids per refill."""
 
     def __init__(self, jobs: Sequence[Job], first: int, last: int, state: _State) -> None:
         self.jobs, self.last, self.state = jobs, last, state
-        self.opened: dict[int, int | _Fail] = {}
-        self.next = first  # the next job to open ahead
-        self.bytes = 0  # bytes of the files opened ahead, not yet taken
+        self.next = first  # the next job to hint
+        self.queued: list[int] = []  # bytes hinted per job not yet copied, in order
+        self.bytes = 0
 
-    def take(self, i: int) -> int | _Fail | None:  # pragma: no cover - child
-        """Job ``i``'s source, opened ahead (None: open it at its turn); refills the window."""
-        self._fill(i)
-        got = self.opened.pop(i, None)
-        if isinstance(got, int):
-            self.bytes -= self.jobs[i][2]
-        return got
-
-    def _fill(self, i: int) -> None:  # pragma: no cover - child
-        jobs, state, opened = self.jobs, self.state, self.opened
-        end = min(self.last, i + AHEAD)
-        if self.next >= end or (opened and self.bytes >= AHEAD_BYTES):
+    def past(self, i: int) -> None:  # pragma: no cover - child
+        """Job ``i``'s turn has come: forget it, and hint the next files when half the
+        window is spent."""
+        if self.queued and self.next > i:
+            self.bytes -= self.queued.pop(0)
+        if self.next >= self.last or len(self.queued) > READ_AHEAD // 2:
             return
-        self.next = max(self.next, i)
+        self.next = max(self.next, i + 1)
+        if self.next >= self.last:
+            return
+        jobs, state = self.jobs, self.state
         with reading_as(_reader_of(jobs[self.next], state)):
-            while self.next < end and (not opened or self.bytes < AHEAD_BYTES):
-                k, job = self.next, jobs[self.next]
+            while self.next < self.last and len(self.queued) < READ_AHEAD:
+                if self.queued and self.bytes >= READ_AHEAD_BYTES:
+                    break
+                job = jobs[self.next]
                 self.next += 1
-                if job[2] >= STREAM_MIN:
-                    continue  # opened at its turn, under a stream slot
-                try:
-                    fd = _open_src(job, state, copy=True)
-                except _Fail as f:
-                    if f.err in (errno.EMFILE, errno.ENFILE):
-                        self._room(k)
-                        return
-                    opened[k] = f
-                    continue
-                opened[k] = fd
-                self.bytes += job[2]
-                if job[2]:
-                    os.posix_fadvise(fd, 0, 0, _WILLNEED)
+                size = job[2] if 0 < job[2] < STREAM_MIN else 0  # streams: at their turn
+                self.queued.append(size)
+                self.bytes += size
+                if size:
+                    _hint(job, state)
 
-    def _room(self, k: int) -> None:  # pragma: no cover - child
-        """Out of file descriptors at job ``k``: give back the last few opened ahead (a
-        copy needs two at a time) and open the rest of the batch at each file's turn."""
-        for j in sorted(self.opened, reverse=True)[:_ROOM]:
-            got = self.opened.pop(j)
-            if isinstance(got, int):
-                os.close(got)
-                self.bytes -= self.jobs[j][2]
-        self.next = self.last
 
-    def close(self) -> None:  # pragma: no cover - child
-        for fd in self.opened.values():
-            if isinstance(fd, int):
-                os.close(fd)
-        self.opened.clear()
+def _hint(job: Job, state: _State) -> None:  # pragma: no cover - child
+    """Queue the reads of ``job``'s source (opened as :func:`_open_src` would, beneath its
+    top, never following a symlink), and close it."""
+    path, rel = job[0], job[6]
+    tree = state.trees.get(path[: len(path) - len(rel)])
+    if tree is None:
+        return
+    flags = _RD | os.O_NONBLOCK  # a FIFO put in its place since the walk: no wait
+    try:
+        fd = tree.open(rel, flags | state.noatime)
+    except PermissionError:
+        if not state.noatime:
+            return
+        try:  # O_NOATIME needs ownership: _open_src learns that at the file's turn
+            fd = tree.open(rel, flags)
+        except OSError:
+            return
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, _WILLNEED)
+    except OSError:
+        pass  # a FIFO (ESPIPE) or a file system without readahead
+    finally:
+        os.close(fd)
 
 
 def _open_src(job: Job, state: _State, copy: bool = False) -> int:  # pragma: no cover - child
@@ -299,30 +318,6 @@ def _open_src(job: Job, state: _State, copy: bool = False) -> int:  # pragma: no
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):  # a symlink on the way now
             raise _Fail(K_REPLACED, e.errno, path) from None
         raise _Fail(K_READ, e.errno or 0, path) from None
-
-
-def _unlinked(job: Job, state: _State, read: os.stat_result) -> None:  # pragma: no cover - child
-    """``read`` (the open source's fstat) has no link left: unlinked since it was opened
-    (read ahead, or mid-read), unless its path still names this very file (a file system
-    that reports no link count, some FUSE ones).  Raises what the path holds now: nothing,
-    a named pipe, another file."""
-    path, rel = job[0], job[6]
-    tree = state.trees.get(path[: len(path) - len(rel)])
-    try:
-        if tree is None:
-            raise _Fail(K_VANISHED, errno.ENOENT, path)
-        st = tree.stat(rel)
-    except FileNotFoundError:
-        raise _Fail(K_VANISHED, errno.ENOENT, path) from None
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
-            raise _Fail(K_REPLACED, e.errno, path) from None
-        raise _Fail(K_VANISHED, e.errno or 0, path) from None
-    if ident(st) == ident(read):
-        return  # still there: the file system counts no links
-    if not stat.S_ISREG(st.st_mode):
-        raise _Fail(K_NOTREG, 0, path)
-    raise _Fail(K_CHANGED, 0, path)  # another file renamed into its place
 
 
 def _same_file(job: Job, st: os.stat_result) -> bool:  # pragma: no cover - child
@@ -404,8 +399,6 @@ def _copy_file(
             st = os.fstat(fi)
             if not _same_file(job, st):  # read into our private partial/: removed on failure
                 raise _Fail(K_REPLACED, 0, src)
-            if not st.st_nlink:  # deleted, or replaced by a rename, since it was opened
-                _unlinked(job, state, st)
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(K_CHANGED, 0, src)
             try:
@@ -459,8 +452,6 @@ def _copy_chunk(
         st = os.fstat(fi)
         if not _same_file(job, st):
             raise _Fail(K_REPLACED, 0, src)
-        if not st.st_nlink:
-            _unlinked(job, state, st)
         if done != length or st.st_size != size or st.st_mtime_ns != mtime:
             raise _Fail(K_CHANGED, 0, src)
     finally:

@@ -264,12 +264,12 @@ def _failure(err: int, kind: int, text: str) -> CopyFailed:
     if f.kind == "vanished":
         msg = f"source file vanished during the copy: {text}; re-run when the source is stable"
     elif f.kind == "changed":
-        msg = f"source file changed during the copy: {text} (its size or mtime differs from the scan, or another file was renamed into its place); re-run when the source is stable"
+        msg = f"source file changed during the copy: {text} (its size or mtime differs from the scan); re-run when the source is stable"
     elif f.kind == "replaced":
         msg = (
-            f"source file {text} is not the file the scan found: a directory on its path was "
-            "replaced (by a symlink or another directory) since; nothing was published: "
-            "re-run when the source is stable, and check who can change it"
+            f"source file {text} is not the file the scan found: it, or a directory on its "
+            "path, was replaced (by another file, a symlink or another directory) since; nothing "
+            "was published: re-run when the source is stable, and check who can change it"
         )
     elif f.kind == "not regular":
         msg = (
