@@ -103,7 +103,11 @@ class SlurmCluster:
     config_overrides, then best with ``task_plugin="task/none"``: task/affinity would bind
     tasks to CPUs that do not exist); ``proctrack``: Slurm's ProctrackType (proctrack/cgroup,
     or task/cgroup in ``task_plugin``: cgroup v1, see ``cgroup_missing``; slurmd makes its
-    hierarchy per node, slurm_<node> in each controller, removed with the cluster)."""
+    hierarchy per node, slurm_<node> in each controller, removed with the cluster);
+    ``memory``: RealMemory (MiB) each node declares, with SelectTypeParameters=CR_CPU_Memory
+    (memory a consumable resource: `--mem` is allocated, and task/cgroup's ConstrainRAMSpace
+    makes it the job's memory cgroup limit); None: CR_CPU, `--mem` neither counted nor
+    enforced."""
 
     def __init__(
         self,
@@ -117,6 +121,7 @@ class SlurmCluster:
         cpus: int | None = None,
         task_plugin: str = "task/affinity",
         proctrack: str = "proctrack/linuxproc",
+        memory: int | None = None,
     ) -> None:
         # 0755: the user reaches the config, the munge socket, its home, the source.  Not
         # under /tmp: job_container/tmpfs gives each job a /tmp of its own.
@@ -127,6 +132,7 @@ class SlurmCluster:
         self.node_files = dict(node_files or {})
         self.cpus = cpus or os.cpu_count() or 1
         self.task_plugin, self.proctrack = task_plugin, proctrack
+        self.memory = memory
         if job_container:  # each job gets a private /tmp and /dev/shm (made under BasePath)
             self.conf_extra += "\nJobContainerType=job_container/tmpfs\nPrologFlags=Contain\n"
             self.files["job_container.conf"] = f"AutoBasePath=true\nBasePath={base}/jc\n"
@@ -271,8 +277,9 @@ class SlurmCluster:
         host = socket.gethostname().split(".")[0]
         self.ctld_port = _free_port()
         b = self.base
+        mem = f" RealMemory={self.memory}" if self.memory else ""
         nodes = "\n".join(
-            f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} Gres=gpu:8 State=UNKNOWN"
+            f"NodeName={name} NodeAddr={addr} CPUs={self.cpus}{mem} Gres=gpu:8 State=UNKNOWN"
             for name, addr in zip(self.names, self.addrs)
         )
         self.conf.write_text(
@@ -301,7 +308,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
+SelectTypeParameters={"CR_CPU_Memory" if self.memory else "CR_CPU"}
 SlurmdParameters=config_overrides
 # 8 "GPUs" per node, no devices behind them: the docs' `--gpus-per-node=8` is schedulable
 GresTypes=gpu
@@ -431,7 +438,7 @@ wait
         """``cond()``'s first true value, polled; fails after ``timeout`` s with the logs."""
         return self._until(cond, timeout, what)
 
-    def _until(self, cond, timeout: float, what: str):
+    def _until(self, cond, timeout: float, what: str, interval: float = 0.1):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = cond()
@@ -440,7 +447,7 @@ wait
             for name, p in self.daemons.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited ({p.returncode}): {self.logs()}")
-            time.sleep(0.1)
+            time.sleep(interval)
         raise RuntimeError(f"timed out waiting for {what}: {self.logs()}")
 
     def wait_idle(self, timeout: float = 60) -> None:
@@ -497,7 +504,8 @@ wait
             state = self.show("job", job).get("JobState")
             return state not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and state
 
-        return self._until(ended, timeout, f"job {job} to end")
+        # every poll is an scontrol process and an RPC: on 2 CPUs, 10 a second slow the jobs
+        return self._until(ended, timeout, f"job {job} to end", interval=0.3)
 
     def output(self, job: str) -> str:
         path = self.user_home / f"{job}.out"

@@ -170,10 +170,10 @@ def recipe(c: SlurmCluster, text: str) -> str:
     return text.replace(NFS, f"{c.nfs}/")
 
 
-def on_nodes(c: SlurmCluster, cmd: str) -> list[str]:
-    """``cmd`` (shell) as root on every node: its stdout, node by node."""
+def on_nodes(c: SlurmCluster, cmd: str, nodes: int | None = None) -> list[str]:
+    """``cmd`` (shell) as root on every node (the first ``nodes``): its stdout, node by node."""
     outs = []
-    for i in range(c.n):
+    for i in range(c.n if nodes is None else nodes):
         r = c.on_node(
             i, ["sh", "-c", cmd], env=c.env(PATH=f"{c.bin}:/usr/sbin:/usr/bin:/sbin:/bin")
         )
@@ -239,8 +239,8 @@ def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(
     every task trains on the node's copy, leased while it runs and released after."""
     c = slurm
     wipe_stores(c)
-    for out in on_nodes(c, "shmstage prepare --config /etc/shmstage.yaml --json"):
-        assert json.loads(out)["failed"] is False
+    for out in on_nodes(c, "shmstage prepare --config /etc/shmstage.yaml --json", nodes=2):
+        assert json.loads(out)["failed"] is False  # the 2 nodes the job gets (node1, node2)
     script = job_script("cluster.md", "#SBATCH --nodes=8 --ntasks-per-node=8 --gpus-per-node=8")
     assert "shmstage prepare --config /etc/shmstage.yaml" in script
     job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=2")
@@ -254,7 +254,7 @@ def test_cluster_md_job_script_on_nodes_root_prepared_runs_on_the_prepared_copy(
         for host in ("node1", "node1", "node2", "node2")
     ]
     assert all(r["leases"] and r["leases"][0] for r in rows), rows  # leased while it ran
-    for out in on_nodes(c, f"shmstage list --json --dest {c.dest}")[:2]:
+    for out in on_nodes(c, f"shmstage list --json --dest {c.dest}", nodes=2):
         (listed,) = json.loads(out)
         assert listed["path"] == copy and listed["leased_by"] == [], listed  # and released
 
@@ -371,13 +371,14 @@ def test_cluster_md_prolog_that_fails_drains_the_node(prolog_slurm):
 def digests(c: SlurmCluster, path: str, nodes: int) -> list[str]:
     """Every node's sha1 of every file under ``path`` (one string per node)."""
     cmd = f"cd {path} && find . -type f -print0 | sort -z | xargs -0 sha1sum"
-    return on_nodes(c, cmd)[:nodes]
+    return on_nodes(c, cmd, nodes)
 
 
-def test_cluster_staging_md_recipe_reads_the_source_once_across_four_nodes(slurm):
-    """docs/cluster-staging.md's Slurm recipe on 4 nodes: `stage --nodes` with the rank and
-    node 0 from Slurm's variables reads the source about once in all (the 4 loop devices
-    together), every node publishes the same copy, and the job's `run` copies nothing."""
+def test_cluster_staging_md_recipe_reads_the_source_once_across_the_nodes(slurm):
+    """docs/cluster-staging.md's Slurm recipe on 2 nodes (each alone would read 2x): `stage
+    --nodes` with the rank and node 0 from Slurm's variables reads the source about once in
+    all (the loop devices together), every node publishes the same copy, and the job's `run`
+    copies nothing."""
     c = slurm
     wipe_stores(c)
     script = job_script(
@@ -385,33 +386,33 @@ def test_cluster_staging_md_recipe_reads_the_source_once_across_four_nodes(slurm
     )
     size = c.sizes["datasets/imagenet/train"]
     before = c.read()
-    job = c.sbatch(recipe(c, script), "--nodes=4", "--ntasks-per-node=1")
+    job = c.sbatch(recipe(c, script), "--nodes=2", "--ntasks-per-node=1")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     read = c.read() - before
     out = c.output(job)
-    # once, plus what each node reads of the image's metadata; 4 separate copies read >= 4x
+    # once, plus what each node reads of the image's metadata; 2 separate copies read >= 2x
     assert size <= read < 1.5 * size, (read, size, out)
-    assert out.count("train is up to date") == 4 and "Error" not in out, out
-    assert len(trained(c, job)) == 4
-    sums = digests(c, f"/dev/shm/shmstage-{c.user}/train", 4)  # the recipe's DEST
+    assert out.count("train is up to date") == 2 and "Error" not in out, out
+    assert len(trained(c, job)) == 2
+    sums = digests(c, f"/dev/shm/shmstage-{c.user}/train", 2)  # the recipe's DEST
     assert len(set(sums)) == 1 and sums[0].count("\n") == 97
 
 
 def test_cluster_staging_md_prepare_nodes_reads_the_source_once(slurm):
     """`srun --ntasks-per-node=1 shmstage prepare --nodes $SLURM_JOB_NUM_NODES` (same page),
     as the user on nodes whose /dev/shm root sized already: the config's dataset is read about
-    once across the 4 nodes and published on each."""
+    once across the 2 nodes (each alone: 2x) and published on each."""
     c = slurm
     wipe_stores(c)
     on_nodes(c, "mount -o remount,size=300M /dev/shm")  # root's part of the config, done
     line = inline("cluster-staging.md", "srun --ntasks-per-node=1 shmstage prepare --nodes")
     size = c.sizes["datasets/imagenet/train"]
     before = c.read()
-    job = c.sbatch(recipe(c, line + "\n"), "--nodes=4")
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     read = c.read() - before
     assert size <= read < 1.5 * size, (read, size, c.output(job))
-    sums = digests(c, f"{c.dest}/train", 4)
+    sums = digests(c, f"{c.dest}/train", 2)
     assert len(set(sums)) == 1 and sums[0].count("\n") == 97
 
 
@@ -467,13 +468,15 @@ def test_cluster_staging_md_sallocs_shell_stages_alone(slurm):
 
 def test_bench_md_cluster_bench_runs_on_every_node(slurm):
     """docs/bench.md's `srun ... shmstage bench stage ... --nodes $SLURM_JOB_NUM_NODES`: it
-    runs to the end on 2 nodes as the user and reports each mode's source bytes."""
+    runs to the end on 2 nodes as the user and reports each mode's source bytes (one run per
+    mode, not the line's 3: each run is the same two stages, seconds each on 2 CPUs)."""
     c = slurm
     script = block(
         "bench.md", "# Slurm, one task per node: --nodes, the rank and node 0 from the step"
     )
     line = next(x for x in script.splitlines() if x.startswith("srun "))
-    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2")
+    assert line.endswith(" --runs 3"), line
+    job = c.sbatch(recipe(c, line.removesuffix("3") + "1\n"), "--nodes=2")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     out = c.output(job)
     naive = re.search(r"^naive \(each node alone\) .* ([\d.]+)x ", out, re.M)
@@ -497,19 +500,18 @@ def expected_workers(row: dict, tasks: int) -> int:
 def test_run_under_srun_gives_each_task_the_workers_of_its_cpus_and_ranks(slurm, bind):
     """`srun --ntasks-per-node=2 shmstage run ...` (the run.md form, 2 tasks per node here):
     each task's loader counts the step's 2 tasks on its node (no torchrun variables) and its
-    own CPUs: bound to one each by default, sharing the node's with --cpu-bind=none."""
+    own CPUs: bound to one each by default, sharing the node's with --cpu-bind=none (one
+    node: what a task counts is its own node's)."""
     c = slurm
     wipe_stores(c)
     k = 2
     cmd = f"srun {bind}--ntasks-per-node={k} shmstage run --stage {c.nfs}/imagenet -- "
-    job = c.sbatch(cmd + "python train.py --data {staged}\n", "--nodes=2", f"--ntasks-per-node={k}")
+    job = c.sbatch(cmd + "python train.py --data {staged}\n", "--nodes=1", f"--ntasks-per-node={k}")
     assert c.wait_job(job) == "COMPLETED", c.output(job)
     rows = trained(c, job)
-    assert [(r["host"], r["localid"]) for r in rows] == [
-        (h, str(i)) for h in ("node1", "node2") for i in range(k)
-    ]
+    assert [(r["host"], r["localid"]) for r in rows] == [("node1", str(i)) for i in range(k)]
     for r in rows:
-        assert (r["ranks"], r["tasks_per_node"]) == (k, f"{k}(x2)"), r
+        assert (r["ranks"], r["tasks_per_node"]) == (k, str(k)), r
         assert r["rank"] == int(r["procid"]), r  # loader.md: SLURM_PROCID without torchrun
         assert r["cpus"] == (c.cpus // k if not bind else c.cpus), r  # what Slurm gave it
         assert r["workers"] == r["loader_workers"] == expected_workers(r, k), r
@@ -576,9 +578,9 @@ def test_run_md_srun_cpus_per_task_matters_to_an_exact_step_only(slurm):
 
 @pytest.fixture(scope="module")
 def wide_slurm(tmp_path_factory):
-    """Nodes that declare 8 CPUs (tasks unbound, sharing the machine's), so the docs' 8 tasks
-    per node fit."""
-    c = make_cluster(tmp_path_factory, cpus=8, task_plugin="task/none")
+    """A node that declares 8 CPUs (tasks unbound, sharing the machine's), so the docs' 8 tasks
+    per node fit (the lines name no node count: one node shows them)."""
+    c = make_cluster(tmp_path_factory, nodes=1, cpus=8, task_plugin="task/none")
     try:
         yield c
     finally:
@@ -587,7 +589,7 @@ def wide_slurm(tmp_path_factory):
 
 def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_slurm):
     """`srun --ntasks-per-node=8 shmstage run --stage /nfs/imagenet -- python train.py --data
-    {staged}` (quickstart.md; run.md prints it with the source elided): on each node one task
+    {staged}` (quickstart.md; run.md prints it with the source elided), on a node: one task
     copies, the other 7 reuse that copy, and each task's loader counts 8 ranks sharing the
     node's CPUs (no torchrun, so from SLURM_STEP_TASKS_PER_NODE)."""
     c = wide_slurm
@@ -598,17 +600,17 @@ def test_run_md_eight_tasks_per_node_stage_one_copy_and_count_eight_ranks(wide_s
     )
     short = inline("run.md", "srun --ntasks-per-node=8 shmstage run")
     assert short == line.replace("/nfs/imagenet", "...")
-    job = c.sbatch(recipe(c, line + "\n"), "--nodes=2", "--ntasks-per-node=8")
+    job = c.sbatch(recipe(c, line + "\n"), "--nodes=1", "--ntasks-per-node=8")
     assert c.wait_job(job, timeout=240) == "COMPLETED", c.output(job)
     out = c.output(job)
-    assert out.count("staged imagenet:") == 2 and "Error" not in out, out  # one copy per node
-    assert len(re.findall(r"imagenet is up to date", out)) == 14, out
+    assert out.count("staged imagenet:") == 1 and "Error" not in out, out  # one copy
+    assert len(re.findall(r"imagenet is up to date", out)) == 7, out
     rows = trained(c, job)
-    assert [r["host"] for r in rows] == ["node1"] * 8 + ["node2"] * 8
+    assert [r["host"] for r in rows] == ["node1"] * 8
     machine = len(os.sched_getaffinity(0))
     for r in rows:
         assert (r["files"], r["bytes"]) == (96, c.sizes["imagenet"]), r
-        assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8(x2)", machine), r
+        assert (r["ranks"], r["tasks_per_node"], r["cpus"]) == (8, "8", machine), r
         assert r["workers"] == r["loader_workers"] == max(1, machine // 8 - 1), r
 
 
@@ -727,43 +729,81 @@ shmem() {
 """
 
 
+@pytest.fixture(scope="module")
+def cgroup_slurm(tmp_path_factory):
+    """One node running the node service, with task/cgroup's ConstrainRAMSpace (cgroup v1) and
+    memory a consumable resource (RealMemory, CR_CPU_Memory): a job's `--mem` is its memory
+    cgroup's limit."""
+    why = missing() or cgroup_missing()
+    if why:
+        pytest.skip(why)
+    conf = "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nConstrainRAMSpace=yes\n"
+    c = make_cluster(tmp_path_factory, service=True, nodes=1, proctrack="proctrack/cgroup",
+                     task_plugin="task/cgroup,task/affinity", files={"cgroup.conf": conf},
+                     memory=2048)  # fmt: skip
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
 def test_service_md_under_constrainramspace_only_a_copy_made_in_the_job_is_charged_to_it(
-    tmp_path_factory,
+    cgroup_slurm,
 ):
     """service.md and cluster.md under task/cgroup with ConstrainRAMSpace: the service's copy
     (service.md's `DATA=$(shmstage stage ... --lease-for $$ -q)`) is not charged to the job's
     memory cgroup; a copy the job makes itself (an `srun shmstage stage` step) is, all of it."""
-    why = missing() or cgroup_missing()
-    if why:
-        pytest.skip(why)
+    c = cgroup_slurm
     doc = " ".join((ROOT / "docs" / "service.md").read_text().split())
     assert "The pages land in `shmstage.slice`, not in the job's cgroup" in doc
     doc = " ".join((ROOT / "docs" / "cluster.md").read_text().split())
     assert "unless the copy runs inside the job (`srun` form above), where they are charged " \
         "to the job" in doc  # fmt: skip
-    conf = "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nConstrainRAMSpace=yes\n"
-    c = make_cluster(tmp_path_factory, service=True, nodes=1, proctrack="proctrack/cgroup",
-                     task_plugin="task/cgroup,task/affinity", files={"cgroup.conf": conf})  # fmt: skip
-    try:
-        stage = next(x for x in job_script("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
-                     .splitlines() if x.startswith("DATA=$(shmstage stage"))  # fmt: skip
-        script = recipe(c, (
-            f"#!/bin/bash\n{JOB_SHMEM}echo start $(shmem)\n{stage}\necho service $(shmem) $DATA\n"
-            "srun shmstage stage /nfs/imagenet --dest /dev/shm/shmstage-$USER -q\n"
-            "echo job $(shmem)\n"
-        ))  # fmt: skip
-        job = c.sbatch(script, "--nodes=1")
-        assert c.wait_job(job) == "COMPLETED", c.output(job)
-        lines = c.output(job).splitlines()
-        assert f"/dev/shm/shmstage-{c.user}/imagenet" in lines, lines  # the job's own copy
-        out = dict(x.split(" ", 1) for x in lines if x.startswith(("start ", "service ", "job ")))
-        size = c.sizes["imagenet"]
-        service, data = out["service"].split()
-        assert data == f"{c.dest}/imagenet", out  # the service's copy, in root's store
-        assert int(service) - int(out["start"]) < size // 4, out  # not charged to the job
-        assert int(out["job"]) - int(service) >= size, out  # the job's own copy: charged
-    finally:
-        stop_cluster(c)
+    stage = next(x for x in job_script("service.md", "#SBATCH --nodes=1 --gres=gpu:8")
+                 .splitlines() if x.startswith("DATA=$(shmstage stage"))  # fmt: skip
+    script = recipe(c, (
+        f"#!/bin/bash\n{JOB_SHMEM}echo start $(shmem)\n{stage}\necho service $(shmem) $DATA\n"
+        "srun shmstage stage /nfs/imagenet --dest /dev/shm/shmstage-$USER -q\n"
+        "echo job $(shmem)\n"
+    ))  # fmt: skip
+    job = c.sbatch(script, "--nodes=1")
+    assert c.wait_job(job) == "COMPLETED", c.output(job)
+    lines = c.output(job).splitlines()
+    assert f"/dev/shm/shmstage-{c.user}/imagenet" in lines, lines  # the job's own copy
+    out = dict(x.split(" ", 1) for x in lines if x.startswith(("start ", "service ", "job ")))
+    size = c.sizes["imagenet"]
+    service, data = out["service"].split()
+    assert data == f"{c.dest}/imagenet", out  # the service's copy, in root's store
+    assert int(service) - int(out["start"]) < size // 4, out  # not charged to the job
+    assert int(out["job"]) - int(service) >= size, out  # the job's own copy: charged
+
+
+def test_concepts_md_a_job_staging_more_than_its_mem_into_dev_shm_is_refused_in_one_line(
+    cgroup_slurm,
+):
+    """concepts.md: staging checks the job cgroup's headroom, not only /dev/shm's free space.
+    A job of `--mem=96M` (its memory cgroup's limit under ConstrainRAMSpace) staging 160 MiB
+    into the node's /dev/shm (256M: room enough) is refused in one line naming the memory
+    cgroup limit, and copies nothing."""
+    c = cgroup_slurm
+    doc = " ".join((ROOT / "docs" / "concepts.md").read_text().split())
+    assert "staging checks the cgroup's headroom (limit minus usage), not only `/dev/shm`'s " \
+        "free space" in doc  # fmt: skip
+    src = c.user_home / "huge"
+    src.mkdir()
+    with open(src / "big.bin", "wb") as f:  # sparse: 160 MiB to stage, no disk
+        f.truncate(160 << 20)
+    subprocess.run(["chown", "-R", f"{c.uid}:{c.gid}", str(src)], check=True)
+    limit = "m=$(grep ':memory:' /proc/self/cgroup | cut -d: -f3)\n" \
+        'echo limit $(cat "/sys/fs/cgroup/memory${m%%/step_*}/memory.limit_in_bytes")\n'  # fmt: skip
+    dest = f"/dev/shm/shmstage-{c.user}"
+    job = c.sbatch(f"{limit}shmstage stage {src} --dest {dest} -q\n", "--nodes=1", "--mem=96M")
+    assert c.wait_job(job) == "FAILED", c.output(job)
+    lines = c.output(job).splitlines()
+    assert lines[0] == f"limit {96 << 20}", lines  # Slurm made --mem the job's limit
+    assert len(lines) == 2 and "Traceback" not in c.output(job), lines
+    assert lines[1].startswith("Error: ") and "(the memory cgroup limit)" in lines[1], lines
+    assert "huge" not in c.on_node(0, ["ls", "-A", dest]).stdout.split()
 
 
 def test_cluster_staging_md_on_service_nodes_only_a_given_nodes_stages_together(tmp_path_factory):
@@ -842,7 +882,9 @@ def signal_table() -> list[list[str]]:
 
 
 def _count(out: Path, sig: str) -> int:
-    return int(re.search(rf"{sig}=(\d+)", out.read_text())[1]) if out.exists() else -1
+    """-1 until the job wrote it (or while it rewrites it: write_text truncates first)."""
+    m = re.search(rf"{sig}=(\d+)", out.read_text()) if out.exists() else None
+    return int(m[1]) if m else -1
 
 
 def test_run_md_slurm_signals_reach_the_job_as_its_table_says(slurm):

@@ -13,7 +13,8 @@ removed afterwards.  Modes are interleaved, the order rotated each run.  A run's
 time from leaving the barrier to its stage exiting (node clocks need not agree); its source
 bytes are the sum over nodes of what each stage process (with its copy workers) made the
 kernel read from storage: ``read_bytes`` of /proc/PID/io, taken as ``ru_inblock`` x 512
-from wait4(2) so that reaped workers count (see docs/bench.md for what that covers).
+from wait4(2) so that reaped workers count, or, when SRC is on a block device and that
+device read less meanwhile, the device's own count (see docs/bench.md for what that covers).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def run_nodes_benchmark(
                 else:  # alone, also in a Slurm step of one task per node (which means --nodes N)
                     argv += ["--nodes", "1"]
                 try:
-                    mine = _stage_once(argv, work / name, summary, mode)
+                    mine = _stage_once(argv, work / name, summary, mode, source)
                 finally:
                     _remove(name, work)
                 done = rv.allgather_json(f"done/{i}/{mode}", [mine.seconds, mine.read_bytes], True)
@@ -209,9 +210,17 @@ def mode_results(
     return out
 
 
-def _stage_once(argv: list[str], copy: Path, want: TreeSummary, mode: str) -> _NodeRun:
-    """Run one ``shmstage stage``; its wall time and the bytes it (and its workers) read."""
+def _stage_once(
+    argv: list[str], copy: Path, want: TreeSummary, mode: str, source: Path
+) -> _NodeRun:
+    """Run one ``shmstage stage``; its wall time and the bytes it (and its workers) read.
+
+    Both counts bound what it read of SRC from above, so the smaller is taken: its own
+    (``ru_inblock``) also counts its program files when another process dropped them from
+    the page cache since they were warmed; SRC's block device's also counts other readers
+    of that device (another "node" of one machine on one disk)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHMSTAGE_STAGE_")}
+    device = _device_read_bytes(source)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
         proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
@@ -231,7 +240,22 @@ def _stage_once(argv: list[str], copy: Path, want: TreeSummary, mode: str) -> _N
             f"shmstage stage ({mode}) made a wrong copy at {copy}: {got.files} files, "
             f"{got.bytes} bytes; the source has {want.files}, {want.bytes}"
         )
-    return _NodeRun(seconds, usage.ru_inblock * 512)
+    read = usage.ru_inblock * 512
+    after = _device_read_bytes(source)
+    if device is not None and after is not None:
+        read = min(read, after - device)
+    return _NodeRun(seconds, read)
+
+
+def _device_read_bytes(path: Path) -> int | None:
+    """Bytes read so far from the block device ``path`` is on (sectors read in its
+    /sys/dev/block/MAJ:MIN/stat, 512 bytes each); None where it is on none (NFS, tmpfs)."""
+    dev = os.stat(path).st_dev
+    try:
+        stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+        return 512 * int(stat[2])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _remove(name: str, dest: Path) -> None:
