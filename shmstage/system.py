@@ -443,7 +443,8 @@ def memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Memory:
 
 def node_memory(proc: str = "/proc") -> tuple[int, int]:
     """The node's MemTotal and MemAvailable in bytes, from ``proc``/meminfo (what psutil's
-    virtual_memory reports; psutil, ~15 ms to import, only for a kernel without MemAvailable)."""
+    virtual_memory reports; psutil, ~15 ms to import, only where it would not take them as
+    they stand)."""
     fields: dict[str, int] = {}
     for line in (_read(f"{proc}/meminfo") or "").splitlines():
         key, _, rest = line.partition(":")

@@ -89,7 +89,7 @@ class Place(NamedTuple):
 
 def default_workers(src: str | None = None) -> int:
     """Workers for a copy from ``src``: 2 per CPU from a local disk, each with the reads of
-    its next files under way (copy.py's _Ahead; 50k 2 KiB files, cold, 2 CPUs: 8 workers
+    its next files under way (copy.py's _ReadAhead; 50k 2 KiB files, cold, 2 CPUs: 8 workers
     2.29 s, 4 1.97 s); 4 per CPU (8 to 32) from a network file system or an unknown ``src``."""
     from shmstage.system import is_network_fs, mount_of, usable_cpus
 
