@@ -13,7 +13,6 @@ import math
 import os
 import re
 import resource
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,8 +187,8 @@ def is_mountpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def disk_usage(path: str | os.PathLike[str]) -> Usage:
-    u = shutil.disk_usage(path)
-    return Usage(u.total, u.used, u.free)
+    st = os.statvfs(path)  # shutil.disk_usage's numbers (shutil loads bz2, lzma and zlib)
+    return Usage(st.f_blocks * st.f_frsize, (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_bavail * st.f_frsize)
 
 
 # --- cgroups ----------------------------------------------------------------

@@ -184,6 +184,50 @@ def test_source_tree_opens_below_its_root_and_never_through_a_symlink(
             tree.lstat("l/f")
 
 
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "per-component"])
+def test_source_tree_opens_a_name_in_a_directory_it_found_and_never_a_symlink(
+    tmp_path, monkeypatch, openat2
+):
+    """SourceTree.open_dir + open(name, at=): the copier's per-task directory.  The directory
+    is found beneath the top without a symlink on the way; a name in it opens, a symlink by
+    that name is ELOOP, and "..", "." or a path with "/" are refused (EXDEV) rather than
+    resolved from the directory."""
+    import errno
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"ok")
+    (tmp_path / "vault").mkdir()
+    (tmp_path / "vault" / "f").write_bytes(b"secret")
+    (tmp_path / "d" / "link").symlink_to(tmp_path / "vault" / "f")
+    (tmp_path / "l").symlink_to(tmp_path / "vault")
+    monkeypatch.setattr(beneath, "_openat2", [] if openat2 else [False])
+    with beneath.SourceTree(str(tmp_path)) as tree:
+        at = tree.open_dir("d")
+        try:
+            fd = tree.open_file("f", os.O_RDONLY, at=at)
+            try:
+                assert os.read(fd, 10) == b"ok"
+            finally:
+                os.close(fd)
+            with pytest.raises(OSError) as e:
+                tree.open("link", os.O_RDONLY, at)
+            assert e.value.errno == errno.ELOOP
+            for bad in ("..", ".", "", "../vault/f", "x/f"):
+                with pytest.raises(OSError) as e:
+                    tree.open(bad, os.O_RDONLY, at)
+                assert e.value.errno == errno.EXDEV, bad
+        finally:
+            os.close(at)
+        with pytest.raises(OSError) as e:
+            tree.open_dir("l")
+        assert e.value.errno in (errno.ELOOP, errno.ENOTDIR)
+        top = tree.open_dir("")
+        try:
+            assert os.fstat(top).st_ino == (tmp_path).stat().st_ino
+        finally:
+            os.close(top)
+
+
 # --- 2. the group of a copy a user stages ------------------------------------------
 
 STAGER, PRIMARY, PROJECT = 4345, 4346, 4347  # the stager, its primary group, the data's group

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmstage.errors import RefusedError
-from shmstage.service.client import Connection, connect
-from shmstage.service.protocol import socket_path
+from shmstage.service.address import socket_path
 from shmstage.stage import engine, resident
 from shmstage.stage.cache.makeroom import CachePolicy
 from shmstage.stage.cache.tiers import Placed, Plan, split
 from shmstage.stage.store.layout import Store, managed_by
+
+if TYPE_CHECKING:
+    from shmstage.service.client import Connection
 
 # The caller's object-store settings, handed to the service so it reads as them
 CREDENTIAL_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "AZURE_", "GCS_")
@@ -26,7 +28,12 @@ def service_for(dest: str | os.PathLike[str] | None, service: bool = True) -> Co
     (``dest`` None, no $SHMSTAGE_DEST: the service's tiers, the node's store)."""
     if not service:
         return None
-    conn = connect()
+    where = socket_path()
+    if not os.path.exists(where):  # nothing to connect to: the socket module stays unloaded
+        return None
+    from shmstage.service.client import connect
+
+    conn = connect(where)
     if conn is None:
         return None
     if dest is None and not os.environ.get("SHMSTAGE_DEST"):

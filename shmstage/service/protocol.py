@@ -16,40 +16,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shmstage.config import ConfigError, node_service
-from shmstage.config.model import DEFAULT_SOCKET
 from shmstage.errors import ShmstageError
+from shmstage.service.address import SOCKET_ENV as SOCKET_ENV
+from shmstage.service.address import socket_path as socket_path
 
 VERSION = 1
-SOCKET_ENV = "SHMSTAGE_SOCKET"
 MAX_REQUEST = 1 << 20  # one JSON line; anything longer is refused unread
 READ_DEADLINE = 5.0  # seconds a client has to send its whole request line
 MAX_FRAME = 1 << 30  # a result frame (a list of a million datasets stays far below)
 
 _HEADER = struct.Struct("!I")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python names it in 3.13
-
-
-def socket_path(
-    path: str | os.PathLike[str] | None = None,
-    config_path: str | os.PathLike[str] | None = None,
-    *,
-    strict: bool = False,
-) -> str:
-    """The service's socket: ``path``, else ``$SHMSTAGE_SOCKET``, else the node config's
-    ``service.socket``, else /run/shmstage/shmstage.sock.  A config that does not load is
-    an error only when ``strict`` (the service); a client then tries the default."""
-    if path is not None:
-        return os.fspath(path)
-    if os.environ.get(SOCKET_ENV):
-        return os.environ[SOCKET_ENV]
-    try:
-        service = node_service(config_path)
-    except ConfigError:
-        if strict:
-            raise
-        service = None
-    return service.socket if service is not None else DEFAULT_SOCKET
 
 
 class ProtocolError(ShmstageError):

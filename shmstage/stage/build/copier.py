@@ -4,7 +4,8 @@ files (the worker is copy.py, the pipes' records copypipe.py).
 Threads are not enough for many small files (the GIL serialises the per-file Python
 work), so the work runs in processes, a few syscalls per file, batched so that one pipe
 message moves up to a few hundred files.  Big files are split into chunks that several
-workers copy at once.
+workers copy at once.  Long because two drivers share the workers' protocol: :func:`run`
+for a list known up front and :class:`Stream` for jobs handed out while a walk goes on.
 
 NOTE [copier lifecycle]
 
@@ -31,6 +32,7 @@ import contextlib
 import os
 import signal
 import struct
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -110,6 +112,7 @@ def make_tasks(
     directory on the directory's lock, so workers busy in different places run in
     parallel."""
     chunk = chunk or CHUNK  # read now: tests make it small
+    big = 2 * chunk
     per_file: list[list[Task]] = []
     per_dir: dict[str, list[Task]] = {}
     chunked: list[int] = []
@@ -124,7 +127,7 @@ def make_tasks(
         if start is not None and folder != where:
             close(i)
             start = None
-        if size > 2 * chunk:
+        if size > big:
             chunked.append(i)
             per_file.append(
                 [Task(op, i, i + 1, off, min(chunk, size - off)) for off in range(0, size, chunk)]
@@ -222,6 +225,7 @@ def run(
 _REC = struct.Struct("<iiqqiqq")
 _INO = (1 << 64) - 1
 _JOB = struct.Struct("<qqqiQQI")  # size, mtime_ns, atime_ns, mode, st_dev, st_ino, len(rel)
+_FSENC, _FSERR = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()  # os.fsencode's
 _STREAM_REC = _REC.pack(STREAM, 0, 0, 0, 0, 0, 0)
 
 
@@ -322,13 +326,14 @@ class Stream:
         parts = []
         pos = self.end
         skip = len(self.src_prefix)
-        for job in jobs:
-            rel = os.fsencode(job[0][skip:])
-            offsets.append(pos)
+        pack, fixed, append, mark = _JOB.pack, _JOB.size, parts.append, offsets.append
+        for job in jobs:  # per file of a million: locals, os.fsencode's encode inline
+            rel = job[0][skip:].encode(_FSENC, _FSERR)
+            mark(pos)
             who = job[7] if len(job) > 7 else 0
-            rec = _JOB.pack(job[2], job[3], job[4], job[5], who >> 64, who & _INO, len(rel)) + rel
-            parts.append(rec)
-            pos += len(rec)
+            append(pack(job[2], job[3], job[4], job[5], who >> 64, who & _INO, len(rel)))
+            append(rel)
+            pos += fixed + len(rel)
         offsets.append(pos)
         os.pwrite(self.mem, b"".join(parts), self.end)
         self.end = pos
@@ -339,8 +344,11 @@ class Stream:
         page = self.page
         for t in tasks:
             off, span = offsets[t.first], offsets[t.last] - offsets[t.first]
-            sizes = [t.length] if t.length >= 0 else [j[2] for j in jobs[t.first : t.last]]
-            self._pages[self.sent] = pages = sum(rounded(n, page) for n in sizes)
+            if t.length >= 0:
+                pages = rounded(t.length, page)
+            else:  # -(n // -page): whole pages
+                pages = -sum([j[2] // -page for j in jobs[t.first : t.last]]) * page
+            self._pages[self.sent] = pages
             self.handed += pages
             rec = _REC.pack(self.sent, t.op, off, span, t.last - t.first, t.offset, t.length)
             if t.length >= 0:

@@ -17,6 +17,7 @@ import fcntl
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 from shmstage.identity import Caller, reading_as
@@ -107,6 +108,7 @@ def worker(
         try:
             nbytes, nfiles = _do_task(jobs, task, state, res_w, idx, slow)
             state.release()
+            state.leave_folder()
         except _Fail as f:
             send(res_w, ERR, idx, 0, 0, f.err, f.kind, f.path)
             return 0
@@ -137,6 +139,35 @@ class _State:
         self.slots = (-1, -1)  # the stream slots' pipe (read one to start a stream, give it back)
         self.holding = False  # a slot is ours (see hold)
         self.made: tuple[int, int] | None = None  # a new file's owner, where known (made_here)
+        # the directory the task's files are in, opened once per task (SourceTree.open_dir):
+        # each file is then one openat of its name, not an openat2 of its whole path
+        self.folder: tuple[str, int, SourceTree | None, int] = ("", -1, None, 0)
+
+    def leave_folder(self) -> None:
+        """Close the task's directory: the next task finds its own again by its path (a
+        directory swapped since is not read through the one found before)."""
+        fd = self.folder[1]
+        self.folder = ("", -1, None, 0)
+        if fd >= 0:
+            os.close(fd)
+
+    def where(self, job: Job) -> tuple[SourceTree, int, str]:
+        """``job``'s source tree, its directory's fd (opened beneath the tree's top without
+        following a symlink, once per task) and its name in that directory."""
+        path, rel = job[0], job[6]
+        folder, _, name = rel.rpartition("/")
+        key = path[: len(path) - len(name)]  # the directory's whole path, "/"-terminated
+        cut = len(path) - len(rel)  # where the tree's top ends in it (nested tops differ)
+        here = self.folder
+        if here[0] == key and here[3] == cut:
+            return here[2], here[1], name  # type: ignore[return-value]
+        top = path[:cut]
+        tree = self.trees.get(top)
+        if tree is None:
+            tree = self.trees[top] = SourceTree(top)
+        self.leave_folder()
+        self.folder = (key, tree.open_dir(folder), tree, cut)
+        return tree, self.folder[1], name
 
     def hold(self) -> None:
         """Take one of the streams() slots (for a chunk, before taking the chunk itself).  A
@@ -176,12 +207,13 @@ def _do_task(
         return task.length, int(last)
     ahead = _ReadAhead(jobs, task.first, task.last, state)
     opened: dict[int, int | _Fail] = {}
+    readers = any(tree.reader is not None for tree in state.trees.values())
     try:
         for i in range(task.first, task.last):
             job = jobs[i]
             if task.op == COPY:
                 ahead.past(i)
-                if i not in opened and _reader_of(job, state) is not None:
+                if readers and i not in opened and _reader_of(job, state) is not None:
                     _open_ahead(jobs, i, task.last, state, opened)
                 _copy_file(job, state, opened.pop(i, None))
                 if slow:
@@ -241,14 +273,14 @@ class _ReadAhead:
     def __init__(self, jobs: Sequence[Job], first: int, last: int, state: _State) -> None:
         self.jobs, self.last, self.state = jobs, last, state
         self.next = first  # the next job to hint
-        self.queued: list[int] = []  # bytes hinted per job not yet copied, in order
+        self.queued: deque[int] = deque()  # bytes hinted per job not yet copied, in order
         self.bytes = 0
 
     def past(self, i: int) -> None:  # pragma: no cover - child
         """Job ``i``'s turn has come: forget it, and hint the next files when half the
         window is spent."""
         if self.queued and self.next > i:
-            self.bytes -= self.queued.pop(0)
+            self.bytes -= self.queued.popleft()
         if self.next >= self.last or len(self.queued) > READ_AHEAD // 2:
             return
         self.next = max(self.next, i + 1)
@@ -269,20 +301,17 @@ class _ReadAhead:
 
 
 def _hint(job: Job, state: _State) -> None:  # pragma: no cover - child
-    """Queue the reads of ``job``'s source (opened as :func:`_open_src` would, beneath its
-    top, never following a symlink), and close it."""
-    path, rel = job[0], job[6]
-    tree = state.trees.get(path[: len(path) - len(rel)])
-    if tree is None:
-        return
+    """Queue the reads of ``job``'s source (opened as :func:`_open_src` would, in its
+    directory found beneath its top, never following a symlink), and close it."""
     flags = _RD | os.O_NONBLOCK  # a FIFO put in its place since the walk: no wait
     try:
-        fd = tree.open(rel, flags | state.noatime)
+        tree, at, name = state.where(job)
+        fd = tree.open(name, flags | state.noatime, at)
     except PermissionError:
         if not state.noatime:
             return
         try:  # O_NOATIME needs ownership: _open_src learns that at the file's turn
-            fd = tree.open(rel, flags)
+            fd = tree.open(name, flags, at)
         except OSError:
             return
     except OSError:
@@ -296,15 +325,13 @@ def _hint(job: Job, state: _State) -> None:  # pragma: no cover - child
 
 
 def _open_src(job: Job, state: _State, copy: bool = False) -> int:  # pragma: no cover - child
-    """The job's source file, opened below its tree's root without following any symlink
+    """The job's source file, opened by its name in its directory (:meth:`_State.where`: found
+    below its tree's top without following any symlink), never following a symlink itself
     (``copy``: for :func:`_copy_file`, where a small file is read once, by :func:`_small`)."""
-    path, rel = job[0], job[6]
-    top = path[: len(path) - len(rel)]
-    tree = state.trees.get(top)
+    path = job[0]
     try:
-        if tree is None:
-            tree = state.trees[top] = SourceTree(top)
-        return tree.open_file(rel, _RD | state.noatime, blocking=not copy or job[2] > SMALL)
+        tree, at, name = state.where(job)
+        return tree.open_file(name, _RD | state.noatime, not copy or job[2] > SMALL, at)
     except NotRegular:
         raise _Fail(K_NOTREG, 0, path) from None
     except PermissionError:
@@ -397,8 +424,8 @@ def _copy_file(
                 with state.stream():
                     done = _pump(fi, fo, 0, size, state, src, dst)
             st = os.fstat(fi)
-            if not _same_file(job, st):  # read into our private partial/: removed on failure
-                raise _Fail(K_REPLACED, 0, src)
+            if len(job) > 7 and job[7] and job[7] != st.st_dev << 64 | st.st_ino:  # _same_file
+                raise _Fail(K_REPLACED, 0, src)  # read into our private partial/: removed
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(K_CHANGED, 0, src)
             try:
@@ -424,10 +451,12 @@ def _small(fi: int, fo: int, size: int, src: str, dst: str) -> int:  # pragma: n
             data = os.read(fi, size + 1)
     except OSError as e:
         raise _Fail(K_READ, e.errno or 0, src) from None
-    view = memoryview(data)
     try:
-        while view:
-            view = view[os.write(fo, view) :]
+        n = os.write(fo, data)  # tmpfs takes it whole; a short write goes on from there
+        if n < len(data):
+            view = memoryview(data)[n:]
+            while view:
+                view = view[os.write(fo, view) :]
     except OSError as e:
         raise _Fail(K_WRITE, e.errno or 0, dst) from None
     return len(data)

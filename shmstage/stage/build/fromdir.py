@@ -16,7 +16,7 @@ from shmstage.errors import CapacityError, ShmstageError
 from shmstage.stage.build import copier
 from shmstage.stage.build.chown import give_owner
 from shmstage.stage.build.copypipe import Job
-from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit, rounded
+from shmstage.stage.build.estimate import SHORT_SYMLINK, of_entries, page_size, require_fit
 from shmstage.stage.build.tree import (
     Counter,
     apply_acls,
@@ -33,6 +33,10 @@ from shmstage.stage.store.reserve import Claim
 
 FIRST_BATCH_BYTES = 64 << 20  # a first copy claims space and hands out work in steps of this
 FIRST_BATCH_FILES = 4096
+# ...and its first steps smaller (256 files, then twice as many each time): the workers start
+# on the first directory instead of idling while the walk lists eight (50k tiny files, 2 CPUs:
+# the first hand-out ~70 ms sooner)
+FIRST_STEP_FILES = 256
 
 
 def fill(
@@ -151,6 +155,7 @@ def build_first(
     step = [0, 0, 0]  # bytes (page-rounded), data bytes, inodes found but not yet claimed
     claimed = [0]  # page-rounded bytes claimed so far
     counter = Counter(report, 0, 0)
+    files_per_step = FIRST_STEP_FILES
 
     def hand_out(stream: copier.Stream) -> None:
         needed, data, inodes = step
@@ -188,6 +193,7 @@ def build_first(
         ) as stream:
             for new in found:
                 atimes = walker.atimes[len(walker.entries) - len(new) :]
+                pages = data = 0  # (per file of a million: locals, rounded() inline)
                 for (rel, kind, size, mtime, mode, extra), atime in zip(new, atimes):
                     if kind == "f":
                         batch.append(
@@ -202,8 +208,8 @@ def build_first(
                                 idents[rel],
                             )
                         )
-                        step[0] += rounded(size, page)
-                        step[1] += size
+                        pages -= size // -page
+                        data += size
                     elif kind == "d":
                         dirs.append((rel, mode, mtime, atime))
                         if rel != ".":
@@ -214,13 +220,16 @@ def build_first(
                             step[0] += page
                     else:
                         hard.append([rel, extra])
-                    step[2] += 1  # tmpfs charges every name, hard links too, to nr_inodes
-                if step[0] >= FIRST_BATCH_BYTES or len(batch) >= FIRST_BATCH_FILES:
+                step[0] += pages * page
+                step[1] += data
+                step[2] += len(new)  # tmpfs charges every name, hard links too, to nr_inodes
+                if step[0] >= FIRST_BATCH_BYTES or len(batch) >= files_per_step:
                     hand_out(stream)
+                    files_per_step = min(FIRST_BATCH_FILES, 2 * files_per_step)
             hand_out(stream)
             tree = walker.tree()
             source.tree = tree
-            entries = [list(e) for e in tree.entries]
+            entries = tree.entries  # tuples: json writes them as lists, nothing alters them
             prepare_manifest(
                 store, name, source.location, entries, **{SOURCE_TOP: split_ident(tree.top)}
             )

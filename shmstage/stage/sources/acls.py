@@ -30,7 +30,8 @@ class Found(NamedTuple):
     recorded: str | None  # its ACLs as an entry records them (:func:`encode`); None: none
 
 
-_NONE = Found(0o077, None, None)
+NONE = Found(0o077, None, None)  # not asked: no group bits, the mode says it all
+PLAIN = Found(0o077, False, None)  # asked: no ACL (most entries: one object for all of them)
 
 
 def acl_group(path: str, mode: int) -> int:
@@ -50,15 +51,17 @@ def read(path: str, mode: int, directory: bool = False) -> Found:
     if not mode & 0o070:
         # no group bits (a mask of ---): the kernel consults no ACL (acl_permission_check),
         # the mode says it all; a default ACL matters to no reader (one syscall saved)
-        return _NONE
+        return NONE
     try:  # listxattr first: most files have no ACL, and a raised ENODATA costs twice as much
         names = os.listxattr(path, follow_symlinks=False)
+        if not names:  # most files have no extended attribute at all
+            return PLAIN
         listed = _ACL in names
         listed_default = directory and _DEFAULT in names
     except OSError:  # E2BIG (more names than a listing holds), or none listable: ask for it
         listed = listed_default = True
     if not listed and not listed_default:
-        return Found(0o077, False, None)
+        return PLAIN
     access = _get(path, _ACL) if listed else None
     default = _get(path, _DEFAULT) if listed_default and directory else None
     if access is None:

@@ -7,6 +7,8 @@ kind ``d`` directory, ``f`` file, ``h`` hard link to an earlier file (``extra``
 is that file's path), ``l`` symlink (``extra`` is its target); a file's or directory's
 ``extra`` is the ACLs its copy gets (acls.encode), where the walk keeps them, else None.  Paths are
 relative with ``/``; the root directory is ``"."``.
+Long because the per-entry loops (a million entries) are written out inline, and a walk
+refuses in one line each kind of entry or race it cannot stage.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from shmstage.errors import PermissionDenied, RefusedError, ShmstageError
 from shmstage.identity import Caller, may_read, reading_as
 from shmstage.paths import is_within
-from shmstage.stage.sources.acls import Found, acl_group, read
+from shmstage.stage.sources.acls import NONE, PLAIN, Found, acl_group, read
 from shmstage.stage.sources.beneath import SourceTree, ident
 
 if TYPE_CHECKING:
@@ -112,6 +115,8 @@ def climbs_out(
     return False
 
 
+_NAME = attrgetter("name")
+
 # name, lstat, a symlink's target (else its ACLs: acls.read)
 Scanned = list[tuple[str, os.stat_result, str | Found | None]]
 
@@ -146,7 +151,7 @@ def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
             raise _replaced_dir(abs_dir)
         try:
             with os.scandir(fd) as it:
-                items = sorted(it, key=lambda e: e.name)
+                items = sorted(it, key=_NAME)
         except OSError as e:
             raise _unreadable(
                 e, f"cannot read source directory {abs_dir}", abs_dir, reader
@@ -157,16 +162,18 @@ def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
         # ImageNet folder: one check, not 200; 20k checks from 4 threads cost ~50 ms here)
         alike: dict[tuple[int, int, int], bool] = {}
         base = abs_dir if abs_dir.endswith("/") else abs_dir + "/"  # os.path.join's, per file
-        for item in items:
-            path = base + item.name
+        for item in items:  # per entry of a million: the stat module's tests inline
+            name = item.name
+            path = base + name
             try:
                 st = item.stat(follow_symlinks=False)  # fstatat(fd, name): no path walk
+                mode = st.st_mode
                 target: str | Found | None
-                if stat.S_ISLNK(st.st_mode):
-                    target = os.readlink(item.name, dir_fd=fd)
+                if mode & 0o170000 == 0o120000:  # a symlink
+                    target = os.readlink(name, dir_fd=fd)
                 else:  # (by path: at worst the narrowing of another file, never a widening)
-                    target = read(path, st.st_mode, stat.S_ISDIR(st.st_mode))
-                    if reader is not None and stat.S_ISREG(st.st_mode):
+                    target = read(path, mode, mode & 0o170000 == 0o040000) if mode & 0o070 else NONE
+                    if reader is not None and stat.S_ISREG(mode):
                         # (no group bits: Linux consults no ACL, acl_permission_check)
                         plain = target.has is False or not st.st_mode & 0o070
                         key = (st.st_uid, st.st_gid, st.st_mode) if plain else None
@@ -183,7 +190,7 @@ def _scan_as(tree: SourceTree, rel_dir: str, expect: int) -> Scanned:
                 ) from None
             except OSError as e:
                 raise _unreadable(e, f"cannot stat source file {path}", path, reader) from None
-            out.append((item.name, st, target))
+            out.append((name, st, target))
         return out
     finally:
         os.close(fd)
@@ -350,34 +357,40 @@ class Walker:
                 )
 
     def _add(self, rel_dir: str, listing: Scanned) -> tuple[list[Entry], list[tuple[str, int]]]:
+        # per entry of a million: locals, no call that can be inlined, the common case first
         start = len(self.entries)
         entries, atimes, seen, groups = self.entries, self.atimes, self._seen, self.groups
+        idents, hardlinks, with_acls = self.idents, self.hardlinks, self.acls
+        files = nbytes = 0
+        prefix = f"{rel_dir}/" if rel_dir else ""
         subdirs = []
         for name, st, link in listing:
-            rel = f"{rel_dir}/{name}" if rel_dir else name
+            rel = prefix + name
             mode = st.st_mode
             acl = None  # the ACLs the copy gets verbatim (acls.encode)
             keep = -1  # else the mode bits it may keep (acls.read)
-            if type(link) is Found:
-                if self.acls and link.recorded is not None:
+            if link is not PLAIN and link is not NONE and type(link) is Found:
+                if with_acls and link.recorded is not None:
                     acl = link.recorded
                 else:
                     keep = ~0o077 | link.keep
-            if stat.S_ISREG(mode):
+            if mode & 0o170000 == 0o100000:  # stat.S_ISREG, inline
                 fmode = mode & FILE_MODE_MASK & keep
-                if groups is not None and st.st_gid not in groups:  # inline: 1M calls
+                if groups is not None and st.st_gid not in groups:
                     fmode &= ~stat.S_IRWXG | (fmode & 0o7) << 3
-                self.files += 1
-                key = (st.st_dev, st.st_ino)
-                if self.hardlinks and st.st_nlink > 1 and key in seen:
-                    entries.append((rel, "h", st.st_size, st.st_mtime_ns, fmode, seen[key]))
-                else:
-                    if self.hardlinks and st.st_nlink > 1:
-                        seen[key] = rel
-                    self.bytes += st.st_size
-                    if self.idents is not None:
-                        self.idents[rel] = st.st_dev << 64 | st.st_ino
-                    entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, acl))
+                files += 1
+                if hardlinks and st.st_nlink > 1:
+                    key = (st.st_dev, st.st_ino)
+                    first = seen.get(key)
+                    if first is not None:
+                        entries.append((rel, "h", st.st_size, st.st_mtime_ns, fmode, first))
+                        atimes.append(st.st_atime_ns)
+                        continue
+                    seen[key] = rel
+                nbytes += st.st_size
+                if idents is not None:
+                    idents[rel] = st.st_dev << 64 | st.st_ino
+                entries.append((rel, "f", st.st_size, st.st_mtime_ns, fmode, acl))
             elif stat.S_ISDIR(mode):
                 dmode = self._mode(st) & keep
                 entries.append((rel, "d", 0, st.st_mtime_ns, dmode, acl))
@@ -404,6 +417,8 @@ class Walker:
                     "directories and symlinks can be staged"
                 )
             atimes.append(st.st_atime_ns)
+        self.files += files
+        self.bytes += nbytes
         return entries[start:], subdirs
 
 
