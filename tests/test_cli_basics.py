@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -104,6 +106,40 @@ def test_help_and_remount_do_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "False\n"
+
+
+def test_a_stage_without_a_service_loads_no_socket_pickle_or_archive_codec(tmp_path):
+    """A stage's start-up is part of every stage's time: with no service socket on the node,
+    a directory's stage imports neither the service client (socket, pickle) nor shutil's
+    codecs (bz2, lzma); with a socket file there, it asks (the client is loaded)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 100)
+    code = (  # the console script's main(), what was loaded written at its exit
+        "import atexit, pathlib, sys\n"
+        "out = pathlib.Path(sys.argv.pop())\n"
+        "atexit.register(lambda: out.write_text(str(sorted(m for m in ('socket', 'pickle', "
+        "'bz2', 'lzma', 'shutil', 'shmstage.service.client') if m in sys.modules))))\n"
+        "sys.argv[0] = 'shmstage'\n"
+        "from shmstage.cli import main\n"
+        "main()\n"
+    )
+
+    def loaded(sock: Path) -> str:
+        dest = tmp_path / f"dest-{sock.name}"
+        dest.mkdir()
+        env = {**os.environ, "SHMSTAGE_SOCKET": str(sock)}
+        out = tmp_path / f"modules-{sock.name}"
+        argv = ["stage", str(src), "--dest", str(dest), "--quiet", str(out)]
+        done = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, check=False, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        return out.read_text()
+
+    assert loaded(tmp_path / "none.sock") == "[]"
+    (tmp_path / "stale.sock").write_bytes(b"")  # a file there: connect() says nobody answers
+    assert "'shmstage.service.client'" in loaded(tmp_path / "stale.sock")
 
 
 def test_console_script_error_has_no_traceback(shmstage_bin, tmp_path):

@@ -29,8 +29,12 @@ def service_for(dest: str | os.PathLike[str] | None, service: bool = True) -> Co
     if not service:
         return None
     where = socket_path()
-    if not os.path.exists(where):  # nothing to connect to: the socket module stays unloaded
+    try:  # nothing to connect to (what connect() takes for "nobody answers"): no socket module
+        os.stat(where)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return None
+    except OSError:
+        pass  # a path that cannot be a socket (a symlink loop): connect() says so, as before
     from shmstage.service.client import connect
 
     conn = connect(where)

@@ -108,7 +108,7 @@ def worker(
         try:
             nbytes, nfiles = _do_task(jobs, task, state, res_w, idx, slow)
             state.release()
-            state.leave_folder()
+            state.leave_folder(check=state.checks)
         except _Fail as f:
             send(res_w, ERR, idx, 0, 0, f.err, f.kind, f.path)
             return 0
@@ -142,14 +142,29 @@ class _State:
         # the directory the task's files are in, opened once per task (SourceTree.open_dir):
         # each file is then one openat of its name, not an openat2 of its whole path
         self.folder: tuple[str, int, SourceTree | None, int] = ("", -1, None, 0)
+        self.folder_seen = ("", "", 0)  # its path below the top, a file's path, its ident
+        self.checks = False  # a copy task: a directory left must still be at its path
 
-    def leave_folder(self) -> None:
+    def leave_folder(self, check: bool = False) -> None:
         """Close the task's directory: the next task finds its own again by its path (a
-        directory swapped since is not read through the one found before)."""
-        fd = self.folder[1]
+        directory swapped since is not read through the one found before).  ``check``: its
+        path must still lead (beneath the top, no symlink) to the very directory the task's
+        files were opened in, else _Fail K_REPLACED (a directory renamed away and another or
+        a symlink put in its place while the task ran: the copy came from a tree the source
+        no longer has; a per-file open by path would have failed on the next file)."""
+        fd, tree = self.folder[1], self.folder[2]
+        rel, path, seen = self.folder_seen
         self.folder = ("", -1, None, 0)
-        if fd >= 0:
-            os.close(fd)
+        if fd < 0:
+            return
+        os.close(fd)
+        if check and tree is not None:
+            try:
+                tree.stat(rel or ".", seen)
+            except PermissionError:
+                raise _Fail(K_READ, errno.EACCES, path) from None
+            except OSError as e:
+                raise _Fail(K_REPLACED, e.errno or 0, path) from None
 
     def where(self, job: Job) -> tuple[SourceTree, int, str]:
         """``job``'s source tree, its directory's fd (opened beneath the tree's top without
@@ -165,9 +180,15 @@ class _State:
         tree = self.trees.get(top)
         if tree is None:
             tree = self.trees[top] = SourceTree(top)
-        self.leave_folder()
-        self.folder = (key, tree.open_dir(folder), tree, cut)
-        return tree, self.folder[1], name
+        self.leave_folder(check=self.checks)
+        fd = tree.open_dir(folder)
+        try:
+            self.folder_seen = (folder, path, ident(os.fstat(fd)))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.folder = (key, fd, tree, cut)
+        return tree, fd, name
 
     def hold(self) -> None:
         """Take one of the streams() slots (for a chunk, before taking the chunk itself).  A
@@ -197,6 +218,7 @@ def _do_task(
     jobs: Sequence[Job], task: Task, state: _State, res_w: int, idx: int, slow: float
 ) -> tuple[int, int]:  # pragma: no cover - child
     nbytes = nfiles = 0
+    state.checks = task.op == COPY
     if task.length >= 0:
         job = jobs[task.first]
         last = task.offset + task.length >= job[2]
@@ -306,6 +328,9 @@ def _hint(job: Job, state: _State) -> None:  # pragma: no cover - child
     flags = _RD | os.O_NONBLOCK  # a FIFO put in its place since the walk: no wait
     try:
         tree, at, name = state.where(job)
+    except OSError:  # its directory: the file's turn says what is wrong (or it is fine then)
+        return
+    try:
         fd = tree.open(name, flags | state.noatime, at)
     except PermissionError:
         if not state.noatime:
