@@ -111,6 +111,94 @@ def test_dir_swapped_for_a_symlink_mid_copy_is_refused_and_the_secret_never_land
     assert not (dest / "src").exists()
 
 
+@pytest.mark.parametrize("swap_in", ["symlink", "directory"])
+def test_a_dir_swapped_while_its_batch_is_copied_is_refused(
+    open_tmpfs, shmstage_bin, procs, swap_in
+):
+    """A worker opens a batch's directory once and its files by name: b/ renamed away while
+    b/'s batch is copied (b/f0 landed, f1-f7 to come), a symlink or another directory with
+    the same names put in its place: the batch's directory is no longer at its path when
+    the batch ends, so the stage fails in one line naming a file of b/ (as a per-file open
+    by path did), nothing is published and nothing of the vault lands."""
+    world = open_tmpfs("64M")
+    src, vault, dest = world / "src", world / "vault", world / "dest"
+    (src / "b").mkdir(parents=True)
+    vault.mkdir()
+    for i in range(8):
+        (src / "b" / f"f{i}").write_bytes(os.urandom(100))
+        (vault / f"f{i}").write_bytes(SECRET)
+    own(src, MALLORY)
+    own(vault, VICTIM)
+    vault.chmod(0o700)
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
+    env = {**os.environ, copier.SLOW_ENV: "0.5"}
+    p = procs.start(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    landed = dest / ".shmstage" / "partial" / "src" / "b" / "f0"
+    deadline = time.monotonic() + 60
+    while not landed.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        put = f"ln -s {vault} {src}/b" if swap_in == "symlink" else f"cp -a {src}/b.old {src}/b"
+        subprocess.run([*as_user(MALLORY), "sh", "-c", f"mv {src}/b {src}/b.old && {put}"], check=True)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    _out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, err
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: source file ") and "/b/f" in lines[0], err
+    assert "was replaced" in lines[0], err
+    assert b"TOP-SECRET" not in everything_under(dest)
+    assert not (dest / "src").exists()
+
+
+def test_a_dir_its_owner_closes_before_its_batch_is_one_permission_line(
+    open_tmpfs, shmstage_bin, procs
+):
+    """A user stages her own tree and, while a/ is copied, makes x/ unsearchable: x/b's batch
+    cannot open its directory (nor its read-ahead hint): one line, "cannot read source file
+    .../x/b/g0: Permission denied", exit 1, nothing published (the hint once failed with an
+    internal error instead)."""
+    world = open_tmpfs("64M")
+    src, dest = world / "src", world / "dest"
+    (src / "a").mkdir(parents=True)
+    (src / "x" / "b").mkdir(parents=True)
+    for i in range(4):
+        (src / "a" / f"f{i}").write_bytes(os.urandom(100))
+        (src / "x" / "b" / f"g{i}").write_bytes(os.urandom(100))
+    dest.mkdir()
+    own(src, MALLORY)
+    own(dest, MALLORY)
+    argv = [*as_user(MALLORY), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    env = {**os.environ, copier.SLOW_ENV: "0.5"}
+    p = procs.start(
+        [*argv, "--workers", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    landed = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+    deadline = time.monotonic() + 60
+    while not landed.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        subprocess.run([*as_user(MALLORY), "chmod", "000", str(src / "x")], check=True)
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+    _out, err = p.communicate(timeout=120)
+    (src / "x").chmod(0o755)
+    assert p.returncode == 1, err
+    lines = err.decode().strip().splitlines()
+    assert lines == [
+        f"Error: cannot read source file {src}/x/b/g0: Permission denied; stage as a user who "
+        "can read every file of the source"
+    ], err
+    assert not (dest / "src").exists()
+
+
 def test_restage_with_a_dir_swapped_for_a_symlink_mid_copy_is_refused(
     open_tmpfs, shmstage_bin, procs
 ):
