@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,27 +74,39 @@ def swap_world(world: Path) -> tuple[Path, Path]:
     return src, vault
 
 
-def stage_with_swap(world: Path, shmstage_bin, procs, src: Path, vault: Path, dest: Path):
-    """Root stages ``src`` one file at a time; once the copy is under way (a/ landing), the
-    stager is stopped, mallory replaces d/ with a symlink to the vault, and it goes on."""
-    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
-    env = {**os.environ, copier.SLOW_ENV: "0.5"}  # a/ takes 4 s: d/secret comes after it
+def stage_and_act_mid_copy(
+    procs, argv: list[str], landed: Path, act: Callable[[], None], slow: str = "0.5"
+) -> tuple[int, str]:
+    """Run the stage ``argv`` one file every ``slow`` seconds (one worker); once ``landed``
+    exists (the copy is under way) stop its session, ``act``, let it go on; (exit, stderr)."""
+    env = {**os.environ, copier.SLOW_ENV: slow}
     p = procs.start(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    landing = [dest / ".shmstage" / "partial" / "src" / "a" / "f0"]
+        [*argv, "--workers", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not any(x.exists() for x in landing):
+    while not landed.exists():
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()
         time.sleep(0.01)
     os.killpg(p.pid, signal.SIGSTOP)
     try:
-        swap = f"mv {src}/d {src}/d.old && ln -s {vault} {src}/d"
-        subprocess.run([*as_user(MALLORY), "sh", "-c", swap], check=True)
+        act()
     finally:
         os.killpg(p.pid, signal.SIGCONT)
-    out, err = p.communicate(timeout=120)
-    return p.returncode, out.decode(), err.decode()
+    _out, err = p.communicate(timeout=120)  # (the old copier waited for a FIFO's writer)
+    return p.returncode, err.decode()
+
+
+def stage_with_swap(world: Path, shmstage_bin, procs, src: Path, vault: Path, dest: Path):
+    """Root stages ``src`` one file at a time; once the copy is under way (a/ landing), the
+    stager is stopped, mallory replaces d/ with a symlink to the vault, and it goes on."""
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    swap = f"mv {src}/d {src}/d.old && ln -s {vault} {src}/d"
+    landed = dest / ".shmstage" / "partial" / "src" / "a" / "f0"  # a/ takes 4 s: d/ after it
+    rc, err = stage_and_act_mid_copy(
+        procs, argv, landed, lambda: subprocess.run([*as_user(MALLORY), "sh", "-c", swap], check=True)
+    )
+    return rc, "", err
 
 
 def test_dir_swapped_for_a_symlink_mid_copy_is_refused_and_the_secret_never_lands(
@@ -130,25 +143,15 @@ def test_a_dir_swapped_while_its_batch_is_copied_is_refused(
     own(src, MALLORY)
     own(vault, VICTIM)
     vault.chmod(0o700)
-    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
-    env = {**os.environ, copier.SLOW_ENV: "0.5"}
-    p = procs.start(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    put = f"ln -s {vault} {src}/b" if swap_in == "symlink" else f"cp -a {src}/b.old {src}/b"
+    swap = [*as_user(MALLORY), "sh", "-c", f"mv {src}/b {src}/b.old && {put}"]
     landed = dest / ".shmstage" / "partial" / "src" / "b" / "f0"
-    deadline = time.monotonic() + 60
-    while not landed.exists():
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGSTOP)
-    try:
-        put = f"ln -s {vault} {src}/b" if swap_in == "symlink" else f"cp -a {src}/b.old {src}/b"
-        subprocess.run([*as_user(MALLORY), "sh", "-c", f"mv {src}/b {src}/b.old && {put}"], check=True)
-    finally:
-        os.killpg(p.pid, signal.SIGCONT)
-    _out, err = p.communicate(timeout=120)
-    assert p.returncode == 1, err
-    lines = err.decode().strip().splitlines()
+    rc, err = stage_and_act_mid_copy(
+        procs, argv, landed, lambda: subprocess.run(swap, check=True)
+    )
+    assert rc == 1, err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: source file ") and "/b/f" in lines[0], err
     assert "was replaced" in lines[0], err
     assert b"TOP-SECRET" not in everything_under(dest)
@@ -173,25 +176,12 @@ def test_a_dir_its_owner_closes_before_its_batch_is_one_permission_line(
     own(src, MALLORY)
     own(dest, MALLORY)
     argv = [*as_user(MALLORY), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
-    env = {**os.environ, copier.SLOW_ENV: "0.5"}
-    p = procs.start(
-        [*argv, "--workers", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
-    )  # fmt: skip
+    close = [*as_user(MALLORY), "chmod", "000", str(src / "x")]
     landed = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
-    deadline = time.monotonic() + 60
-    while not landed.exists():
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGSTOP)
-    try:
-        subprocess.run([*as_user(MALLORY), "chmod", "000", str(src / "x")], check=True)
-    finally:
-        os.killpg(p.pid, signal.SIGCONT)
-    _out, err = p.communicate(timeout=120)
+    rc, err = stage_and_act_mid_copy(procs, argv, landed, lambda: subprocess.run(close, check=True))
     (src / "x").chmod(0o755)
-    assert p.returncode == 1, err
-    lines = err.decode().strip().splitlines()
+    assert rc == 1, err
+    lines = err.strip().splitlines()
     assert lines == [
         f"Error: cannot read source file {src}/x/b/g0: Permission denied; stage as a user who "
         "can read every file of the source"
@@ -571,27 +561,13 @@ def test_top_swapped_mid_copy_lends_no_owner_of_the_other_tree(open_tmpfs, shmst
     world = open_tmpfs("64M")
     src, vault = top_swap_world(world)
     dest = world / "dest"
-    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
-    env = {**os.environ, copier.SLOW_ENV: "0.5"}
-    p = procs.start(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    landing = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
-    deadline = time.monotonic() + 60
-    while not landing.exists():
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGSTOP)
-    try:
-        swap_top(src, vault)
-    finally:
-        os.killpg(p.pid, signal.SIGCONT)
-    _out, raw = p.communicate(timeout=120)
-    err = raw.decode()
-    assert p.returncode in (0, 1), err
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    landed = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+    rc, err = stage_and_act_mid_copy(procs, argv, landed, lambda: swap_top(src, vault))
+    assert rc in (0, 1), err
     assert "Traceback" not in err, err
     assert b"TOP-SECRET" not in everything_under(dest)
-    if p.returncode == 0:
+    if rc == 0:
         assert VICTIM not in owners_under(dest / "src"), err
         assert (dest / "src" / "secret").read_bytes() == DECOY
 
@@ -660,25 +636,15 @@ def test_a_file_turned_into_a_fifo_mid_copy_fails_clearly_instead_of_hanging(
     world = open_tmpfs("64M")
     src, _vault = top_swap_world(world)
     dest = world / "dest"
-    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest), "--workers", "1"]
-    env = {**os.environ, copier.SLOW_ENV: "0.3"}
-    p = procs.start(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    landing = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
-    deadline = time.monotonic() + 60
-    while not landing.exists():
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGSTOP)
-    try:  # a/ is copied one file every 0.3 s: f7 comes last
+    argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest)]
+    landed = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
+
+    def fifo_for_f7() -> None:  # a/ is copied one file every 0.3 s: f7 comes last
         (src / "a" / "f7").unlink()
         os.mkfifo(src / "a" / "f7")
-    finally:
-        os.killpg(p.pid, signal.SIGCONT)
-    _out, raw = p.communicate(timeout=60)  # the old copier waited for a writer forever
-    err = raw.decode()
-    assert p.returncode == 1, err
+
+    rc, err = stage_and_act_mid_copy(procs, argv, landed, fifo_for_f7, slow="0.3")
+    assert rc == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "a/f7" in lines[0], err
     assert "not a regular file any more" in lines[0], err
