@@ -124,13 +124,13 @@ def test_dir_swapped_for_a_symlink_mid_copy_is_refused_and_the_secret_never_land
     assert not (dest / "src").exists()
 
 
-@pytest.mark.parametrize("swap_in", ["symlink", "directory"])
+@pytest.mark.parametrize("swap_in", ["symlink", "directory", "nothing"])
 def test_a_dir_swapped_while_its_batch_is_copied_is_refused(
     open_tmpfs, shmstage_bin, procs, swap_in
 ):
     """A worker opens a batch's directory once and its files by name: b/ renamed away while
     b/'s batch is copied (b/f0 landed, f1-f7 to come), a symlink or another directory with
-    the same names put in its place: the batch's directory is no longer at its path when
+    the same names put in its place (or nothing): the batch's directory is not at its path when
     the batch ends, so the stage fails in one line naming a file of b/ (as a per-file open
     by path did), nothing is published and nothing of the vault lands."""
     world = open_tmpfs("64M")
@@ -144,8 +144,8 @@ def test_a_dir_swapped_while_its_batch_is_copied_is_refused(
     own(vault, VICTIM)
     vault.chmod(0o700)
     argv = [*shmstage_bin, "stage", str(src), "--dest", str(dest)]
-    put = f"ln -s {vault} {src}/b" if swap_in == "symlink" else f"cp -a {src}/b.old {src}/b"
-    swap = [*as_user(MALLORY), "sh", "-c", f"mv {src}/b {src}/b.old && {put}"]
+    put = {"symlink": f"ln -s {vault} {src}/b", "directory": f"cp -a {src}/b.old {src}/b"}
+    swap = [*as_user(MALLORY), "sh", "-c", f"mv {src}/b {src}/b.old && {put.get(swap_in, 'true')}"]
     landed = dest / ".shmstage" / "partial" / "src" / "b" / "f0"
     rc, err = stage_and_act_mid_copy(
         procs, argv, landed, lambda: subprocess.run(swap, check=True)
@@ -153,7 +153,8 @@ def test_a_dir_swapped_while_its_batch_is_copied_is_refused(
     assert rc == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: source file ") and "/b/f" in lines[0], err
-    assert "was replaced" in lines[0], err
+    # gone with nothing in its place: "vanished", as the next file's open by path said
+    assert ("vanished" if swap_in == "nothing" else "was replaced") in lines[0], err
     assert b"TOP-SECRET" not in everything_under(dest)
     assert not (dest / "src").exists()
 

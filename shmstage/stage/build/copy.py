@@ -163,6 +163,8 @@ class _State:
                 tree.stat(rel or ".", seen)
             except PermissionError:
                 raise _Fail(K_READ, errno.EACCES, path) from None
+            except FileNotFoundError:  # moved away or removed, nothing in its place
+                raise _Fail(K_VANISHED, errno.ENOENT, path) from None
             except OSError as e:
                 raise _Fail(K_REPLACED, e.errno or 0, path) from None
 
