@@ -148,7 +148,7 @@ def test_a_dir_swapped_while_its_batch_is_copied_is_refused(
     swap = [*as_user(MALLORY), "sh", "-c", f"mv {src}/b {src}/b.old && {put.get(swap_in, 'true')}"]
     landed = dest / ".shmstage" / "partial" / "src" / "b" / "f0"
     rc, err = stage_and_act_mid_copy(
-        procs, argv, landed, lambda: subprocess.run(swap, check=True)
+        procs, argv, landed, lambda: subprocess.run(swap, check=True), slow="0.2"
     )
     assert rc == 1, err
     lines = err.strip().splitlines()
@@ -179,7 +179,8 @@ def test_a_dir_its_owner_closes_before_its_batch_is_one_permission_line(
     argv = [*as_user(MALLORY), *shmstage_bin, "stage", str(src), "--dest", str(dest)]
     close = [*as_user(MALLORY), "chmod", "000", str(src / "x")]
     landed = dest / ".shmstage" / "partial" / "src" / "a" / "f0"
-    rc, err = stage_and_act_mid_copy(procs, argv, landed, lambda: subprocess.run(close, check=True))
+    act = lambda: subprocess.run(close, check=True)  # noqa: E731
+    rc, err = stage_and_act_mid_copy(procs, argv, landed, act, slow="0.2")
     (src / "x").chmod(0o755)
     assert rc == 1, err
     lines = err.strip().splitlines()
