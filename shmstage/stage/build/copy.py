@@ -19,6 +19,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from shmstage.identity import Caller, reading_as
 from shmstage.libc import load_libc
@@ -94,6 +95,7 @@ def worker(
         os.nice(NICE)
     state = _State()
     state.trees.update(tops or {})
+    state.readers = any(tree.reader is not None for tree in state.trees.values())
     state.slots = slots
     state.made = made
     while True:
@@ -127,6 +129,22 @@ def worker(
         send(res_w, OK, idx, nbytes, nfiles)
 
 
+class _Folder(NamedTuple):
+    """The directory a task's files are in: opened once per task (SourceTree.open_dir), each
+    file then one openat of its name, not an openat2 of its whole path."""
+
+    key: str  # its whole path, "/"-terminated
+    cut: int  # where the tree's top ends in its files' paths (nested tops differ)
+    fd: int
+    tree: SourceTree | None
+    rel: str  # its path below the top
+    path: str  # the path of the file it was opened for (for messages)
+    seen: int  # its ident (st_dev, st_ino) when opened
+
+
+_NO_FOLDER = _Folder("", 0, -1, None, "", "", 0)
+
+
 class _State:
     def __init__(self) -> None:
         self.noatime = _NOATIME
@@ -139,11 +157,9 @@ class _State:
         self.slots = (-1, -1)  # the stream slots' pipe (read one to start a stream, give it back)
         self.holding = False  # a slot is ours (see hold)
         self.made: tuple[int, int] | None = None  # a new file's owner, where known (made_here)
-        # the directory the task's files are in, opened once per task (SourceTree.open_dir):
-        # each file is then one openat of its name, not an openat2 of its whole path
-        self.folder: tuple[str, int, SourceTree | None, int] = ("", -1, None, 0)
-        self.folder_seen = ("", "", 0)  # its path below the top, a file's path, its ident
+        self.folder = _NO_FOLDER  # the directory of the task's files (opened once per task)
         self.checks = False  # a copy task: a directory left must still be at its path
+        self.readers = False  # a tree is read as another user (a service's caller)
 
     def leave_folder(self, check: bool = False) -> None:
         """Close the task's directory: the next task finds its own again by its path (a
@@ -152,21 +168,19 @@ class _State:
         files were opened in, else _Fail K_REPLACED (a directory renamed away and another or
         a symlink put in its place while the task ran: the copy came from a tree the source
         no longer has; a per-file open by path would have failed on the next file)."""
-        fd, tree = self.folder[1], self.folder[2]
-        rel, path, seen = self.folder_seen
-        self.folder = ("", -1, None, 0)
-        if fd < 0:
+        here, self.folder = self.folder, _NO_FOLDER
+        if here.fd < 0:
             return
-        os.close(fd)
-        if check and tree is not None:
+        os.close(here.fd)
+        if check and here.tree is not None:
             try:
-                tree.stat(rel or ".", seen)
+                here.tree.stat(here.rel or ".", here.seen)
             except PermissionError:
-                raise _Fail(K_READ, errno.EACCES, path) from None
+                raise _Fail(K_READ, errno.EACCES, here.path) from None
             except FileNotFoundError:  # moved away or removed, nothing in its place
-                raise _Fail(K_VANISHED, errno.ENOENT, path) from None
+                raise _Fail(K_VANISHED, errno.ENOENT, here.path) from None
             except OSError as e:
-                raise _Fail(K_REPLACED, e.errno or 0, path) from None
+                raise _Fail(K_REPLACED, e.errno or 0, here.path) from None
 
     def where(self, job: Job) -> tuple[SourceTree, int, str]:
         """``job``'s source tree, its directory's fd (opened beneath the tree's top without
@@ -176,8 +190,8 @@ class _State:
         key = path[: len(path) - len(name)]  # the directory's whole path, "/"-terminated
         cut = len(path) - len(rel)  # where the tree's top ends in it (nested tops differ)
         here = self.folder
-        if here[0] == key and here[3] == cut:
-            return here[2], here[1], name  # type: ignore[return-value]
+        if here.key == key and here.cut == cut:
+            return here.tree, here.fd, name  # type: ignore[return-value]
         top = path[:cut]
         tree = self.trees.get(top)
         if tree is None:
@@ -185,11 +199,11 @@ class _State:
         self.leave_folder(check=self.checks)
         fd = tree.open_dir(folder)
         try:
-            self.folder_seen = (folder, path, ident(os.fstat(fd)))
+            seen = ident(os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise
-        self.folder = (key, fd, tree, cut)
+        self.folder = _Folder(key, cut, fd, tree, folder, path, seen)
         return tree, fd, name
 
     def hold(self) -> None:
@@ -231,13 +245,12 @@ def _do_task(
         return task.length, int(last)
     ahead = _ReadAhead(jobs, task.first, task.last, state)
     opened: dict[int, int | _Fail] = {}
-    readers = any(tree.reader is not None for tree in state.trees.values())
     try:
         for i in range(task.first, task.last):
             job = jobs[i]
             if task.op == COPY:
                 ahead.past(i)
-                if readers and i not in opened and _reader_of(job, state) is not None:
+                if state.readers and i not in opened and _reader_of(job, state) is not None:
                     _open_ahead(jobs, i, task.last, state, opened)
                 _copy_file(job, state, opened.pop(i, None))
                 if slow:
@@ -451,7 +464,7 @@ def _copy_file(
                 with state.stream():
                     done = _pump(fi, fo, 0, size, state, src, dst)
             st = os.fstat(fi)
-            if len(job) > 7 and job[7] and job[7] != st.st_dev << 64 | st.st_ino:  # _same_file
+            if not _same_file(job, st):
                 raise _Fail(K_REPLACED, 0, src)  # read into our private partial/: removed
             if done != size or st.st_size != size or st.st_mtime_ns != mtime:
                 raise _Fail(K_CHANGED, 0, src)
