@@ -43,8 +43,10 @@ docs: $(BIN)/shmstage
 lint: $(BIN)/shmstage
 	$(BIN)/ruff check shmstage tests benchmarks examples
 
+# tests/suite.py: with no PYTEST_ARGS, tests/test_slurm.py (a real Slurm, mostly waiting on its
+# clocks) runs in a second pytest beside the rest; with PYTEST_ARGS, exactly `pytest PYTEST_ARGS`
 test: deps $(BIN)/shmstage lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m tests.suite $(PYTEST_ARGS)
 
 # A real 4-node Slurm on this machine (root: namespaces, a bridge, loop devices, a user),
 # as tests/test_slurm.py runs it; it prints how to submit jobs, Ctrl-C stops and removes it.

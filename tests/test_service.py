@@ -404,6 +404,18 @@ def test_staged_path_asks_the_service(service, world):
 # --- one decision-maker ---------------------------------------------------------------------
 
 
+def _dataset_bytes(store: Path) -> int:
+    """Bytes of the datasets' files (f0, f1...) in ``store`` now, partial or published: each
+    (dataset, file) counted once (one renamed while the walk ran is seen in both places), one
+    gone meanwhile (published, refused, evicted) not at all."""
+    sizes: dict[tuple[str, str], int] = {}
+    for f in store.rglob("f*"):
+        with contextlib.suppress(FileNotFoundError):
+            if f.is_file():
+                sizes[f.parent.name, f.name] = f.stat().st_size
+    return sum(sizes.values())
+
+
 def test_concurrent_stagers_never_copy_twice_nor_overshoot_max_size(world, shmstage_bin, procs):
     """Item 5: two users staging one dataset at once get one copy (one of them copied);
     two datasets of 3 MiB each against a 4 MiB max_size at once: one is staged, the other
@@ -426,8 +438,7 @@ def test_concurrent_stagers_never_copy_twice_nor_overshoot_max_size(world, shmst
         while any(p.poll() is None for p in ps):
             data = store / ".shmstage"
             if data.exists():
-                used = sum(f.stat().st_size for f in store.rglob("f*") if f.is_file())
-                peak = max(peak, used)
+                peak = max(peak, _dataset_bytes(store))
             time.sleep(0.01)
         out = [(p.returncode, *p.communicate(timeout=60)) for p in ps]
         assert peak <= cap, peak
