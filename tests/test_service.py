@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -405,15 +406,19 @@ def test_staged_path_asks_the_service(service, world):
 
 
 def _dataset_bytes(store: Path) -> int:
-    """Bytes of the datasets' files (f0, f1...) in ``store`` now, partial or published: each
-    (dataset, file) counted once (one renamed while the walk ran is seen in both places), one
-    gone meanwhile (published, refused, evicted) not at all."""
-    sizes: dict[tuple[str, str], int] = {}
-    for f in store.rglob("f*"):
-        with contextlib.suppress(FileNotFoundError):
-            if f.is_file():
-                sizes[f.parent.name, f.name] = f.stat().st_size
-    return sum(sizes.values())
+    """Bytes of the datasets' files in ``store`` now: the published trees, then the partial
+    ones being built.  In that order a tree published while this walks is counted at most
+    once (missed by both walks at worst, never seen in both); a file gone meanwhile is not
+    counted."""
+    tops = [p for p in store.iterdir() if p.name != ".shmstage"]
+    total = 0
+    for top in [*tops, store / ".shmstage" / "partial"]:
+        for folder, _, names in os.walk(top):  # a directory gone meanwhile: skipped
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.lstat(os.path.join(folder, name))
+                    total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def test_concurrent_stagers_never_copy_twice_nor_overshoot_max_size(world, shmstage_bin, procs):

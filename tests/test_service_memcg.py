@@ -65,8 +65,10 @@ def memcgs() -> Iterator[list[Memcg]]:
 
 
 def _serve(procs, shmstage_bin, config: Path, sock: Path, cgroup: Memcg) -> None:
+    state = config.parent / "state"  # the lease keeper's, not the node's /var/lib/shmstage
     p = procs.start(
         [*shmstage_bin, "serve", "--socket", str(sock), "--config", str(config)],
+        env={**os.environ, "SHMSTAGE_STATE_DIR": str(state)},
         preexec_fn=cgroup.enter,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

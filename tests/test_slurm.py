@@ -137,6 +137,8 @@ def make_cluster(tmp_path_factory, service: bool = False, **kw) -> SlurmCluster:
         c.node_files["/etc/shmstage.yaml"] += f"service: {{socket: {run}/shmstage.sock}}\n"
         c.node_setup += (
             f"\nmount -t tmpfs -o size=1M,mode=755 run-{{name}} {run}\n"
+            # each node's lease keeper its own state (the host's /var/lib/shmstage is shared)
+            f"SHMSTAGE_STATE_DIR={c.base}/state-{{name}} "
             f"{c.bin}/shmstage serve --config /etc/shmstage.yaml >>{c.base}/log/serve-{{name}}.log 2>&1 &\n"
             f"for _ in $(seq 200); do [ -S {run}/shmstage.sock ] && break; sleep 0.05; done\n"
         )
