@@ -425,13 +425,15 @@ def cluster(tmp_path: Path, procs):
 
 
 def _when_writing(cluster: Cluster, node) -> int:
-    """The pid of ``node``'s shmstage once it has written data into its partial copy (blocks
-    allocated: a big file is created at its full size, sparse, before any exchange)."""
+    """The pid of ``node``'s shmstage once it has written data into its partial copy of the
+    dataset (``data``), which only the exchange does: blocks allocated (a big file is created
+    at its full size, sparse, before), in partial/data (partial/.data.source, its record, is
+    written before the exchange too)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         kids = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
         if kids:
-            find = ["find", f"{cluster.dest}/.shmstage/partial", "-type", "f", "-printf", "%b\n"]
+            find = ["find", f"{cluster.dest}/.shmstage/partial/data", "-type", "f", "-printf", "%b\n"]
             blocks = subprocess.run(
                 ["nsenter", "-t", kids[0], "-m", *find], capture_output=True, text=True
             ).stdout.split()
