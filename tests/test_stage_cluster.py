@@ -424,17 +424,16 @@ def cluster(tmp_path: Path, procs):
     c.detach()
 
 
-def _when_writing(cluster: Cluster, node, data: bool = True) -> int:
+def _when_writing(cluster: Cluster, node) -> int:
     """The pid of ``node``'s shmstage once it has written data into its partial copy of the
     dataset (``data``), which only the exchange does: blocks allocated (a big file is created
     at its full size, sparse, before), in partial/data (partial/.data.source, its record, is
-    written before the exchange too).  ``data=False``: once anything under partial/ has
-    blocks, the record included: around the agreements that start the exchange."""
+    written before the exchange too)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         kids = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
         if kids:
-            top = f"{cluster.dest}/.shmstage/partial" + ("/data" if data else "")
+            top = f"{cluster.dest}/.shmstage/partial/data"
             find = ["find", top, "-type", "f", "-printf", "%b\n"]
             blocks = subprocess.run(
                 ["nsenter", "-t", kids[0], "-m", *find], capture_output=True, text=True
@@ -746,17 +745,18 @@ def test_a_stranger_holding_every_silent_slot_does_not_keep_the_nodes_out(cluste
 
 @pytest.mark.root
 def test_sigterm_mid_exchange_dies_of_it_at_once_and_the_others_name_that_node(cluster) -> None:
-    """Node 1 freezes as the exchange starts; SIGTERM node 2 then: it dies of SIGTERM (not
-    exit 1 "exchange failed") without waiting for node 1 or --timeout (300 s here, beyond the
-    test's patience), and nodes 0 and 3 fail naming node 2; nothing is published.  (Frozen
-    later, once node 2 writes pieces, nodes 0 and 3 wait on gloo sends held up by node 1 and
-    fail only at --timeout: known, see the stop's note.)"""
+    """Node 1 freezes once node 2 writes pieces, so the ring waits on gloo for node 1;
+    SIGTERM node 2 then: it dies of SIGTERM (not exit 1 "exchange failed") without waiting for
+    node 1 or --timeout (300 s here, beyond the test's patience), and nodes 0 and 3, whose
+    gloo waits node 1 holds up (a send to it), fail naming node 2 (the rendezvous's watch
+    runs in their waits), and exit 1, not aborted by the gloo wait they leave pending;
+    nothing is published."""
     body = (
         "$STAGE --timeout 300 >/dev/null; echo rc=$?; "
         f"test -e {cluster.dest}/data && echo published; true"
     )
     nodes = cluster.start(body, env={"SHMSTAGE_TEST_SLOW_COPY": "0.3"}, args="--inflight 8M")
-    term = _when_writing(cluster, nodes[2], data=False)
+    term = _when_writing(cluster, nodes[2])
     frozen = _shmstage_of(nodes[1])
     os.kill(frozen, signal.SIGSTOP)
     try:

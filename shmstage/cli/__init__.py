@@ -134,6 +134,14 @@ def main() -> None:
         cli(auto_envvar_prefix="SHMSTAGE")
     except KilledBy as e:  # a signal stopped us, or `run`'s job: die of it
         die_of(e.signal)
+    except SystemExit as e:
+        waits = sys.modules.get("shmstage.cluster.waits")  # imported: a cluster stage ran
+        if waits is not None and waits.left_behind():  # gloo still waits: no normal exit
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        raise
 
 
 _PR_SET_DUMPABLE = 4

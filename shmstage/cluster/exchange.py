@@ -128,8 +128,11 @@ class Ring:
         targets: dict[int, Target],
         tick: Callable[[int, int], None],
         keep_crcs: bool,
+        watch: Callable[[], None] | None = None,
     ) -> None:
+        """Exchange the pieces; ``watch``: see :func:`wait_work`."""
         self.group, self.targets, self.tick, self.keep_crcs = group, targets, tick, keep_crcs
+        self.watch = watch
         self.prefetch()
         writer = threading.Thread(target=self._writer, name="shmstage-ring-write", daemon=True)
         writer.start()
@@ -172,8 +175,8 @@ class Ring:
                 try:
                     sent = self.group.send([outbox], nxt, tag)
                     got = self.group.recv([inbox], prev, tag)
-                    wait_work(sent, wait, nxt)
-                    wait_work(got, wait, prev)
+                    wait_work(sent, wait, nxt, self.watch)
+                    wait_work(got, wait, prev, self.watch)
                 except (LinkLost, ShmstageError):  # a signal (Interrupted): as it is
                     raise
                 except Exception as e:

@@ -7,6 +7,7 @@ fill these files (``fill``, instead of the local copier); may we publish (``barr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from types import TracebackType
 from typing import Any
 
 from shmstage.cluster.exchange import SLOTS, Ring
-from shmstage.cluster.kv import Mismatch
+from shmstage.cluster.kv import Mismatch, StoreLost
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.cluster.targets import Target, give_owner, unreadable, verify_written
@@ -167,7 +168,7 @@ class Peers:
             ring = Ring(plan, self.spec.rank, self.tree, self.spec.timeout, own)
         group = self.rv.gloo()
         try:
-            ring.run(group, targets, tick, checksum)
+            ring.run(group, targets, tick, checksum, self._watch)
         except LinkLost as e:
             raise self.rv.lost(e.error, e.peer) from None
         if checksum:
@@ -177,6 +178,24 @@ class Peers:
                     f"checksum mismatch after copying {len(bad)} file(s), e.g. {bad[0]}: the copy "
                     "differs from what its owner node read; the memory is faulty? re-run"
                 )
+
+    def _watch(self) -> None:
+        """While a gloo wait lasts: raise if a node said it stopped or its connection to
+        node 0 closed (rendezvous.watch).  Node 0 not answering is no news: a frozen node 0
+        may go on, and gloo's own --timeout decides.  Before raising, this node says it lost
+        contact (the others do not blame it) and drops its links (as rendezvous.lost does);
+        the gloo wait it ends is left pending, so the exit must not wait for it
+        (waits.left_behind, shmstage.cli.main)."""
+        try:
+            self.rv.watch()
+        except StoreLost:
+            pass
+        except PeerLost as e:
+            self.rv.report(f"lost contact: {e}", lost=True)
+            if self.rv.group is not None:
+                with contextlib.suppress(Exception):
+                    self.rv.group.abort()
+            raise
 
     def barrier(self) -> None:
         """Return when every node has every byte and node 0 decided to publish (every node
