@@ -302,14 +302,18 @@ class Rendezvous:
                     f"node {r} of {self.nodes} failed: {rep['reason']}; nothing was published"
                 )
 
-    def watch(self) -> None:
+    def watch(self, patient: bool = False) -> None:
         """Raise if another node stopped for a reason of its own or lost its connection
         (killed, crashed): run while waiting for keys, so nobody waits ``timeout`` for a
-        node that is gone (gloo waits for every node's address this way)."""
+        node that is gone (gloo waits for every node's address this way).  ``patient``: give
+        node 0 up to ``timeout`` to answer (a store call that times out drops this node's
+        connection for good, and once node 0 wakes the others take this node for crashed):
+        for a watch during the exchange, where a node 0 frozen for a few seconds may go on."""
         assert self.store is not None
         self.raise_reported()
+        wait = self.timeout if patient else min(QUICK, self.timeout)
         crashed = [
-            r for r, st in self.store.status(min(QUICK, self.timeout)).items()
+            r for r, st in self.store.status(wait).items()
             if r != self.rank and st["claimed"] and not st["connected"] and not st["bye"]
         ]  # fmt: skip
         if crashed:
