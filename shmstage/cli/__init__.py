@@ -137,11 +137,16 @@ def main() -> None:
     except SystemExit as e:
         waits = sys.modules.get("shmstage.cluster.waits")  # imported: a cluster stage ran
         if waits is not None and waits.left_behind():  # gloo still waits: no normal exit
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
+            _flush_stdio()
             os._exit(e.code if isinstance(e.code, int) else 1)
         raise
+
+
+def _flush_stdio() -> None:
+    """Flush what was printed: before a way out that skips the interpreter's own exit."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 _PR_SET_DUMPABLE = 4
@@ -155,9 +160,7 @@ def die_of(signum: int) -> NoReturn:
     goes on).  Core dumps are turned off first, as GNU timeout does: a SIGQUIT or SIGSEGV
     core would be ours, not the job's.
     """
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_stdio()
     with contextlib.suppress(OSError, AttributeError):  # no libc/prctl: the rlimit still applies
         load_libc().prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     with contextlib.suppress(ValueError, OSError):

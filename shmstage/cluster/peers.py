@@ -7,7 +7,6 @@ fill these files (``fill``, instead of the local copier); may we publish (``barr
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -182,19 +181,16 @@ class Peers:
     def _watch(self) -> None:
         """While a gloo wait lasts: raise if a node said it stopped or its connection to
         node 0 closed (rendezvous.watch, patient: node 0 gets --timeout to answer).  Node 0
-        not answering is no news: a frozen node 0 may go on, and gloo's own --timeout decides.  Before raising, this node says it lost
-        contact (the others do not blame it) and drops its links (as rendezvous.lost does);
-        the gloo wait it ends is left pending, so the exit must not wait for it
+        not answering is no news: a frozen node 0 may go on, and gloo's own --timeout
+        decides.  Before raising, this node loses contact (rendezvous.lose_contact); the
+        gloo wait it ends is left pending, so the exit must not wait for it
         (waits.left_behind, shmstage.cli.main)."""
         try:
             self.rv.watch(patient=True)
         except StoreLost:
             pass
         except PeerLost as e:
-            self.rv.report(f"lost contact: {e}", lost=True)
-            if self.rv.group is not None:
-                with contextlib.suppress(Exception):
-                    self.rv.group.abort()
+            self.rv.lose_contact(f"lost contact: {e}")
             raise
 
     def barrier(self) -> None:

@@ -305,10 +305,8 @@ class Rendezvous:
     def watch(self, patient: bool = False) -> None:
         """Raise if another node stopped for a reason of its own or lost its connection
         (killed, crashed): run while waiting for keys, so nobody waits ``timeout`` for a
-        node that is gone (gloo waits for every node's address this way).  ``patient``: give
-        node 0 up to ``timeout`` to answer (a store call that times out drops this node's
-        connection for good, and once node 0 wakes the others take this node for crashed):
-        for a watch during the exchange, where a node 0 frozen for a few seconds may go on."""
+        node that is gone (gloo waits for every node's address this way).  ``patient``: node
+        0 gets ``timeout`` to answer (a call that times out drops this node's connection)."""
         assert self.store is not None
         self.raise_reported()
         wait = self.timeout if patient else min(QUICK, self.timeout)
@@ -319,6 +317,13 @@ class Rendezvous:
         if crashed:
             raise self._gone(crashed, "its connection closed: killed or crashed")
 
+    def lose_contact(self, reason: str, suspect: int | None = None) -> None:
+        """Say this node lost ``suspect`` or the exchange; drop its links (waiters see it)."""
+        self.report(reason, suspect, lost=True)
+        if self.group is not None:
+            with suppress(Exception):
+                self.group.abort()
+
     def lost(self, error: BaseException, suspect: int | None = None) -> PeerLost:
         """Turn a failed gloo or store operation into one line naming the node to blame.
 
@@ -328,10 +333,7 @@ class Rendezvous:
         lost their connection (killed, crashed) or stopped beating (hung, frozen)."""
         if isinstance(error, (StoreLost, PeerLost)):
             return PeerLost(str(error))  # node 0 itself: nobody else to ask
-        self.report(f"lost contact: {_first_line(error)}", suspect, lost=True)
-        if self.group is not None:  # drop our links now: nodes waiting on us see it at once
-            with suppress(Exception):
-                self.group.abort()
+        self.lose_contact(f"lost contact: {_first_line(error)}", suspect)
         quick = min(QUICK, self.timeout)
         deadline = time.monotonic() + 3 * HEARTBEAT
         try:
