@@ -777,11 +777,11 @@ def test_sigterm_mid_exchange_dies_of_it_at_once_and_the_others_name_that_node(c
 
 @pytest.mark.root
 def test_a_second_node_1_arriving_mid_exchange_makes_every_node_refuse_naming_it(cluster) -> None:
-    """A fifth process of the same job started as node 1 of 4 while the four move pieces:
-    node 0's store refuses it and poisons the job; the nodes waiting on gloo see that at
-    their next watch (--timeout 300 here, beyond the test's patience), so every node and the
-    intruder exit 2 with one line naming the duplicate, none aborted (rc 134) by the gloo wait
-    it leaves, and nothing is published."""
+    """A fifth process of the same job started as node 1 of 4 while the nodes move pieces
+    and node 3 is frozen: node 0's store refuses it and poisons the job; nodes 0 to 2, held
+    up in gloo waits by node 3, see that at their watch (--timeout 300 here, beyond the
+    test's patience), so they and the intruder exit 2 with one line naming the duplicate,
+    none aborted (rc 134) by the gloo wait it leaves, and nothing is published."""
     body = (
         "$STAGE --timeout 300 >/dev/null; echo rc=$?; "
         f"test -e {cluster.dest}/data && echo published; true"
@@ -789,12 +789,18 @@ def test_a_second_node_1_arriving_mid_exchange_makes_every_node_refuse_naming_it
     slow = {"SHMSTAGE_TEST_SLOW_COPY": "0.3"}
     nodes = cluster.start(body, env=slow, args="--inflight 8M")
     _when_writing(cluster, nodes[2])
-    others = {r: "exit 0; " for r in (0, 2, 3)}
-    intruder = cluster.start(
-        body, per_node=others, port=cluster.port, env=slow, args="--inflight 8M"
-    )
-    results = _wait_all([*nodes, intruder[1]], timeout=100)
-    _wait_all(intruder)
+    frozen = _shmstage_of(nodes[3])
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        time.sleep(3)  # the others write what they hold, then wait on gloo for node 3
+        others = {r: "exit 0; " for r in (0, 2, 3)}
+        intruder = cluster.start(
+            body, per_node=others, port=cluster.port, env=slow, args="--inflight 8M"
+        )
+        results = _wait_all([*nodes[:3], intruder[1]], timeout=100)
+        _wait_all(intruder)
+    finally:
+        os.kill(frozen, signal.SIGKILL)
     for rank, (_, out, err) in enumerate(results):
         assert out == "rc=2\n", (rank, out, err)
         assert "two nodes started as node 1 of 4" in _one_line(err), (rank, err)

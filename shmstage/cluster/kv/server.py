@@ -109,11 +109,13 @@ class Server:
         with self.lock:
             if self.poison is not None:
                 # Refused: a node that has not come yet must still read why (instead of
-                # waiting --timeout for a node 0 that is gone, then blaming it).
+                # waiting --timeout for a node 0 that is gone, then blaming it); one that
+                # came and stopped beating (frozen) cannot read it until it wakes.
                 return all(
                     r in self.told
                     or r in self.bye
                     or (r in self.claimed and r not in self.connected)
+                    or (r in self.beat and now - self.beat[r] > STALE)
                     for r in range(1, self.nodes)
                 )
             return all(
@@ -197,8 +199,8 @@ class Server:
                     f"--nodes {nodes}, node 0 with --nodes {self.nodes}; start every node "
                     "with the same --nodes; this node publishes nothing"
                 )
-                if isinstance(rank, int):
-                    self.told.add(rank)
+                if isinstance(rank, int) and rank not in self.claimed:
+                    self.told.add(rank)  # (a node of this job holding that rank is not told)
                 return {"error": "poison", "poison": self.poison}, None
             if not hello.get("main"):
                 return {"ok": True}, None
@@ -209,8 +211,7 @@ class Server:
                     f"two nodes started as node {rank} of {self.nodes} ({self.claimed[rank]} "
                     f"and {addr[0]}): give every node its own --node-rank, and every job its "
                     "own --rendezvous port; this node publishes nothing"
-                )
-                self.told.add(rank)
+                )  # the node that holds the rank is told when it next asks (told: by rank)
                 return {"error": "poison", "poison": self.poison}, None
             self.claimed[rank] = str(addr[0])
             self.connected.add(rank)
