@@ -91,7 +91,7 @@ def test_cat_reads_without_writing(tmp_path: Path) -> None:
 
 
 def test_cat_reads_a_few_big_files_in_parallel() -> None:
-    """The read limit reads with every job it has: 4 shards are 4 cats at once (64 files per
+    """Parallel cat reads with every job it has: 4 shards are 4 cats at once (64 files per
     cat made it one cat reading them one by one, a limit lower than the disk's)."""
     assert bench.cat_batch(4, 8) == 1
     assert bench.cat_batch(20, 8) == 3  # 7 cats

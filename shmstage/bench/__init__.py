@@ -1,5 +1,5 @@
 """Benchmarks as a library, so ``benchmarks/*.py`` and ``shmstage bench`` share one implementation.
 
-``shmstage.bench.stage``: staging speed of ``shmstage stage`` against cp/rsync/tar and the read limit.
+``shmstage.bench.stage``: staging speed of ``shmstage stage`` against cp/rsync/tar and parallel cat.
 ``shmstage.bench.loader``: DataLoader settings on staged data.
 """

@@ -274,7 +274,7 @@ def _render_stage(result) -> None:  # noqa: ANN001 (StageBenchResult)
     default="cp,rsync,shmstage",
     show_default=True,
     callback=_tool_list,
-    help="Comma-separated tools to compare: cp, rsync, tar, cat (the read limit), shmstage; "
+    help="Comma-separated tools to compare: cp, rsync, tar, cat (reads only), shmstage; "
     "for an s3:// SRC: s5cmd, aws, shmstage (the default there: all three).",
 )
 @click.option(
