@@ -19,7 +19,7 @@ from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
-from shmstage.cluster.kv import Client, Mismatch, Server, StoreLost, StoreTimeout, gloo_store
+from shmstage.cluster.kv import Client, Server, StoreLost, StoreTimeout, gloo_store
 from shmstage.errors import ShmstageError
 
 HEARTBEAT = 1.0  # seconds: a node whose count stands still this long is dead or hung
@@ -394,8 +394,7 @@ class Rendezvous:
             return
         try:
             while not self.beating.wait(HEARTBEAT / 2):
-                with suppress(Mismatch):  # the beat counts; the main thread reads why itself
-                    store.add(f"hb/{self.rank}", 1)
+                store.add(f"hb/{self.rank}", 1)
         except Exception:  # noqa: BLE001 - likewise
             return
         finally:
@@ -409,8 +408,7 @@ class Rendezvous:
         ``failed``: the stage failed (a broken group is left to the exit: shutting it down
         can wait for its timeout).  ``own``: for a reason of this node's own (a signal, an
         error); mid-exchange the others wait on gloo links that break only when this
-        process exits: then node 0 exits at once, and the others name it (a job refused,
-        the store's poison: they read why at their next watch, so node 0 waits)."""
+        process exits: then node 0 exits at once, and the others name it."""
         self.beating.set()
         exchanging = self.group is not None
         if exchanging and not failed:
@@ -426,9 +424,13 @@ class Rendezvous:
             # refused: the nodes still to come are told why, up to --timeout; published: a
             # node frozen between its ack and reading the decision learns it when it wakes
             # (up to --timeout: else it fails while the others published)
-            patient, poisoned = not failed, self.server.poison is not None
-            wait = self.timeout if poisoned or patient else min(self.timeout, 30.0)
-            if own and exchanging and not poisoned:
+            patient = not failed
+            wait = (
+                self.timeout
+                if self.server.poison is not None or patient
+                else min(self.timeout, 30.0)
+            )
+            if own and exchanging:
                 wait = 0.0
             deadline = time.monotonic() + wait
             while not self.server.settled(patient) and time.monotonic() < deadline:

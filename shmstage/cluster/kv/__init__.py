@@ -7,7 +7,8 @@ server (waiting is the client's polling), so a socket timeout of ``timeout`` sec
 deadline on every call.  The first request of a connection says who connects (job, node
 count, rank): a node of another job or with another ``--nodes`` is refused at once, and a
 rank claimed twice or a count that differs makes every node of the job fail with that
-line instead of some publishing and others timing out.
+line instead of some publishing and others timing out - until the job has formed
+(``FORMED``): a node that comes after is refused alone, and the job goes on.
 
 Frames: 4-byte big-endian length, then a JSON object; values travel base64-encoded.
 
@@ -18,6 +19,7 @@ Parts: ``wire`` (frames, limits, errors), ``server`` (node 0), ``client`` (every
 from shmstage.cluster.kv.client import Client, gloo_store
 from shmstage.cluster.kv.server import Server, listen
 from shmstage.cluster.kv.wire import (
+    FORMED,
     HELLO_MAX,
     HELLO_WITHIN,
     PENDING,
@@ -31,6 +33,7 @@ from shmstage.cluster.kv.wire import (
 )
 
 __all__ = [
+    "FORMED",
     "HELLO_MAX",
     "HELLO_WITHIN",
     "PENDING",

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from shmstage.cluster.kv.wire import (
+    FORMED,
     HELLO_MAX,
     HELLO_WITHIN,
     PENDING,
@@ -109,13 +110,11 @@ class Server:
         with self.lock:
             if self.poison is not None:
                 # Refused: a node that has not come yet must still read why (instead of
-                # waiting --timeout for a node 0 that is gone, then blaming it); one that
-                # came and stopped beating (frozen) cannot read it until it wakes.
+                # waiting --timeout for a node 0 that is gone, then blaming it).
                 return all(
                     r in self.told
                     or r in self.bye
                     or (r in self.claimed and r not in self.connected)
-                    or (r in self.beat and now - self.beat[r] > STALE)
                     for r in range(1, self.nodes)
                 )
             return all(
@@ -193,6 +192,9 @@ class Server:
                 # another job's node (or none that says which): refuse it, and leave this
                 # job alone - its failure reports and --nodes are not this job's
                 return {"error": "job", "job": self.job}, None
+            formed = FORMED in self.data  # the job's nodes are fixed: a newcomer goes alone
+            if formed and nodes != self.nodes:
+                return {"error": "poison", "poison": self._late(nodes, rank)}, None
             if nodes != self.nodes:
                 self.poison = (
                     f"the nodes were started with different --nodes: node {rank} with "
@@ -206,6 +208,8 @@ class Server:
                 return {"ok": True}, None
             if not isinstance(rank, int) or not 0 <= rank < self.nodes:
                 return {"error": "poison", "poison": f"invalid rank {rank!r}"}, None
+            if formed and rank in self.claimed:
+                return {"error": "poison", "poison": self._late(nodes, rank)}, None
             if rank in self.claimed:
                 self.poison = (
                     f"two nodes started as node {rank} of {self.nodes} ({self.claimed[rank]} "
@@ -219,6 +223,21 @@ class Server:
             if self.poison is not None:
                 self.told.add(rank)
         return {"ok": True, "poison": self.poison}, rank
+
+    def _late(self, nodes: Any, rank: Any) -> str:
+        """Why a node that comes after the job formed is refused (alone: the job goes on)."""
+        if nodes != self.nodes:
+            who = f"this job started with all its {self.nodes} nodes (--nodes {self.nodes})"
+            fix = "every node of a job the same --nodes"
+        else:
+            who = (
+                f"node {rank} of {self.nodes} of this job is already running ({self.claimed[rank]})"
+            )
+            fix = "every node its own --node-rank"
+        return (
+            f"{who}: this node is not part of it and publishes nothing (the job goes on); "
+            f"give every job its own --rendezvous port and {fix}"
+        )
 
     def _handle(self, req: dict[str, Any], rank: int | None = None) -> dict[str, Any]:
         op = req.get("op")

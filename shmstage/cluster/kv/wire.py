@@ -28,6 +28,11 @@ PENDING = 64
 # A secret every node of the job shares (optional): without it, whoever reaches node 0's
 # port can pose as a node of the job (docs/cluster-staging.md, "Trust").
 TOKEN_ENV = "SHMSTAGE_RENDEZVOUS_TOKEN"
+# Set by every node once the first agreement has gathered every node's view: the job's
+# members are fixed, so a node that comes after (a rank claimed again, another --nodes) is
+# refused alone and the job goes on; before it, which of two claims is right is unknown,
+# so every node of the job fails (the poison).
+FORMED = "job/formed"
 
 
 def proof(job: str | None) -> str:
