@@ -781,7 +781,9 @@ def test_a_node_arriving_once_the_job_started_is_refused_alone_and_the_job_publi
 ) -> None:
     """While the four nodes move pieces, a fifth process of the same job starts as node 1 of
     4, and a sixth as node 2 with --nodes 3: each exits 2 with one line saying the job
-    already runs without it, and the job goes on and publishes on all four nodes (before,
+    already runs without it; a seventh, node 3, fails before joining (its DEST holds
+    another dataset), and its failure report is refused, not read by the job; the job goes
+    on and publishes on all four nodes (before,
     the newcomer poisoned the running job: every node failed, some blaming node 0, and one
     that arrived after node 0's commit split the publish)."""
     body = (
@@ -789,14 +791,22 @@ def test_a_node_arriving_once_the_job_started_is_refused_alone_and_the_job_publi
         f"test -e {cluster.dest}/data && echo published; true"
     )
     slow = {"SHMSTAGE_TEST_SLOW_COPY": "0.3"}
-    nodes = cluster.start(body, env=slow, args="--inflight 8M")
+    slower = {3: "export SHMSTAGE_TEST_SLOW_COPY=2; "}  # the others wait for it, watching
+    nodes = cluster.start(body, env=slow, args="--inflight 8M", per_node=slower)
     _when_writing(cluster, nodes[2])
-    late = {0: "exit 0; ", 1: "", 2: 'EXTRA="--nodes 3"; ', 3: "exit 0; "}
+    other = cluster.base / "other"  # node 3's newcomer fails before joining: its DEST
+    other.mkdir()  # holds another dataset named data; its failure report is not the job's
+    (other / "f").write_text("x")
+    exe = shutil.which("shmstage", path=os.path.dirname(sys.executable)) or "shmstage"
+    holds = f"{exe} stage {other} --name data --dest {cluster.dest} --reserve 0 -q >/dev/null; "
+    late = {0: "exit 0; ", 1: "", 2: 'EXTRA="--nodes 3"; ', 3: holds}
     newcomers = cluster.start(body, per_node=late, port=cluster.port, args="--inflight 8M")
-    refused = _wait_all(newcomers[1:3], timeout=100)
-    _wait_all(newcomers)
+    refused = _wait_all(newcomers[1:], timeout=100)
+    _wait_all(newcomers[:1])
     assert all(p.poll() is None for p in nodes), "a newcomer stopped the running job"
-    for rank, (_, out, err) in zip((1, 2), refused):
+    assert refused[2][1].startswith("rc=2\n"), refused[2]  # (then its own, other data)
+    assert "already holds" in _one_line(refused[2][2]), refused[2]
+    for rank, (_, out, err) in zip((1, 2), refused[:2]):
         assert out == "rc=2\n", (rank, out, err)
         line = _one_line(err)
         assert "this node is not part of it" in line and "the job goes on" in line, line

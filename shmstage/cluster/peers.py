@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from shmstage.cluster.exchange import SLOTS, Ring
-from shmstage.cluster.kv import FORMED, Mismatch, StoreLost
+from shmstage.cluster.kv import Mismatch, StoreLost
 from shmstage.cluster.plan import make_plan, piece_size
 from shmstage.cluster.rendezvous import PeerLost, Rendezvous
 from shmstage.cluster.targets import Target, give_owner, unreadable, verify_written
@@ -122,9 +122,7 @@ class Peers:
             "current": current,
             "piece": piece_size(self.spec.inflight, SLOTS),
         }
-        views = self.rv.allgather_json("tree", mine)
-        assert self.rv.store is not None  # every node's view is in: the job's nodes are fixed,
-        self.rv.store.set(FORMED, b"1")  # so a node that comes now is refused alone (kv.FORMED)
+        views = self.rv.allgather_json("tree", mine)  # then the job's nodes are fixed
         self.piece = views[0]["piece"]  # node 0's: every node must cut the same pieces
         if any(v["digest"] != views[0]["digest"] for v in views):
             self._refuse(entries, views)

@@ -19,7 +19,8 @@ from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
-from shmstage.cluster.kv import Client, Server, StoreLost, StoreTimeout, gloo_store
+from shmstage.cluster.kv import FORMED, Client, Server, StoreLost, StoreTimeout, gloo_store
+from shmstage.cluster.waits import first_line
 from shmstage.errors import ShmstageError
 
 HEARTBEAT = 1.0  # seconds: a node whose count stands still this long is dead or hung
@@ -171,6 +172,7 @@ class Rendezvous:
                         f"(while agreeing on {what}); nothing was published, re-run to resume "
                         "(raise --timeout if a node is only slow)"
                     ) from None
+            store.set(FORMED, b"1")  # every node joined: the job's nodes are fixed (kv.FORMED)
             return [store.get(k) for k in keys]
         except StoreLost as e:
             raise PeerLost(str(e)) from None
@@ -275,7 +277,7 @@ class Rendezvous:
             elif self.job is not None:  # failed before joining: say why, without joining now
                 # as this job's node: node 0 of another job ignores it (kv.Server._hello)
                 once = Client(self.host, self.port, self.nodes, self.rank, self.job, quick,
-                              main=False, ports=self.ports)  # fmt: skip
+                              main=False, ports=self.ports, unjoined=True)  # fmt: skip
                 try:
                     once.set(f"fail/{self.rank}", blob, quick)
                 finally:
@@ -333,7 +335,7 @@ class Rendezvous:
         lost their connection (killed, crashed) or stopped beating (hung, frozen)."""
         if isinstance(error, (StoreLost, PeerLost)):
             return PeerLost(str(error))  # node 0 itself: nobody else to ask
-        self.lose_contact(f"lost contact: {_first_line(error)}", suspect)
+        self.lose_contact(f"lost contact: {first_line(error)}", suspect)
         quick = min(QUICK, self.timeout)
         deadline = time.monotonic() + 3 * HEARTBEAT
         try:
@@ -369,7 +371,7 @@ class Rendezvous:
         if hung:
             return self._gone(hung, f"no sign of life for {2 * HEARTBEAT:g} s: hung or frozen")
         return PeerLost(
-            f"the exchange failed: {_first_line(error)}; nothing was published, re-run to resume"
+            f"the exchange failed: {first_line(error)}; nothing was published, re-run to resume"
         )
 
     def _gone(self, ranks: list[int], why: str) -> PeerLost:
@@ -443,8 +445,3 @@ def _ranks(ranks: list[int], nodes: int) -> str:
     if len(ranks) == 1:
         return f"node {ranks[0]} of {nodes}"
     return "nodes " + ", ".join(map(str, ranks)) + f" of {nodes}"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

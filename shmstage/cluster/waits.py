@@ -4,6 +4,7 @@ thread in short slices, and raises ``LinkLost`` (naming the peer) when the opera
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,3 +66,11 @@ def wait_work(
         raise
     if box:
         raise LinkLost(box[0], peer)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error, without gloo's source location (``[.../pair.cc:553] ``)
+    and sign-off (``GLHF!``): one line a user reads, not C++ internals."""
+    text = str(e).strip().splitlines()
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text[0]) if text else ""
+    return line.split(" GLHF")[0].strip().rstrip(":") or type(e).__name__

@@ -40,9 +40,11 @@ class Client:
         timeout: float,
         main: bool = True,
         ports: int = 1,
+        unjoined: bool = False,
     ) -> None:
         self.host, self.port, self.nodes, self.rank = host, port, nodes, rank
         self.job, self.timeout, self.main = job, timeout, main
+        self.unjoined = unjoined  # a node that never joined, saying why it stops (no rank)
         self.ports = ports  # >1: node 0 listens on one of port .. port + ports - 1
         self.lock = threading.Lock()
         self.unread = False
@@ -120,7 +122,7 @@ class Client:
         # probing: a listener that does not answer a hello at once is not this job's node 0
         sock.settimeout(max(0.001, min(left, 1.0) if probing else left))
         hello = {"op": "hello", "job": self.job, "nodes": self.nodes, "rank": self.rank,
-                 "main": self.main, "proof": proof(self.job)}  # fmt: skip
+                 "main": self.main, "unjoined": self.unjoined, "proof": proof(self.job)}  # fmt: skip
         try:
             send_frame(sock, hello)
             answer = recv_frame(sock)

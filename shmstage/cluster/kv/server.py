@@ -205,6 +205,8 @@ class Server:
                     self.told.add(rank)  # (a node of this job holding that rank is not told)
                 return {"error": "poison", "poison": self.poison}, None
             if not hello.get("main"):
+                if formed and hello.get("unjoined"):  # its failure report is not this job's
+                    return {"error": "poison", "poison": self._late(nodes, rank)}, None
                 return {"ok": True}, None
             if not isinstance(rank, int) or not 0 <= rank < self.nodes:
                 return {"error": "poison", "poison": f"invalid rank {rank!r}"}, None
@@ -230,9 +232,8 @@ class Server:
             who = f"this job started with all its {self.nodes} nodes (--nodes {self.nodes})"
             fix = "every node of a job the same --nodes"
         else:
-            who = (
-                f"node {rank} of {self.nodes} of this job is already running ({self.claimed[rank]})"
-            )
+            at = self.claimed.get(rank, "another host") if isinstance(rank, int) else "?"
+            who = f"node {rank} of {self.nodes} of this job is already running ({at})"
             fix = "every node its own --node-rank"
         return (
             f"{who}: this node is not part of it and publishes nothing (the job goes on); "
