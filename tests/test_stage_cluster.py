@@ -56,6 +56,22 @@ def test_plan_shares_are_equal_bytes_and_cover_every_byte_once() -> None:
     assert len(owners) > 1  # a big file is read by several nodes
 
 
+def test_a_gloo_error_becomes_a_line_without_its_source_location_or_sign_off() -> None:
+    from shmstage.cluster.waits import first_line
+
+    loc = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
+    assert first_line(RuntimeError(loc + "Connection closed by peer [1.2.3.4]:5")) == (
+        "Connection closed by peer [1.2.3.4]:5"
+    )
+    assert first_line(RuntimeError(f"Gloo connectFullMesh failed with {loc}timed out")) == (
+        "Gloo connectFullMesh failed with timed out"
+    )
+    assert first_line(RuntimeError(loc + "Read error [1.2.3.4]:5: GLHF! x\nmore")) == (
+        "Read error [1.2.3.4]:5"
+    )
+    assert first_line(RuntimeError("")) == "RuntimeError"
+
+
 def test_resolve_defaults_from_slurm_and_refuses_what_is_missing() -> None:
     """--nodes 1 / unset is today's single-node path; Slurm fills in the rank and the host."""
     assert resolve(None, None, None, environ={}) is None

@@ -72,5 +72,5 @@ def first_line(e: BaseException) -> str:
     """The first line of an error, without gloo's source location (``[.../pair.cc:553] ``)
     and sign-off (``GLHF!``): one line a user reads, not C++ internals."""
     text = str(e).strip().splitlines()
-    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text[0]) if text else ""
+    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text[0]) if text else ""
     return line.split(" GLHF")[0].strip().rstrip(":") or type(e).__name__
