@@ -799,9 +799,9 @@ def test_a_node_arriving_once_the_job_started_is_refused_alone_and_the_job_publi
     4, and a sixth as node 2 with --nodes 3: each exits 2 with one line saying the job
     already runs without it; a seventh, node 3, fails before joining (its DEST holds
     another dataset), and its failure report is refused, not read by the job; the job goes
-    on and publishes on all four nodes (before,
-    the newcomer poisoned the running job: every node failed, some blaming node 0, and one
-    that arrived after node 0's commit split the publish)."""
+    on and publishes on all four nodes (before, the newcomer poisoned the running job: every
+    node failed, some blaming node 0, and one that arrived after node 0's commit split the
+    publish)."""
     body = (
         "$STAGE $EXTRA --timeout 300 >/dev/null; echo rc=$?; "
         f"test -e {cluster.dest}/data && echo published; true"

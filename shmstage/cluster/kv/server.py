@@ -192,8 +192,9 @@ class Server:
                 # another job's node (or none that says which): refuse it, and leave this
                 # job alone - its failure reports and --nodes are not this job's
                 return {"error": "job", "job": self.job}, None
-            formed = FORMED in self.data  # the job's nodes are fixed: a newcomer goes alone
-            if formed and nodes != self.nodes:
+            main, held = hello.get("main"), isinstance(rank, int) and rank in self.claimed
+            newcomer = nodes != self.nodes or (held if main else hello.get("unjoined"))
+            if FORMED in self.data and newcomer:  # the job's nodes are fixed: it goes alone
                 return {"error": "poison", "poison": self._late(nodes, rank)}, None
             if nodes != self.nodes:
                 self.poison = (
@@ -204,15 +205,11 @@ class Server:
                 if isinstance(rank, int) and rank not in self.claimed:
                     self.told.add(rank)  # (a node of this job holding that rank is not told)
                 return {"error": "poison", "poison": self.poison}, None
-            if not hello.get("main"):
-                if formed and hello.get("unjoined"):  # its failure report is not this job's
-                    return {"error": "poison", "poison": self._late(nodes, rank)}, None
+            if not main:
                 return {"ok": True}, None
             if not isinstance(rank, int) or not 0 <= rank < self.nodes:
                 return {"error": "poison", "poison": f"invalid rank {rank!r}"}, None
-            if formed and rank in self.claimed:
-                return {"error": "poison", "poison": self._late(nodes, rank)}, None
-            if rank in self.claimed:
+            if held:
                 self.poison = (
                     f"two nodes started as node {rank} of {self.nodes} ({self.claimed[rank]} "
                     f"and {addr[0]}): give every node its own --node-rank, and every job its "
